@@ -1,0 +1,202 @@
+"""The engine's step loop: schedule -> execute -> update.
+
+`add_request` validates everything about a request before it enters the queues, so a bad
+request raises `ValueError` (naming the field and the limit) and the running ones are
+untouched. `step` runs one batch and returns an output for every request that produced a token
+or finished. Not thread-safe: one thread owns an EngineCore (the services run it in their own
+engine thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from engine import env
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.block_manager import BlockManager
+from engine.loader import check_model_folder
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig):
+        torch.set_num_threads(cfg.num_threads or env.num_threads() or env.available_cores())
+        folder = check_model_folder(cfg.model)
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_pretrained(folder)
+        self.tokenizer = Tokenizer(folder)
+        max_pos = self.model_cfg.max_position_embeddings
+        if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
+            raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})")
+        self.max_model_len = cfg.max_model_len or max_pos
+        eos = [*self.model_cfg.eos_token_ids, *_generation_eos(folder)]
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+
+        per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        self.num_kv_blocks = cfg.num_kv_blocks or max(1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block)))
+        self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids)
+        self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_count = 0
+        torch.manual_seed(cfg.seed)
+        logger.info(
+            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_cfg.architecture, cfg.dtype, self.num_kv_blocks, cfg.block_size, self.max_model_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; changes nothing."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_cfg.vocab_size
+        for i, tok in enumerate(prompt_token_ids):
+            if not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab})")
+        params.validate(vocab)
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len ({self.max_model_len})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        blocks = -(-(n + params.max_tokens) // self.cfg.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks, more than num_kv_blocks ({self.num_kv_blocks})"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        self.requests[request_id] = req
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer.tokenizer, req.prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            logger.exception(
+                "step %d failed; batch: %s",
+                self.step_count,
+                [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled],
+            )
+            raise
+        self.step_count += 1
+        now = time.monotonic()
+        outputs = []
+        for item in sched.scheduled:
+            req = item.request
+            req.num_computed_tokens += item.num_new_tokens
+            if req.request_id in result.prompt_logprobs:
+                req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.append_token(token)
+            if req.request_id in result.logprobs:
+                req.logprobs.append(result.logprobs[req.request_id])
+            detok = self.detokenizers[req.request_id].step([token])
+            status = self._check_stop(req, token, detok.stop_matched)
+            new_text = detok.text
+            if status is not None:
+                self.scheduler.finish(req, status)
+                if detok.stop_matched is None:
+                    new_text += self.detokenizers[req.request_id].finish()
+                outputs.append(self._finalize(req, [token], new_text))
+            else:
+                outputs.append(self._output(req, [token], new_text))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int, stop_string: str | None) -> RequestStatus | None:
+        params = req.params
+        if stop_string is not None:
+            req.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str, finished: bool = False) -> RequestOutput:
+        status = req.status
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=self.detokenizers[req.request_id].text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            logprobs=req.logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            finished=finished,
+            finish_reason=status.value if finished else None,
+            stop_reason=req.stop_reason,
+            metrics=req.metrics,
+        )
+
+    def _finalize(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
+        out = self._output(req, new_ids, new_text, finished=True)
+        del self.requests[req.request_id]
+        del self.detokenizers[req.request_id]
+        return out

@@ -1,0 +1,23 @@
+"""Every environment variable pdserve reads, in one place, read when asked (never at import)."""
+
+from __future__ import annotations
+
+import os
+
+
+def num_threads() -> int | None:
+    """PDSERVE_NUM_THREADS: torch CPU threads for the engine (default: the cores this process may use)."""
+    value = os.environ.get("PDSERVE_NUM_THREADS")
+    return int(value) if value else None
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def model_cache_dir() -> str:
+    """PDSERVE_MODEL_DIR: where `make run` and the CLI keep the models they build (default ./models)."""
+    return os.environ.get("PDSERVE_MODEL_DIR", "models")

@@ -1,0 +1,84 @@
+"""Maps requests onto KV-cache blocks: allocation, prefix-cache hits, freeing.
+
+A request's blocks cover its first `num_computed_tokens + num_new_tokens` tokens. Full blocks are
+registered in the prefix cache under their chained hash (see hashing.py) when they are allocated
+for computation, so a request arriving later with the same prefix reuses them instead of
+recomputing. A cache hit never covers a request's last token: at least one token must run through
+the model to produce logits.
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache.block_pool import Block, BlockPool
+from engine.kv_cache.hashing import hash_block
+from engine.request import Request
+
+
+class BlockManager:
+    """Not thread-safe: only the engine's step loop may call it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend req.block_hashes to cover the full blocks among the first num_tokens tokens."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_tokens // bs):
+            parent = req.block_hashes[i - 1] if i else b""
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of a request that holds no blocks yet -> (blocks, tokens they cover)."""
+        assert not req.block_ids, "prefix lookup is for requests that hold no blocks"
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need logits at every prompt position
+        self._update_hashes(req, req.num_tokens - 1)
+        hits: list[Block] = []
+        for block_hash in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens (after any prefix hits). False, and nothing
+        changed, when the free blocks don't suffice."""
+        computed = computed or []
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
+        needed = self.blocks_needed(total) - len(req.block_ids) - len(computed)
+        reusable_free = sum(1 for b in computed if b.ref_count == 0)  # hits sitting in the free queue
+        if needed > self.pool.num_free_blocks - reusable_free:
+            return False
+        self.pool.touch(computed)
+        req.block_ids.extend(b.block_id for b in computed)
+        req.block_ids.extend(b.block_id for b in self.pool.allocate(max(needed, 0)))
+        if self.enable_prefix_caching:
+            self._update_hashes(req, total)
+            for i in range(num_computed // self.block_size, total // self.block_size):
+                self.pool.cache_full_block(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+        return True
+
+    def free(self, req: Request) -> None:
+        """Release a request's blocks, tail first, so its prefix blocks are evicted last."""
+        self.pool.free([self.pool.blocks[b] for b in reversed(req.block_ids)])
+        req.block_ids = []

@@ -1,0 +1,92 @@
+"""KV-cache blocks: reference counts, a free queue with LRU eviction, and the prefix-cache index.
+
+A block is owned by the requests that reference it (ref_count > 0). A full block may also carry
+a content hash; it then stays findable in the index after its last owner frees it, until the
+allocator reuses it. The free queue is ordered: blocks are taken from its head, freed blocks go
+to its tail, so the least recently freed cached block is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    """Set once the block is full and registered in the prefix-cache index."""
+
+
+class BlockPool:
+    """Not thread-safe: only the engine's step loop may call it."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        block_id = self.cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take n blocks from the head of the free queue, evicting their cached contents."""
+        assert n <= self.num_free_blocks, "caller must check num_free_blocks first"
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Add a reference to prefix-cache hits (taking free ones out of the free queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        """Drop one reference each; blocks reaching zero go to the free queue's tail in the given order."""
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} freed more often than referenced"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+
+    def cache_full_block(self, block: Block, block_hash: bytes) -> None:
+        """Register a block whose tokens are all known under its chained hash (first writer wins)."""
+        if not self.enable_prefix_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0 and block.block_hash is not None:
+                block.block_hash = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}

@@ -1,0 +1,421 @@
+"""Deterministic builder of the project's default models: random DeepSeek-V3 checkpoints in HF format.
+
+`make_model("tiny", dir)` writes config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json and generation_config.json. Weights are seeded random numbers drawn in
+float32 in a fixed order and cast to bfloat16, under the tensor names of a real DeepSeek-V3
+checkpoint (per-expert `mlp.experts.{e}.gate_proj.weight`, as on the Hub). The same preset, builder
+version and package versions give byte-identical files, so a folder can be reused across runs:
+config.json carries a fingerprint, and a folder whose fingerprint matches is returned as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+from safetensors.torch import save_file
+
+from engine.bpe_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
+
+__all__ = ["PRESETS", "ModelPreset", "make_model", "train_tokenizer", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN"]
+
+logger = logging.getLogger(__name__)
+
+BUILDER_VERSION = 1
+"""Bump when the recipe (init scales, config fields, tokenizer) changes, so old folders are rebuilt."""
+
+OUTPUT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+FINGERPRINT_KEY = "pdserve_build_fingerprint"
+PRESET_KEY = "pdserve_preset"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape and seed of one default model; field names follow DeepseekV3Config."""
+
+    vocab_size: int
+    """Tokenizer size the BPE trainer is asked for; also the embedding rows."""
+    hidden_size: int
+    """Residual stream width."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    first_k_dense_replace: int
+    """The first k layers use a dense MLP; the rest are MoE."""
+    num_attention_heads: int
+    """Attention heads (MLA: all heads share one compressed KV latent)."""
+    q_lora_rank: int | None
+    """Rank of the query down-projection; None means a full q_proj."""
+    kv_lora_rank: int
+    """Width of the compressed KV latent that is cached."""
+    qk_nope_head_dim: int
+    """Per-head query/key dims without rotary embedding."""
+    qk_rope_head_dim: int
+    """Per-head query/key dims with rotary embedding (the key part is shared by all heads)."""
+    v_head_dim: int
+    """Per-head value dims."""
+    n_routed_experts: int
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int
+    """Experts each token is routed to."""
+    n_group: int
+    """Expert groups for group-limited routing."""
+    topk_group: int
+    """Groups a token may pick experts from."""
+    n_shared_experts: int
+    """Always-on experts per MoE layer (fused into one MLP of n_shared * moe_intermediate_size)."""
+    moe_intermediate_size: int
+    """Hidden width of each expert."""
+    intermediate_size: int
+    """Hidden width of the dense MLP layers."""
+    max_position_embeddings: int
+    """Longest context; also the tokenizer's model_max_length."""
+    yarn_factor: float = 4.0
+    """YaRN context extension factor."""
+    yarn_original_max_position_embeddings: int = 1024
+    """Context length before YaRN extension."""
+    rope_theta: float = 10000.0
+    """RoPE base, DeepSeek-V3's value."""
+    norm_topk_prob: bool = True
+    """Renormalize the chosen experts' sigmoid scores to sum to 1."""
+    routed_scaling_factor: float = 2.5
+    """Multiplier on the routed experts' weights, DeepSeek-V3's value."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    dtype: str = "bfloat16"
+    """Storage dtype of every tensor except e_score_correction_bias (float32, as in V3)."""
+    seed: int = 0
+    """Seed of the torch.Generator that draws all weights."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # The default model: small enough that a forward pass on a 2-core CPU takes milliseconds.
+    "tiny": ModelPreset(
+        vocab_size=4096,
+        hidden_size=128,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        max_position_embeddings=4096,
+        seed=0,
+    ),
+    # Benchmark model (~137M parameters). The stdlib corpus reaches the full 32000-token vocabulary
+    # in a few seconds, so tokenizer and config agree on 32000.
+    "bench": ModelPreset(
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=8,
+        first_k_dense_replace=1,
+        num_attention_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        moe_intermediate_size=256,
+        intermediate_size=1024,
+        max_position_embeddings=4096,
+        seed=1,
+    ),
+}
+
+
+def hf_config(p: ModelPreset, fingerprint: str, preset_name: str) -> dict[str, Any]:
+    """config.json as transformers 4.x writes it for DeepSeek-V3 (rope_theta + rope_scaling spelling)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "dtype": p.dtype,
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_attention_heads,
+        "n_shared_experts": p.n_shared_experts,
+        "n_routed_experts": p.n_routed_experts,
+        "num_experts_per_tok": p.num_experts_per_tok,
+        "n_group": p.n_group,
+        "topk_group": p.topk_group,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": p.norm_topk_prob,
+        "routed_scaling_factor": p.routed_scaling_factor,
+        "first_k_dense_replace": p.first_k_dense_replace,
+        "moe_layer_freq": 1,
+        "q_lora_rank": p.q_lora_rank,
+        "kv_lora_rank": p.kv_lora_rank,
+        "qk_nope_head_dim": p.qk_nope_head_dim,
+        "qk_rope_head_dim": p.qk_rope_head_dim,
+        "v_head_dim": p.v_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rope_theta": p.rope_theta,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": p.yarn_factor,
+            "original_max_position_embeddings": p.yarn_original_max_position_embeddings,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rope_interleave": True,
+        "rms_norm_eps": p.rms_norm_eps,
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        PRESET_KEY: preset_name,
+        FINGERPRINT_KEY: fingerprint,
+    }
+
+
+def generation_config() -> dict[str, Any]:
+    """DeepSeek-V3's generation defaults (sampling at T=0.6, top_p=0.95) plus the pad id."""
+    return {
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+    }
+
+
+def weight_specs(p: ModelPreset) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """(name, shape, std) for every tensor, in the order they are drawn; std None marks a norm weight.
+
+    Linear weights get std 1/sqrt(fan_in) so each projection keeps activations O(1); the projections
+    that write into the residual stream (o_proj, down_proj) are further scaled by 1/sqrt(2 * layers)
+    so the stream stays dominated by no single layer.
+    """
+    h, heads = p.hidden_size, p.num_attention_heads
+    out_scale = 1.0 / math.sqrt(2 * p.num_hidden_layers)
+
+    def lin(name: str, out_f: int, in_f: int, scale: float = 1.0) -> tuple[str, tuple[int, ...], float]:
+        return name, (out_f, in_f), scale / math.sqrt(in_f)
+
+    def norm(name: str, n: int) -> tuple[str, tuple[int, ...], None]:
+        return name, (n,), None
+
+    def mlp(prefix: str, inter: int) -> list[tuple[str, tuple[int, ...], float | None]]:
+        return [
+            lin(f"{prefix}.gate_proj.weight", inter, h),
+            lin(f"{prefix}.up_proj.weight", inter, h),
+            lin(f"{prefix}.down_proj.weight", h, inter, out_scale),
+        ]
+
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [
+        ("model.embed_tokens.weight", (p.vocab_size, h), 1.0)
+    ]
+    for i in range(p.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        specs += [norm(f"{pre}.input_layernorm.weight", h), norm(f"{pre}.post_attention_layernorm.weight", h)]
+        a = f"{pre}.self_attn"
+        if p.q_lora_rank is None:
+            specs.append(lin(f"{a}.q_proj.weight", heads * p.qk_head_dim, h))
+        else:
+            specs += [
+                lin(f"{a}.q_a_proj.weight", p.q_lora_rank, h),
+                norm(f"{a}.q_a_layernorm.weight", p.q_lora_rank),
+                lin(f"{a}.q_b_proj.weight", heads * p.qk_head_dim, p.q_lora_rank),
+            ]
+        specs += [
+            lin(f"{a}.kv_a_proj_with_mqa.weight", p.kv_lora_rank + p.qk_rope_head_dim, h),
+            norm(f"{a}.kv_a_layernorm.weight", p.kv_lora_rank),
+            lin(f"{a}.kv_b_proj.weight", heads * (p.qk_nope_head_dim + p.v_head_dim), p.kv_lora_rank),
+            lin(f"{a}.o_proj.weight", h, heads * p.v_head_dim, out_scale),
+        ]
+        if i < p.first_k_dense_replace:
+            specs += mlp(f"{pre}.mlp", p.intermediate_size)
+            continue
+        specs += [
+            lin(f"{pre}.mlp.gate.weight", p.n_routed_experts, h),
+            (f"{pre}.mlp.gate.e_score_correction_bias", (p.n_routed_experts,), 0.02),
+        ]
+        for e in range(p.n_routed_experts):
+            specs += mlp(f"{pre}.mlp.experts.{e}", p.moe_intermediate_size)
+        specs += mlp(f"{pre}.mlp.shared_experts", p.moe_intermediate_size * p.n_shared_experts)
+    specs += [norm("model.norm.weight", h), lin("lm_head.weight", p.vocab_size, h)]
+    return specs
+
+
+def make_weights(p: ModelPreset) -> dict[str, torch.Tensor]:
+    """Draw every tensor in weight_specs order from one seeded generator, in float32, then cast."""
+    gen = torch.Generator(device="cpu").manual_seed(p.seed)
+    dtype = getattr(torch, p.dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape, std in weight_specs(p):
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if std is None:
+            x = 1.0 + 0.02 * x  # norm weights near 1, not exactly 1, so a kernel that ignores them fails
+        else:
+            x = x * std
+        # V3 keeps the routing bias in float32 (transformers pins it there too).
+        tensors[name] = x if name.endswith("e_score_correction_bias") else x.to(dtype)
+    return tensors
+
+
+def fingerprint(name: str) -> str:
+    """Hash of everything a build depends on: the preset, the recipe, and the versions that feed it."""
+    deps = {
+        "preset": name,
+        "fields": asdict(PRESETS[name]),
+        "builder": BUILDER_VERSION,
+        "python": platform.python_version(),  # the tokenizer corpus is this Python's stdlib
+        "torch": torch.__version__.split("+")[0],
+        "tokenizers": tokenizers.__version__,
+    }
+    return hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()
+
+
+def _read_config(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(folder: Path, name: str) -> bool:
+    """True if folder holds all output files of a build of this preset with the current fingerprint."""
+    cfg = _read_config(folder)
+    return (
+        cfg is not None
+        and cfg.get(FINGERPRINT_KEY) == fingerprint(name)
+        and all((folder / f).is_file() for f in OUTPUT_FILES)
+    )
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _build(name: str, folder: Path) -> None:
+    p = PRESETS[name]
+    tok = train_tokenizer(p.vocab_size)
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(p.max_position_embeddings))
+    _write_json(folder / "generation_config.json", generation_config())
+    save_file(make_weights(p), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # config.json last: it carries the fingerprint that marks the folder complete.
+    _write_json(folder / "config.json", hf_config(p, fingerprint(name), name))
+    # mkdtemp makes the folder 0700 and safetensors writes 0600; give the usual umask modes so a
+    # server running as another user can read the model.
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in OUTPUT_FILES:
+        (folder / f).chmod(0o666 & ~umask)
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to delete anything but an empty folder or an earlier pdserve build."""
+    if not out.exists():
+        return
+    cfg = _read_config(out)
+    if not out.is_dir() or not ((cfg is not None and PRESET_KEY in cfg) or not any(out.iterdir())):
+        raise ValueError(f"out_dir={out} exists and is not a pdserve model build; refusing to overwrite it")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished tmp folder to out, moving aside (then deleting) an old build there."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    _check_replaceable(out)
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, trash / out.name)
+    os.rename(tmp, out)
+    shutil.rmtree(trash)
+
+
+def make_model(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
+    """Build preset `name` into out_dir (HF format) unless a complete build is already there.
+
+    The build goes into a temporary folder beside out_dir that is renamed at the end, so out_dir is
+    never seen half-written. force=True rebuilds even over a complete build.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"name={name!r} is not a preset; choose one of {sorted(PRESETS)}")
+    out = Path(out_dir).absolute()
+    if not force and is_complete(out, name):
+        logger.info("reusing %s model at %s", name, out)
+        return out
+    _check_replaceable(out)  # fail before spending seconds on a build we could not install
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    start = time.perf_counter()
+    try:
+        _build(name, tmp)
+        try:
+            _replace(tmp, out)
+        except OSError:
+            # Another process may have finished the same build between our check and our rename.
+            if not is_complete(out, name):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+    logger.info("built %s model at %s in %.1fs", name, out, time.perf_counter() - start)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m engine.make_model tiny models/tiny [--force]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=sorted(PRESETS))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a complete build")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    make_model(args.name, args.out_dir, force=args.force)
+
+
+if __name__ == "__main__":
+    main()

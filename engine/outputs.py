@@ -1,0 +1,36 @@
+"""What the engine returns for a request: cumulative tokens and text, plus this step's delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """All generated token ids so far (a stop token is included, as it was generated)."""
+    text: str
+    """Detokenized output so far; never contains a matched stop string or broken UTF-8."""
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated since the previous output for this request."""
+    new_text: str = ""
+    """Text released since the previous output for this request."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token: token id -> logprob for the sampled token and the top-N."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Per prompt token (None for the first): the same, for the prompt."""
+    finished: bool = False
+    finish_reason: str | None = None
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len) or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if any."""
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens if self.metrics else 0

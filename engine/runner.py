@@ -1,0 +1,149 @@
+"""Turns a SchedulerOutput into flat tensors, runs the model and samples.
+
+Owns the model, the paged KV cache (one [num_blocks, block_size, L+R] tensor per layer) and the
+sampler. Decodes are placed first in the batch so the model can run them through the absorbed
+MLA path in one batched call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import ForwardBatch, PrefillSeq
+from engine.loader import load_weights
+from engine.models.registry import get_model_class
+from engine.sampler import Sampler, prompt_logprobs
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """request_id -> next token, for requests whose chunk reached their last token."""
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    """request_id -> logprobs of the sampled token and the top-N, when requested."""
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    """request_id -> logprobs of the prompt tokens this chunk predicted, in order."""
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: EngineConfig,
+        max_model_len: int,
+        num_kv_blocks: int,
+        eos_token_ids: tuple[int, ...],
+    ):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.block_size = cfg.block_size
+        model_cls = get_model_class(model_cfg.architecture)
+        with torch.device(self.device):
+            self.model = model_cls(model_cfg, dtype=cfg.torch_dtype, max_positions=max_model_len)
+        load_weights(self.model, model_cfg, cfg.model)
+        self.model.process_weights()
+        self.model.eval()
+        self.kv_caches = [
+            torch.zeros(num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=cfg.torch_dtype, device=self.device)
+            for _ in range(model_cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
+
+    @staticmethod
+    def kv_bytes_per_block(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
+        itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        return cfg.block_size * model_cfg.kv_cache_width * model_cfg.num_hidden_layers * itemsize
+
+    def _build_batch(self, items: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
+        """-> (batch, sample_rows, prompt_rows): sample_rows[i] is the logits row of items[i] if it
+        samples (else -1); prompt_rows[i] = (first logits row, count) of its prompt-logprob positions."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int]] = []
+        for item in items:
+            req, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
+            q_start = len(input_ids)
+            input_ids.extend(req.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if item.is_decode:
+                decode_tables.append(blocks)
+                decode_lens.append(start + 1)
+            else:
+                ctx = start + n
+                prefills.append(
+                    PrefillSeq(q_start, n, ctx, torch.tensor(blocks[: -(-ctx // bs)], dtype=torch.long))
+                )
+            # Prompt logprobs: position p predicts token p + 1; only prompt targets not yet reported.
+            first_target = max(start + 1, len(req.prompt_logprobs) if req.prompt_logprobs else 1)
+            last_target = min(start + n, req.num_prompt_tokens - 1)
+            if req.wants_prompt_logprobs and first_target <= last_target:
+                prompt_rows.append((len(logits_indices), last_target - first_target + 1))
+                logits_indices.extend(q_start + (t - 1 - start) for t in range(first_target, last_target + 1))
+            else:
+                prompt_rows.append((-1, 0))
+            if item.samples:
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(q_start + n - 1)
+            else:
+                sample_rows.append(-1)
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.zeros(len(decode_tables), max_blocks, dtype=torch.int32)
+        for row, blocks in enumerate(decode_tables):
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decode_tables),
+            decode_block_table=table.to(dev),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefills=prefills,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+        )
+        return batch, sample_rows, prompt_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        # Decodes first: the model runs them as one absorbed-MLA batch.
+        items = sorted(sched.scheduled, key=lambda it: not it.is_decode)
+        batch, sample_rows, prompt_rows = self._build_batch(items)
+        hidden = self.model(batch, self.kv_caches)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
+        out = RunnerOutput()
+
+        samplers = [(it, row) for it, row in zip(items, sample_rows, strict=True) if row >= 0]
+        if samplers:
+            rows = torch.tensor([row for _, row in samplers], dtype=torch.long, device=logits.device)
+            result = self.sampler(logits[rows], [it.request for it, _ in samplers])
+            for (it, _), token, lps in zip(samplers, result.token_ids, result.logprobs, strict=True):
+                out.sampled[it.request.request_id] = token
+                if lps is not None:
+                    out.logprobs[it.request.request_id] = lps
+
+        for it, (first, count) in zip(items, prompt_rows, strict=True):
+            if count:
+                req = it.request
+                first_target = max(it.num_computed_tokens + 1, len(req.prompt_logprobs) or 1)
+                targets = torch.tensor(req.token_ids[first_target : first_target + count], device=logits.device)
+                out.prompt_logprobs[req.request_id] = prompt_logprobs(
+                    logits[first : first + count], targets, req.params.prompt_logprobs
+                )
+        return out

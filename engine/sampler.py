@@ -1,0 +1,276 @@
+"""Turn one step's logits into one token per running request.
+
+Order per row (vLLM's): min_tokens mask -> repetition penalty -> frequency/presence penalties
+-> temperature (0: greedy argmax of the penalised logits) -> min_p -> top_k -> top_p -> sample.
+Logprobs are those of the raw model distribution (log_softmax before any of the above), which
+is vLLM's default ("raw_logprobs").
+
+The sampler is called every decode step at batch sizes up to a few hundred, so every stage is
+skipped when no row uses it and the filters run on the whole batch at once; only the draws of
+seeded rows loop over rows, because each must come from its own generator.
+
+Legend: B rows in the batch, V vocabulary size, R rows that sample randomly, N logprobs asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sampling_params import SAMPLING_EPS, SamplingParams
+
+# Rows of prompt logits handled at once: bounds the [rows, V] float32 temporaries (1024 x 129k
+# is ~0.5 GB) when a long prompt asks for prompt_logprobs.
+_PROMPT_LOGPROBS_CHUNK = 1024
+
+
+class SamplingRow(Protocol):
+    """One row of the batch that samples a token this step (the engine's request)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    """Set when params.seed is not None: seeded with it, owned by the request, advanced only here."""
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    """The sampled token of each row, in row order."""
+    logprobs: list[dict[int, float] | None]
+    """Per row: None unless params.logprobs is set; else the sampled token's raw logprob plus the
+    top params.logprobs tokens (the sampled one first, so it is there even outside the top N)."""
+
+
+class Sampler:
+    """Stateless between calls: everything a row needs lives on the row (its params, tokens so
+    far and generator), so a request sampled alone or in any batch gets the same tokens."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: [B, V'] with V' >= vocab_size (columns past vocab_size, the padding of a
+        padded lm_head, are never sampled). Modified in place, as vLLM's sampler does: the model
+        runner hands over a fresh buffer each step, and a copy of [256, V] per step is not free."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        assert logits.shape[1] >= self.vocab_size, (tuple(logits.shape), self.vocab_size)
+        logits = logits[:, : self.vocab_size]  # [B, V]
+        params = [row.params for row in rows]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+
+        masks = self._min_tokens_masks(rows)
+        uses_penalties = any(_has_penalties(p) for p in params)
+        wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not masks and not uses_penalties and not wants_logprobs and all(p.greedy for p in params):
+            # The common greedy-decode step: one argmax, nothing else built.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
+
+        # Taken before anything below edits the logits in place.
+        raw_logprobs = (
+            torch.log_softmax(logits[wants_logprobs].float(), dim=-1) if wants_logprobs else None
+        )  # [len(wants_logprobs), V]
+
+        if masks:
+            mask_rows, mask_tokens = zip(*masks, strict=True)
+            logits[list(mask_rows), list(mask_tokens)] = float("-inf")
+        if uses_penalties:
+            _apply_penalties(logits, rows)
+
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [B]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            random_logits = logits if not greedy else logits[random]  # [R, V]
+            tokens[random] = _sample(random_logits, [rows[i] for i in random])
+
+        token_ids = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, lp in zip(wants_logprobs, _top_logprobs(raw_logprobs, tokens[wants_logprobs],
+                                                           [params[i].logprobs for i in wants_logprobs]),
+                             strict=True):
+                logprobs[i] = lp
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _min_tokens_masks(self, rows: Sequence[SamplingRow]) -> list[tuple[int, int]]:
+        """(row, token) pairs to mask: the stop tokens of rows still short of min_tokens.
+
+        EOS counts as a stop token unless ignore_eos, where it is an ordinary token."""
+        masks = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) >= p.min_tokens:
+                continue
+            stops = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stops.update(self.eos_token_ids)
+            masks.extend((i, t) for t in sorted(stops) if 0 <= t < self.vocab_size)
+        return masks
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place on logits [B, V]. Sparse: only the (row, token) pairs that occur are touched, so
+    the cost follows the number of tokens seen, not B x V."""
+    vocab = logits.shape[1]
+    device = logits.device
+    rep_keys, out_keys, freq, pres = [], [], [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long)
+            rep_keys.append(i * vocab + seen)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
+            out_keys.append(i * vocab + torch.tensor(row.output_token_ids, dtype=torch.long))
+        freq.append(p.frequency_penalty)
+        pres.append(p.presence_penalty)
+
+    if rep_keys:
+        keys = torch.unique(torch.cat(rep_keys)).to(device)  # [K] distinct (row, token) pairs
+        row_of, token = keys // vocab, keys % vocab
+        penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[row_of]
+        values = logits[row_of, token]
+        logits[row_of, token] = torch.where(values > 0, values / penalty, values * penalty).to(logits.dtype)
+    if out_keys:
+        keys, counts = torch.unique(torch.cat(out_keys), return_counts=True)  # [K], [K]
+        keys, counts = keys.to(device), counts.to(device)
+        row_of, token = keys // vocab, keys % vocab
+        freq_t = torch.tensor(freq, device=device)[row_of]
+        pres_t = torch.tensor(pres, device=device)[row_of]
+        logits[row_of, token] -= (freq_t * counts + pres_t).to(logits.dtype)
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, min_p / top_k / top_p, then one draw per row. logits [R, V] (edited in
+    place); returns token ids [R]."""
+    params = [row.params for row in rows]
+    device = logits.device
+    logits = logits.float()
+    logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
+
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [R, 1]
+        probs = logits.softmax(dim=-1)
+        # Relative to the row's top probability: keeps tokens with p >= min_p * p_max.
+        logits.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    elif any(k < vocab for k in top_k):
+        _top_k_only(logits, top_k)
+
+    probs = logits.softmax(dim=-1)  # [R, V]
+    noise = _exponential_noise(probs, rows)  # [R, V]
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and
+    # uses exactly V draws per row whatever the distribution, so a seeded row's stream of
+    # draws never depends on what else is in the batch.
+    return (probs / noise).argmax(dim=-1)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise [R, V]: one batched draw for unseeded rows, the row's own generator for the
+    seeded ones."""
+    noise = torch.empty_like(probs)
+    seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    if seeded:
+        vocab = probs.shape[1]
+        own = torch.empty(len(seeded), vocab, dtype=probs.dtype)  # [S, V] on the generators' device
+        for j, i in enumerate(seeded):
+            generator = rows[i].generator
+            assert generator is not None
+            # Drawn where the generator lives (CPU for requests) and copied over, so a seed
+            # means the same noise on any device.
+            own[j] = torch.empty(vocab, dtype=probs.dtype, device=generator.device).exponential_(
+                generator=generator
+            ).to(own.device)
+        noise[seeded] = own.to(probs.device)
+    # A draw of exactly 0 would make p / E inf (or nan for p = 0) and win the argmax.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _top_k_only(logits: torch.Tensor, top_k: list[int]) -> None:
+    """In place on logits [R, V]: drop tokens below each row's k-th largest logit. topk on the
+    largest k asked is much cheaper than a full sort when k is small. Ties at the k-th value are
+    all kept (as in vLLM)."""
+    vocab = logits.shape[1]
+    k = torch.tensor(top_k, device=logits.device)  # [R]
+    disabled = k >= vocab
+    k = k.masked_fill(disabled, 1)
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
+    kth.masked_fill_(disabled.unsqueeze(1), float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """One ascending sort of logits [R, V] serves both filters; top_p is measured on what top_k
+    kept (vLLM's order). Returns the filtered logits [R, V]."""
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1)  # [R, V] ascending
+    k = torch.tensor(top_k, device=device)
+    if (k < vocab).any():
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [R, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    p = torch.tensor(top_p, device=device).unsqueeze(1)  # [R, 1]
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+    # Drop the low tail whose mass stays within 1 - top_p; rows with top_p = 1 drop nothing,
+    # and the most likely token is always kept.
+    drop = (cumulative <= 1.0 - p) & (p < 1.0)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int | None]
+) -> list[dict[int, float]]:
+    """logprobs [M, V], chosen [M]: per row {chosen: lp} then the top nums[i] tokens."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()  # [M]
+    widest = max(n or 0 for n in nums)
+    top_vals, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)  # [M, widest]
+    top_vals = top_vals.tolist() if top_vals is not None else None
+    top_ids = top_ids.tolist() if top_ids is not None else None
+    out = []
+    for m, (token, lp) in enumerate(zip(chosen.tolist(), chosen_lp, strict=True)):
+        entry = {token: lp}
+        n = nums[m] or 0
+        if n:
+            entry.update(zip(top_ids[m][:n], top_vals[m][:n], strict=True))
+        out.append(entry)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num: int) -> list[dict[int, float]]:
+    """logits [T, V]: position t's logits, which predict target_ids[t] (target_ids [T], i.e. the
+    prompt shifted by one). Returns T dicts, each the target's logprob plus the top-num tokens.
+    Raw distribution, like the sampled logprobs. Done in chunks of rows to bound memory."""
+    if logits.dim() != 2 or target_ids.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [T, V] and target_ids [T], got {tuple(logits.shape)} and "
+                         f"{tuple(target_ids.shape)}")
+    if not 0 <= num <= logits.shape[1]:
+        raise ValueError(f"num must be in [0, {logits.shape[1]}] (the vocabulary), got {num}")
+    out: list[dict[int, float]] = []
+    for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
+        chunk = torch.log_softmax(logits[start : start + _PROMPT_LOGPROBS_CHUNK].float(), dim=-1)
+        targets = target_ids[start : start + _PROMPT_LOGPROBS_CHUNK].to(chunk.device, torch.long)
+        out.extend(_top_logprobs(chunk, targets, [num] * chunk.shape[0]))
+    return out

@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill under a token budget, preempting by recompute.
+
+Each step the scheduler first gives every running request what it needs (one token for a
+decode, the next chunk for a prefill), in arrival order; when the KV cache is full it preempts
+the most recently admitted running request (its blocks are freed and it is recomputed later, its
+generated tokens kept). Then, if nothing was preempted, it admits waiting requests, first
+reusing their cached prefix, while the token budget, `max_num_seqs` and free blocks allow. A
+prefill that does not fit the remaining budget is chunked; decodes and prefill chunks share one
+step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int
+    """Tokens already in the cache when the step starts (prefix hits included)."""
+    num_new_tokens: int
+    """Tokens this step runs through the model."""
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token, so the step samples its next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.num_computed_tokens > 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """Requests that run this step, with their token counts."""
+    preempted: list[Request] = field(default_factory=list)
+    """Requests whose blocks were freed this step to make room; they wait to be recomputed."""
+    num_batched_tokens: int = 0
+    """Sum of num_new_tokens: at most max_num_batched_tokens."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues. Not thread-safe: only the engine's step loop calls it."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.allocate_slots(req, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = bm.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not bm.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.status == RequestStatus.WAITING:
+                req.metrics.first_scheduled_time = time.monotonic()
+                req.metrics.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_hit_tokens, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request from the queues and free its blocks."""
+        assert status.finished
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
