@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import ForwardBatch, PrefillSeq
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
+from engine.platform import compute_dtype
 from engine.sampler import Sampler, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -45,21 +46,22 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
+        self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         model_cls = get_model_class(model_cfg.architecture)
         with torch.device(self.device):
-            self.model = model_cls(model_cfg, dtype=cfg.torch_dtype, max_positions=max_model_len)
+            self.model = model_cls(model_cfg, dtype=self.dtype, max_positions=max_model_len)
         load_weights(self.model, model_cfg, cfg.model)
         self.model.process_weights()
         self.model.eval()
         self.kv_caches = [
-            torch.zeros(num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=cfg.torch_dtype, device=self.device)
+            torch.zeros(num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=self.dtype, device=self.device)
             for _ in range(model_cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
 
     @staticmethod
     def kv_bytes_per_block(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
-        itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        itemsize = compute_dtype(cfg.torch_dtype, torch.device(cfg.device)).itemsize
         return cfg.block_size * model_cfg.kv_cache_width * model_cfg.num_hidden_layers * itemsize
 
     def _build_batch(self, items: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:

@@ -72,8 +72,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field that is out of range."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             if not _is_number(getattr(self, name)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if math.isnan(self.temperature) or self.temperature < 0:
@@ -102,7 +108,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
@@ -112,4 +118,6 @@ class SamplingParams:
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if tok >= vocab_size:
-                    raise ValueError(f"stop_token_ids entry {tok!r} is outside the vocabulary [0, {vocab_size})")
+                    raise ValueError(
+                        f"stop_token_ids entry {tok!r} is outside the vocabulary [0, {vocab_size})"
+                    )

@@ -1,0 +1,35 @@
+# pdserve: `make run` (the main job) and `make test` work from a fresh clone; both create the venv.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_DIR ?= models
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: run test lint bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || (echo "need $(PYTHON)" && exit 1)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/pdserve demo --model-dir $(MODEL_DIR)
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check engine kernels services tests benchmarks
+	$(VENV)/bin/ruff format --check engine kernels services tests benchmarks
+
+bench: venv
+	$(VENV)/bin/pdserve make-model bench --out $(MODEL_DIR)/pdserve-bench
+	$(PY) benchmarks/offline_throughput.py --model $(MODEL_DIR)/pdserve-bench
+	$(PY) benchmarks/decode_curve.py --model $(MODEL_DIR)/pdserve-bench
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR)

@@ -1,0 +1,167 @@
+"""`pdserve` command line: build the project's models, generate offline, run the demo job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from engine import env
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        num_threads=args.num_threads,
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from engine.make_model import make_model
+
+    start = time.perf_counter()
+    path = make_model(args.name, args.out, force=args.force)
+    print(f"{args.name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _stream(llm, prompt: str, params) -> None:
+    """Print one completion as it is generated, then its throughput."""
+    start = time.perf_counter()
+    out = None
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    assert out is not None
+    n = len(out.token_ids)
+    ttft = out.metrics.time_to_first_token or 0.0
+    decode_rate = (n - 1) / max(elapsed - ttft, 1e-9) if n > 1 else 0.0
+    print(
+        f"\n\n[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s overall, "
+        f"TTFT {ttft * 1000:.0f} ms, decode {decode_rate:.1f} tok/s; finish_reason={out.finish_reason}]"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _stream(llm, prompt, _sampling_params(args))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job of `make run`: build the default model if needed, stream a completion."""
+    from engine import LLM, SamplingParams
+    from engine.make_model import make_model
+
+    model = make_model("tiny", Path(args.model_dir) / "pdserve-tiny")
+    llm = LLM(str(model), dtype="bfloat16")
+    prompt = "def fibonacci(n):"
+    print(f"model: {model}\nprompt: {prompt!r}\n")
+    sys.stdout.write(prompt)
+    _stream(llm, prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0))
+    # Batch throughput: the same engine on a batch of prompts.
+    prompts = [f"class Example{i}:" for i in range(32)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    total = sum(len(o.token_ids) for o in outs)
+    print(f"batch of {len(prompts)}: {total} tokens in {elapsed:.2f} s = {total / elapsed:.0f} output tok/s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="build one of the project's models (HF format)")
+    p.add_argument("name", choices=["tiny", "bench"])
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("generate", help="stream one completion to the terminal")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
+    p.add_argument("--model-dir", default=env.model_cache_dir())
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Shared fixtures. The Triton interpreter must be switched on before any kernel is defined."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Two cores on CI: more threads than cores makes torch dramatically slower.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The project's default model, built once per test session."""
+    from engine.make_model import make_model
+
+    return str(make_model("tiny", tmp_path_factory.mktemp("models") / "pdserve-tiny"))

@@ -1,0 +1,238 @@
+"""IncrementalDetokenizer against tokenizer.decode on a small byte-level BPE trained here, whose
+merges leave many multi-byte characters split across tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+
+CORPUS = (
+    "héllo wörld 日本語 😀 naïve café — über straße ünïcödé Ωmega 中文字符 한국어 🎉🚀 "
+    "the quick brown fox jumps over the lazy dog. STOP here, stop there; hello world again. "
+) * 30
+SPECIALS = ["<s>", "</s>"]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([CORPUS], trainer=trainer)
+    return tokenizer
+
+
+def byte_ids(tok: Tokenizer, text: str) -> list[int]:
+    """One token per UTF-8 byte: every multi-byte character is split across tokens."""
+    return [tok.token_to_id(BYTE_TO_CHAR[b]) for b in text.encode()]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's printable stand-ins for bytes, which the ByteLevel alphabet is made of.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+BYTE_TO_CHAR = _bytes_to_unicode()
+
+
+def stream(
+    tok: Tokenizer,
+    ids: list[int],
+    *,
+    prompt: list[int] | None = None,
+    skip: bool = True,
+    stop: list[str] | None = None,
+    chunk: int = 1,
+) -> tuple[list[str], IncrementalDetokenizer]:
+    """Feed ids `chunk` at a time until a stop matches, then finish(); returns the pieces."""
+    detok = IncrementalDetokenizer(tok, prompt or [], skip_special_tokens=skip, stop=stop or [])
+    pieces = []
+    for start in range(0, len(ids), chunk):
+        out = detok.step(ids[start : start + chunk])
+        assert isinstance(out, DetokenizerStep)
+        pieces.append(out.text)
+        if out.stop_matched is not None:
+            assert out.stop_matched == detok.stop_matched
+            return pieces, detok
+    pieces.append(detok.finish())
+    return pieces, detok
+
+
+def test_tokenizer_really_splits_characters(tok):
+    # Guards the premise of the tests below: some token decodes to part of a character.
+    assert any("\ufffd" in tok.decode([i]) for i in range(tok.get_vocab_size()))
+
+
+# --- the stream is the full decode ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
+def test_random_ids_stream_to_full_decode(tok, skip, chunk):
+    rng = random.Random(chunk * 2 + skip)
+    vocab = tok.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        pieces, detok = stream(tok, ids, prompt=prompt, skip=skip, chunk=chunk)
+        assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+@pytest.mark.parametrize("split", ["bytes", "bpe"])
+def test_valid_utf8_never_streams_replacement_char(tok, split):
+    rng = random.Random(0)
+    for _ in range(100):
+        start = rng.randrange(len(CORPUS) - 60)
+        text = CORPUS[start : start + rng.randrange(1, 60)]
+        ids = byte_ids(tok, text) if split == "bytes" else tok.encode(text).ids
+        pieces, detok = stream(tok, ids)
+        assert not any("\ufffd" in piece for piece in pieces), pieces
+        assert detok.text == text
+
+
+def test_character_released_when_its_last_byte_arrives(tok):
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=[])
+    texts = [detok.step([i]).text for i in byte_ids(tok, "a😀b")]
+    assert texts == ["a", "", "", "", "😀", "b"]
+
+
+def test_finish_flushes_incomplete_tail_like_decode(tok):
+    ids = byte_ids(tok, "ab") + byte_ids(tok, "日")[:2]
+    pieces, _ = stream(tok, ids)
+    assert pieces == ["a", "b", "", "", "\ufffd"]
+    assert "".join(pieces) == tok.decode(ids)
+
+
+def test_invalid_bytes_do_not_grow_the_window_forever(tok):
+    # Lone continuation bytes never become a character: after a few tokens they stream as U+FFFD.
+    ids = byte_ids(tok, "a") + [tok.token_to_id(BYTE_TO_CHAR[0x80])] * 30
+    pieces, detok = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids)
+    assert sum(len(p) for p in pieces[:-1]) > 1  # released before finish()
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
+def test_special_tokens(tok, skip):
+    bos, eos = (tok.token_to_id(s) for s in SPECIALS)
+    ids = [bos] + tok.encode("hi").ids + [eos, eos] + tok.encode(" wörld").ids + [eos]
+    pieces, detok = stream(tok, ids, prompt=[bos], skip=skip)
+    assert detok.text == ("hi wörld" if skip else "<s>hi</s></s> wörld</s>")
+    assert detok.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+# --- stop strings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,stop,expected_text,expected_stop",
+    [
+        ("hello wörld foo", ["wörld"], "hello ", "wörld"),
+        ("héllo world", ["héllo"], "", "héllo"),  # at the very start
+        ("hello world", ["world", "llo"], "he", "llo"),  # earliest position wins
+        ("hello world", ["wor", "world"], "hello ", "wor"),  # same position: first listed
+        ("a 日本語 b", ["本語"], "a 日", "本語"),
+        ("abcabd", ["abd"], "abc", "abd"),  # a false start is released once it fails
+        ("no match here", ["xyz"], "no match here", None),
+    ],
+    ids=["across-tokens", "at-start", "earliest", "tie-first-listed", "multibyte", "false-start", "no-match"],
+)
+@pytest.mark.parametrize("split", ["bytes", "bpe"])
+def test_stop_strings(tok, text, stop, expected_text, expected_stop, split):
+    ids = byte_ids(tok, text) if split == "bytes" else tok.encode(text).ids
+    pieces, detok = stream(tok, ids, stop=stop)
+    assert detok.text == "".join(pieces) == expected_text
+    assert detok.stop_matched == expected_stop
+
+
+def test_partial_stop_is_held_until_it_fails(tok):
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=["STOP"])
+    texts = [detok.step(byte_ids(tok, c)).text for c in "aSTOb"]
+    assert texts == ["a", "", "", "", "STOb"]
+    detok.step(byte_ids(tok, "ST"))
+    assert detok.text == "aSTOb"  # "ST" could still become STOP
+    assert detok.finish() == "ST"
+    assert detok.text == "aSTObST" and detok.stop_matched is None
+
+
+@pytest.mark.parametrize("chunk", [1, 3], ids=lambda c: f"chunk{c}")
+def test_random_stop_properties(tok, chunk):
+    """On random tokens: the text ends right before the first stop string to appear, no stop
+    string occurs in the text, and nothing streamed is ever taken back."""
+    rng = random.Random(chunk)
+    vocab = tok.get_vocab_size()
+    stops = ["ö", "lo w", "日本", " the", "STOP", "ll"]
+    matched = 0
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        stop = rng.sample(stops, 2)
+        pieces, detok = stream(tok, ids, stop=stop, chunk=chunk)
+        assert "".join(pieces) == detok.text
+        assert not any(s in detok.text for s in stop)
+        full = tok.decode(ids)
+        if detok.stop_matched is None:
+            assert detok.text == full
+        else:
+            matched += 1
+            assert full.startswith(detok.text + detok.stop_matched)
+    assert matched > 30  # the property was exercised
+
+
+def test_step_after_stop_is_an_error(tok):
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=["lo"])
+    assert detok.step(tok.encode("hello").ids).stop_matched == "lo"
+    assert detok.finish() == ""
+    with pytest.raises(ValueError, match="step"):
+        detok.step([1])
+
+
+@pytest.mark.parametrize("stop", [[""], "STOP"], ids=["empty-string", "bare-string"])
+def test_bad_stop_argument(tok, stop):
+    with pytest.raises(ValueError, match="stop"):
+        IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=stop)
+
+
+# --- cost per step -------------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """Records the length of every decode call on the wrapped tokenizer."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.lengths: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("split", ["bytes", "bpe"])
+def test_step_decodes_a_bounded_window(tok, split):
+    counting = CountingTokenizer(tok)
+    text = CORPUS * 2
+    ids = byte_ids(tok, text) if split == "bytes" else tok.encode(text).ids
+    assert len(ids) > 2000
+    detok = IncrementalDetokenizer(counting, ids[:1000], skip_special_tokens=True, stop=["xyz", "STOPP"])
+    for i in ids:
+        detok.step([i])
+    assert detok.finish() == ""
+    assert detok.text == text
+    # Each step decodes the context, the held tokens and the new one: a handful, never the output.
+    assert max(counting.lengths) <= 8
+    assert len(counting.lengths) <= 2 * len(ids) + 4  # two per step, plus __init__ and finish()

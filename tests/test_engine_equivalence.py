@@ -1,0 +1,122 @@
+"""Different routes through the engine must give the same tokens (STYLE 9).
+
+Absorbed (decode) vs non-absorbed (prefill) MLA, paged vs contiguous cache, chunked vs one-shot
+prefill, prefix-cache hit vs miss, preempted-and-recomputed vs uninterrupted, and a request
+alone vs inside a batch of 16. The default model runs in float32 so that the routes, which add
+in different orders, stay within ~1e-6 of each other and greedy choices do not flip.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 4000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _llm(model: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 512)
+    return LLM(model, **kw)
+
+
+def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    llm = _llm(tiny_model)
+    prompts = _prompts(6)
+    return prompts, _tokens(llm, prompts)
+
+
+def test_absorbed_decode_matches_non_absorbed_prefill(tiny_model):
+    """Logprobs of generated tokens (absorbed decode) equal the prompt logprobs of the same
+    tokens re-fed as a prompt (non-absorbed prefill)."""
+    llm = _llm(tiny_model)
+    prompt = _prompts(1, seed=3, lo=20, hi=20)[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))[0]
+    again = llm.generate(
+        prompt_token_ids=[prompt + out.token_ids],
+        sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+    )[0]
+    for i, tok in enumerate(out.token_ids):
+        decode_lp = out.logprobs[i][tok]
+        prefill_lp = again.prompt_logprobs[len(prompt) + i][tok]
+        assert decode_lp == pytest.approx(prefill_lp, abs=1e-5), f"step {i}"
+
+
+def test_paged_shuffled_blocks_match_contiguous(tiny_model, baseline):
+    prompts, expected = baseline
+    llm = _llm(tiny_model)
+    free = llm.engine.block_manager.pool.free_queue
+    order = list(free)
+    random.Random(1).shuffle(order)
+    free.clear()
+    free.update((b, None) for b in order)
+    assert _tokens(llm, prompts) == expected
+    used = llm.engine.block_manager.pool
+    assert used.num_free_blocks == used.num_blocks
+
+
+@pytest.mark.parametrize("budget", [5, 16], ids=lambda b: f"budget{b}")
+def test_chunked_prefill_matches_one_shot(tiny_model, baseline, budget):
+    prompts, expected = baseline
+    llm = _llm(tiny_model, max_num_batched_tokens=budget)
+    assert _tokens(llm, prompts) == expected
+
+
+def test_prefix_cache_hit_matches_miss(tiny_model, baseline):
+    prompts, expected = baseline
+    llm = _llm(tiny_model)
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    second = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected
+    assert all(o.num_cached_tokens == 0 for o in first)
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // 4 * 4 for p in prompts]
+    no_cache = _llm(tiny_model, enable_prefix_caching=False)
+    outs = no_cache.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens == 0 for o in outs)
+
+
+def test_preempted_and_recomputed_matches_uninterrupted(tiny_model, baseline):
+    prompts, expected = baseline
+    # 6 requests of up to 64 tokens need up to 96 blocks of 4; 24 blocks force preemptions.
+    llm = _llm(tiny_model, num_kv_blocks=24)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    pool = llm.engine.block_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_batch_invariance_greedy_and_seeded(tiny_model):
+    llm = _llm(tiny_model)
+    target = _prompts(1, seed=7, lo=11, hi=11)[0]
+    others = _prompts(15, seed=8, lo=1, hi=60)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    mixed = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=10 + i, ignore_eos=True) if i % 2 else greedy
+        for i in range(15)
+    ]
+    for params in (greedy, seeded):
+        alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
+        batch = llm.generate(prompt_token_ids=others[:7] + [target] + others[7:], sampling_params=mixed[:7] + [params] + mixed[7:])
+        assert batch[7].token_ids == alone
+    # Unseeded sampling is really random: two runs differ.
+    free = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    a, b = (llm.generate(prompt_token_ids=[target], sampling_params=free)[0].token_ids for _ in range(2))
+    assert a != b
