@@ -150,13 +150,16 @@ class EngineCore:
             req.append_token(token)
             if req.request_id in result.logprobs:
                 req.logprobs.append(result.logprobs[req.request_id])
-            detok = self.detokenizers[req.request_id].step([token])
+            detokenizer = self.detokenizers[req.request_id]
+            detok = detokenizer.step([token])
             status = self._check_stop(req, token, detok.stop_matched)
             new_text = detok.text
             if status is not None:
-                self.scheduler.finish(req, status)
                 if detok.stop_matched is None:
-                    new_text += self.detokenizers[req.request_id].finish()
+                    new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
+                    if detokenizer.stop_matched is not None:
+                        req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
+                self.scheduler.finish(req, status)
                 outputs.append(self._finalize(req, [token], new_text))
             else:
                 outputs.append(self._output(req, [token], new_text))

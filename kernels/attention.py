@@ -19,12 +19,22 @@ from kernels.dispatch import resolve_impl
 
 
 def extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str = "auto", return_lse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [n, H, Dqk], k [ctx, H, Dqk], v [ctx, H, Dv] with ctx >= n
-    -> (o [n, H, Dv] in q's dtype, lse [n, H] float32)."""
+    -> (o [n, H, Dv] in q's dtype, lse [n, H] float32). With return_lse=False the lse is None and
+    the PyTorch path uses torch's fused SDPA."""
     resolve_impl(impl, q, has_triton=False)
-    return extend_attention_ref(q, k, v, scale)
+    if return_lse:
+        return extend_attention_ref(q, k, v, scale)
+    n, ctx = q.shape[0], k.shape[0]
+    mask = None
+    if ctx != n:  # queries sit at the end of the context: a shifted causal mask
+        mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=scale
+    )
+    return o.transpose(0, 1), None
 
 
 def extend_attention_ref(

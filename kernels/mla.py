@@ -28,11 +28,41 @@ def mla_decode(
     scale: float,
     kv_lora_rank: int,
     impl: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B, s_q, H, L+R], kv_cache [num_blocks, block_size, L+R], block_table [B, max_blocks] int32,
-    seq_lens [B] int32 (including the s_q new tokens) -> (o [B, s_q, H, L] in q's dtype, lse [B, s_q, H] float32)."""
+    seq_lens [B] int32 (including the s_q new tokens) -> (o [B, s_q, H, L] in q's dtype, lse [B, s_q, H] float32).
+    With return_lse=False the lse is None and the PyTorch path skips computing it."""
     resolve_impl(impl, q, has_triton=False)
-    return mla_decode_ref(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    if return_lse:
+        return mla_decode_ref(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    return _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), None
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, max_len: int) -> torch.Tensor:
+    """-> [B, S, L+R]: each row's cache rows in order; S rounds max_len up to whole blocks."""
+    batch, block_size = block_table.shape[0], kv_cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    ids = block_table[:, :num_blocks].reshape(-1).long()
+    # Gathering whole blocks as flat rows is a memcpy per block (several times faster than
+    # indexing the 3-D cache).
+    rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, ids)
+    return rows.view(batch, num_blocks * block_size, kv_cache.shape[-1])
+
+
+def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) -> torch.Tensor:
+    """The same attention without the LSE, in a few large ops: the s_q * H query rows of a
+    sequence share its single latent KV head, so scores and output are two batched GEMMs."""
+    batch, s_q, heads, width = q.shape
+    kv = gather_blocks(kv_cache, block_table, int(seq_lens.max()) if batch else 0).to(q.dtype)  # [B, S, L+R]
+    scores = torch.bmm(q.reshape(batch, s_q * heads, width), kv.transpose(1, 2))  # [B, s_q*H, S]
+    scores.mul_(scale)
+    key_pos = torch.arange(kv.shape[1], device=q.device)
+    last_visible = seq_lens.long()[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, s_q]
+    hidden = key_pos[None, None, :] > last_visible[:, :, None]  # [B, s_q, S]
+    scores.view(batch, s_q, heads, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty sequence gives zeros
+    return torch.bmm(probs, kv[:, :, :kv_lora_rank]).view(batch, s_q, heads, kv_lora_rank)
 
 
 def mla_decode_ref(
@@ -44,11 +74,7 @@ def mla_decode_ref(
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, s_q, heads, _ = q.shape
-    block_size = kv_cache.shape[1]
-    max_len = int(seq_lens.max()) if batch else 0
-    num_blocks = (max_len + block_size - 1) // block_size
-    # [B, S, L+R]: each sequence's cache rows in order; S rounds max_len up to whole blocks.
-    kv = kv_cache[block_table[:, :num_blocks].long()].flatten(1, 2).float()
+    kv = gather_blocks(kv_cache, block_table, int(seq_lens.max()) if batch else 0).float()  # [B, S, L+R]
     scores = torch.einsum("bqhd,bsd->bqhs", q.float(), kv) * scale  # [B, s_q, H, S]
     key_pos = torch.arange(kv.shape[1], device=q.device)
     last_visible = seq_lens.long()[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, s_q]

@@ -6,7 +6,7 @@ Each pair of rotary dimensions (x_a, x_b) at position p is rotated by the angle 
 
 DeepSeek pairs adjacent dimensions (x0, x1), (x2, x3), ... ("interleaved"); the other layout pairs
 dimension i with i + R/2. The output is always written with all first members, then all second
-members. q and k go through the same permutation, so their dot product -- the only thing
+members (the fast float32 path keeps pairs interleaved instead). q and k go through the same permutation, so their dot product -- the only thing
 attention reads -- is unchanged, and the cache stores k_pe in this layout.
 
 YaRN (arXiv 2309.00071) blends interpolated (divided by `factor`) and original frequencies with
@@ -62,6 +62,20 @@ def rope_cos_sin_cache(rope: RopeConfig, dim: int, max_positions: int) -> tuple[
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [N, ..., R], cos/sin [N, R/2] (already gathered at each token's position) -> [N, ..., R]."""
+    if interleaved and x.dtype == torch.float32 and _complex_viewable(x):
+        # One complex multiply per pair; the output keeps pairs interleaved (a fixed permutation of
+        # the layout below, which q.k does not see).
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        rot = torch.complex(cos, sin).view(shape)
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+    return apply_rotary_ref(x, cos, sin, interleaved)
+
+
+def _complex_viewable(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

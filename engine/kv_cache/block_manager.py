@@ -54,8 +54,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
@@ -69,6 +67,10 @@ class BlockManager:
         reusable_free = sum(1 for b in computed if b.ref_count == 0)  # hits sitting in the free queue
         if needed > self.pool.num_free_blocks - reusable_free:
             return False
+        if not req.block_ids and self.enable_prefix_caching and req.params.prompt_logprobs is None:
+            # Admission (first allocation): count the lookup once, not on every retry.
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(computed) * self.block_size
         self.pool.touch(computed)
         req.block_ids.extend(b.block_id for b in computed)
         req.block_ids.extend(b.block_id for b in self.pool.allocate(max(needed, 0)))

@@ -9,14 +9,14 @@ across processes and machines (unlike Python's `hash`), so it can key shared sto
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 
 HASH_BYTES = 16
 
 
 def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
     h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-    h.update(array("i", token_ids).tobytes())
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))  # little-endian int32 everywhere
     if extra:
         h.update(extra)
     return h.digest()
