@@ -60,7 +60,12 @@ def result_path(name: str, suffix: str = "json") -> Path:
 
 def save(name: str, payload: dict) -> Path:
     path = result_path(name)
-    payload = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "git": git_revision(), "hardware": hardware(), **payload}
+    payload = {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "git": git_revision(),
+        "hardware": hardware(),
+        **payload,
+    }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -39,11 +39,18 @@ def bench_engine(args, prompts: list[list[int]]) -> dict:
     assert total == len(prompts) * args.output_len
     # Batch-1 decode: time between the first and the last token of one request.
     llm.engine.block_manager.pool.reset_prefix_cache()
-    one = llm.generate(prompt_token_ids=[prompts[-1][::-1]], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=args.batch1_tokens + 1, ignore_eos=True))[0]
+    one = llm.generate(
+        prompt_token_ids=[prompts[-1][::-1]],
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=args.batch1_tokens + 1, ignore_eos=True),
+    )[0]
     m = one.metrics
     decode_ms = (m.finished_time - m.first_token_time) / args.batch1_tokens * 1000
-    return {"output_tokens": total, "seconds": t.seconds, "tok_per_s": total / t.seconds, "batch1_ms_per_token": decode_ms}
+    return {
+        "output_tokens": total,
+        "seconds": t.seconds,
+        "tok_per_s": total / t.seconds,
+        "batch1_ms_per_token": decode_ms,
+    }
 
 
 def bench_hf(args, prompts: list[list[int]], dtype: str) -> dict:
@@ -61,7 +68,9 @@ def bench_hf(args, prompts: list[list[int]], dtype: str) -> dict:
         with Timer() as t1:
             model.generate(one, max_new_tokens=1, min_new_tokens=1, **gen)
         with Timer() as tn:
-            model.generate(one, max_new_tokens=args.batch1_tokens + 1, min_new_tokens=args.batch1_tokens + 1, **gen)
+            model.generate(
+                one, max_new_tokens=args.batch1_tokens + 1, min_new_tokens=args.batch1_tokens + 1, **gen
+            )
     total = batch.shape[0] * args.output_len
     return {
         "dtype": dtype,
@@ -93,7 +102,9 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab)
 
     engine = bench_engine(args, prompts)
-    print(f"pdserve ({args.dtype}): {engine['tok_per_s']:.1f} output tok/s, batch-1 decode {engine['batch1_ms_per_token']:.2f} ms/token")
+    print(
+        f"pdserve ({args.dtype}): {engine['tok_per_s']:.1f} output tok/s, batch-1 decode {engine['batch1_ms_per_token']:.2f} ms/token"
+    )
     baselines = []
     for dtype in filter(None, args.hf_dtypes.split(",")):
         hf = bench_hf(args, prompts, dtype)
@@ -105,12 +116,18 @@ def main() -> None:
             f"batch-1 decode {hf['batch1_ms_per_token']:.2f} ms/token -> pdserve is "
             f"{hf['throughput_ratio']:.1f}x throughput, {hf['batch1_ratio']:.1f}x faster batch-1 decode"
         )
-    path = save("offline_throughput", {
-        "model": args.model,
-        "workload": {k: getattr(args, k) for k in ("num_prompts", "prompt_len", "output_len", "batch1_tokens", "dtype")},
-        "pdserve": engine,
-        "hf_transformers": baselines,
-    })
+    path = save(
+        "offline_throughput",
+        {
+            "model": args.model,
+            "workload": {
+                k: getattr(args, k)
+                for k in ("num_prompts", "prompt_len", "output_len", "batch1_tokens", "dtype")
+            },
+            "pdserve": engine,
+            "hf_transformers": baselines,
+        },
+    )
     print(f"saved {path}")
 
 

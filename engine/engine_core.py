@@ -48,7 +48,9 @@ class EngineCore:
         self.tokenizer = Tokenizer(folder)
         max_pos = self.model_cfg.max_position_embeddings
         if cfg.max_model_len is not None and cfg.max_model_len > max_pos:
-            raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})")
+            raise ValueError(
+                f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings ({max_pos})"
+            )
         self.max_model_len = cfg.max_model_len or max_pos
         eos = [*self.model_cfg.eos_token_ids, *_generation_eos(folder)]
         if self.tokenizer.eos_token_id is not None:
@@ -57,8 +59,12 @@ class EngineCore:
 
         per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        self.num_kv_blocks = cfg.num_kv_blocks or max(1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block)))
-        self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids)
+        self.num_kv_blocks = cfg.num_kv_blocks or max(
+            1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block))
+        )
+        self.runner = ModelRunner(
+            self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids
+        )
         self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -67,7 +73,11 @@ class EngineCore:
         torch.manual_seed(cfg.seed)
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
-            self.model_cfg.architecture, cfg.dtype, self.num_kv_blocks, cfg.block_size, self.max_model_len,
+            self.model_cfg.architecture,
+            cfg.dtype,
+            self.num_kv_blocks,
+            cfg.block_size,
+            self.max_model_len,
         )
 
     # ---- requests -------------------------------------------------------------------------
@@ -104,7 +114,10 @@ class EngineCore:
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
         self.requests[request_id] = req
         self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer.tokenizer, req.prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            self.tokenizer.tokenizer,
+            req.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
         )
         self.scheduler.add(req)
         return req
@@ -180,7 +193,9 @@ class EngineCore:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, req: Request, new_ids: list[int], new_text: str, finished: bool = False) -> RequestOutput:
+    def _output(
+        self, req: Request, new_ids: list[int], new_text: str, finished: bool = False
+    ) -> RequestOutput:
         status = req.status
         return RequestOutput(
             request_id=req.request_id,

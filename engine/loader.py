@@ -42,7 +42,10 @@ def check_model_folder(path: str | Path) -> Path:
     if not folder.is_dir():
         raise ValueError(f"model folder {str(path)!r} does not exist")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
-    if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
+    if (
+        not (folder / "model.safetensors").is_file()
+        and not (folder / "model.safetensors.index.json").is_file()
+    ):
         missing.append("model.safetensors (or model.safetensors.index.json)")
     if missing:
         raise ValueError(f"model folder {str(path)!r} is missing {', '.join(missing)}")
@@ -151,7 +154,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, folder: str | Path) -
         params["lm_head.weight"].copy_(params["embed_tokens.weight"])
         filled["lm_head.weight"] = params["lm_head.weight"].numel()
         seen.add("lm_head.weight")
-    missing = [hf for hf, t in expected.items() if hf not in seen and filled[t.param] < params[t.param].numel()]
+    missing = [
+        hf for hf, t in expected.items() if hf not in seen and filled[t.param] < params[t.param].numel()
+    ]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")
     if mtp_skipped:

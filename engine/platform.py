@@ -38,4 +38,3 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return dtype
     logger.warning("this CPU has no native %s arithmetic: computing in float32 on %s weights", dtype, dtype)
     return torch.float32
-

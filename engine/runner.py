@@ -57,7 +57,9 @@ class ModelRunner:
         # pages: decode gathers blocks from all over the cache, and 4 KiB pages made every block
         # a string of TLB misses (a 5x slower gather measured in a VM).
         self.kv_caches = [
-            torch.empty(num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=self.dtype, device=self.device).zero_()
+            torch.empty(
+                num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=self.dtype, device=self.device
+            ).zero_()
             for _ in range(model_cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
@@ -67,7 +69,9 @@ class ModelRunner:
         itemsize = compute_dtype(cfg.torch_dtype, torch.device(cfg.device)).itemsize
         return cfg.block_size * model_cfg.kv_cache_width * model_cfg.num_hidden_layers * itemsize
 
-    def _build_batch(self, items: list[ScheduledRequest]) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
+    def _build_batch(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
         """-> (batch, sample_rows, prompt_rows): sample_rows[i] is the logits row of items[i] if it
         samples (else -1); prompt_rows[i] = (first logits row, count) of its prompt-logprob positions."""
         bs = self.block_size
@@ -147,7 +151,9 @@ class ModelRunner:
             if count:
                 req = it.request
                 first_target = max(it.num_computed_tokens + 1, len(req.prompt_logprobs) or 1)
-                targets = torch.tensor(req.token_ids[first_target : first_target + count], device=logits.device)
+                targets = torch.tensor(
+                    req.token_ids[first_target : first_target + count], device=logits.device
+                )
                 out.prompt_logprobs[req.request_id] = prompt_logprobs(
                     logits[first : first + count], targets, req.params.prompt_logprobs
                 )

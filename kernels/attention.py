@@ -19,7 +19,12 @@ from kernels.dispatch import resolve_impl
 
 
 def extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, impl: str = "auto", return_lse: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+    return_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [n, H, Dqk], k [ctx, H, Dqk], v [ctx, H, Dv] with ctx >= n
     -> (o [n, H, Dv] in q's dtype, lse [n, H] float32). With return_lse=False the lse is None and
@@ -30,9 +35,17 @@ def extend_attention(
     n, ctx = q.shape[0], k.shape[0]
     mask = None
     if ctx != n:  # queries sit at the end of the context: a shifted causal mask
-        mask = torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+        mask = (
+            torch.arange(ctx, device=q.device)[None, :]
+            <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+        )
     o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, scale=scale
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
     )
     return o.transpose(0, 1), None
 
@@ -42,7 +55,9 @@ def extend_attention_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, ctx = q.shape[0], k.shape[0]
     scores = torch.einsum("ihd,jhd->hij", q.float(), k.float()) * scale  # [H, n, ctx]
-    causal = torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+    causal = (
+        torch.arange(ctx, device=q.device)[None, :] <= (ctx - n + torch.arange(n, device=q.device))[:, None]
+    )
     scores = scores.masked_fill(~causal, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, n]
     probs = torch.exp(scores - lse[..., None])

@@ -75,7 +75,9 @@ def _complex_viewable(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1])
 
 
-def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def apply_rotary_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -45,7 +45,10 @@ def test_absorbed_decode_matches_non_absorbed_prefill(tiny_model):
     tokens re-fed as a prompt (non-absorbed prefill)."""
     llm = _llm(tiny_model)
     prompt = _prompts(1, seed=3, lo=20, hi=20)[0]
-    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
+    )[0]
     again = llm.generate(
         prompt_token_ids=[prompt + out.token_ids],
         sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
@@ -114,7 +117,10 @@ def test_batch_invariance_greedy_and_seeded(tiny_model):
     ]
     for params in (greedy, seeded):
         alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
-        batch = llm.generate(prompt_token_ids=others[:7] + [target] + others[7:], sampling_params=mixed[:7] + [params] + mixed[7:])
+        batch = llm.generate(
+            prompt_token_ids=others[:7] + [target] + others[7:],
+            sampling_params=mixed[:7] + [params] + mixed[7:],
+        )
         assert batch[7].token_ids == alone
     # Unseeded sampling is really random: two runs differ.
     free = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)

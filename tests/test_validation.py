@@ -49,10 +49,25 @@ def test_bad_sampling_params(llm, kwargs, field):
 
 BAD_PROMPTS = [
     pytest.param([], {}, "prompt must not be empty", id="empty-prompt"),
-    pytest.param([5, 4096], {}, r"prompt_token_ids\[1\] = 4096 is outside the vocabulary \[0, 4096\)", id="token-above-vocab"),
+    pytest.param(
+        [5, 4096],
+        {},
+        r"prompt_token_ids\[1\] = 4096 is outside the vocabulary \[0, 4096\)",
+        id="token-above-vocab",
+    ),
     pytest.param([-1], {}, "outside the vocabulary", id="token-negative"),
-    pytest.param([5] * (MAX_MODEL_LEN + 1), {}, f"more than max_model_len \\({MAX_MODEL_LEN}\\)", id="prompt-beyond-max_model_len"),
-    pytest.param([5] * 60, dict(max_tokens=5), "exceeds max_model_len", id="prompt-plus-max_tokens-beyond-max_model_len"),
+    pytest.param(
+        [5] * (MAX_MODEL_LEN + 1),
+        {},
+        f"more than max_model_len \\({MAX_MODEL_LEN}\\)",
+        id="prompt-beyond-max_model_len",
+    ),
+    pytest.param(
+        [5] * 60,
+        dict(max_tokens=5),
+        "exceeds max_model_len",
+        id="prompt-plus-max_tokens-beyond-max_model_len",
+    ),
 ]
 
 
@@ -146,7 +161,11 @@ def test_model_folder_does_not_exist(tmp_path):
     "patch,message",
     [
         pytest.param({"model_type": "llama"}, "model_type 'llama' is not supported", id="model_type"),
-        pytest.param({"architectures": ["DeepseekV9ForCausalLM"]}, "architecture 'DeepseekV9ForCausalLM'", id="architecture"),
+        pytest.param(
+            {"architectures": ["DeepseekV9ForCausalLM"]},
+            "architecture 'DeepseekV9ForCausalLM'",
+            id="architecture",
+        ),
         pytest.param({"rope_scaling": {"type": "longrope"}}, "rope type 'longrope'", id="rope-type"),
     ],
 )
