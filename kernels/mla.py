@@ -50,6 +50,15 @@ def gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, max_len: in
     return rows.view(batch, num_blocks * block_size, kv_cache.shape[-1])
 
 
+def _visible(seq_lens: torch.Tensor, s_q: int, num_keys: int) -> torch.Tensor:
+    """[B, s_q, S] bool: query i of a sequence sees keys j <= seq_len - s_q + i."""
+    key_pos = torch.arange(num_keys, device=seq_lens.device)
+    last_visible = (
+        seq_lens.long()[:, None] - s_q + torch.arange(s_q, device=seq_lens.device)[None, :]
+    )  # [B, s_q]
+    return key_pos[None, None, :] <= last_visible[:, :, None]
+
+
 def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) -> torch.Tensor:
     """The same attention without the LSE, in a few large ops: the s_q * H query rows of a
     sequence share its single latent KV head, so scores and output are two batched GEMMs."""
@@ -57,9 +66,7 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     kv = gather_blocks(kv_cache, block_table, int(seq_lens.max()) if batch else 0).to(q.dtype)  # [B, S, L+R]
     scores = torch.bmm(q.reshape(batch, s_q * heads, width), kv.transpose(1, 2))  # [B, s_q*H, S]
     scores.mul_(scale)
-    key_pos = torch.arange(kv.shape[1], device=q.device)
-    last_visible = seq_lens.long()[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, s_q]
-    hidden = key_pos[None, None, :] > last_visible[:, :, None]  # [B, s_q, S]
+    hidden = ~_visible(seq_lens, s_q, kv.shape[1])
     scores.view(batch, s_q, heads, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty sequence gives zeros
     return torch.bmm(probs, kv[:, :, :kv_lora_rank]).view(batch, s_q, heads, kv_lora_rank)
@@ -76,9 +83,7 @@ def mla_decode_ref(
     batch, s_q, heads, _ = q.shape
     kv = gather_blocks(kv_cache, block_table, int(seq_lens.max()) if batch else 0).float()  # [B, S, L+R]
     scores = torch.einsum("bqhd,bsd->bqhs", q.float(), kv) * scale  # [B, s_q, H, S]
-    key_pos = torch.arange(kv.shape[1], device=q.device)
-    last_visible = seq_lens.long()[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, s_q]
-    visible = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, s_q, S]
+    visible = _visible(seq_lens, s_q, kv.shape[1])
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, s_q, H]
     probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)  # empty sequences give zeros

@@ -62,9 +62,13 @@ def rope_cos_sin_cache(rope: RopeConfig, dim: int, max_positions: int) -> tuple[
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [N, ..., R], cos/sin [N, R/2] (already gathered at each token's position) -> [N, ..., R]."""
-    if interleaved and x.dtype == torch.float32 and _complex_viewable(x):
+    if interleaved and x.dtype == torch.float32:
         # One complex multiply per pair; the output keeps pairs interleaved (a fixed permutation of
-        # the layout below, which q.k does not see).
+        # the layout below, which q.k does not see). A slice that cannot be viewed as complex (odd
+        # offset or stride, e.g. q[..., nope:] with an odd nope width) is copied rather than sent to
+        # the reference: the layout must not depend on strides, or q and k could disagree.
+        if not _complex_viewable(x):
+            x = x.clone(memory_format=torch.contiguous_format)
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         rot = torch.complex(cos, sin).view(shape)
         return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)

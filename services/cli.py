@@ -10,62 +10,39 @@ from pathlib import Path
 
 from engine import env
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format model folder")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        num_threads=args.num_threads,
-    )
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+# Flags map one-to-one onto EngineConfig / SamplingParams fields (--max-num-seqs -> max_num_seqs).
+ENGINE_FLAGS: dict[str, dict] = {
+    "dtype": dict(default="bfloat16", choices=["bfloat16", "float16", "float32"]),
+    "block_size": dict(type=int, default=16),
+    "max_num_seqs": dict(type=int, default=256),
+    "max_num_batched_tokens": dict(type=int, default=2048),
+    "max_model_len": dict(type=int, default=None),
+    "num_kv_blocks": dict(type=int, default=None),
+    "num_threads": dict(type=int, default=None),
+}
+SAMPLING_FLAGS: dict[str, dict] = {
+    "max_tokens": dict(type=int, default=64),
+    "min_tokens": dict(type=int, default=0),
+    "temperature": dict(type=float, default=0.0),
+    "top_p": dict(type=float, default=1.0),
+    "top_k": dict(type=int, default=-1),
+    "min_p": dict(type=float, default=0.0),
+    "seed": dict(type=int, default=None),
+    "repetition_penalty": dict(type=float, default=1.0),
+    "presence_penalty": dict(type=float, default=0.0),
+    "frequency_penalty": dict(type=float, default=0.0),
+    "stop": dict(action="append", default=[], help="stop string (repeatable)"),
+    "ignore_eos": dict(action="store_true"),
+}
 
 
-def _sampling_params(args: argparse.Namespace):
-    from engine import SamplingParams
+def _add_flags(p: argparse.ArgumentParser, flags: dict[str, dict]) -> None:
+    for name, options in flags.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, **options)
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+
+def _pick(args: argparse.Namespace, flags: dict[str, dict]) -> dict:
+    return {name: getattr(args, name) for name in flags}
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -96,13 +73,13 @@ def _stream(llm, prompt: str, params) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM
+    from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **_pick(args, ENGINE_FLAGS))
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    _stream(llm, prompt, _sampling_params(args))
+    _stream(llm, prompt, SamplingParams(**_pick(args, SAMPLING_FLAGS)))
     return 0
 
 
@@ -140,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("generate", help="stream one completion to the terminal")
-    _add_engine_args(p)
-    _add_sampling_args(p)
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    _add_flags(p, ENGINE_FLAGS)
+    _add_flags(p, SAMPLING_FLAGS)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.set_defaults(func=cmd_generate)
