@@ -72,12 +72,22 @@ class LLM:
                     final[out.request_id] = out
         return [final[r] for r in order]
 
-    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Generate one completion, yielding an output (with `new_text`) after every step."""
-        ((text, ids, params),) = self._requests(prompt, sampling_params, None)
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generate one completion, yielding an output (with `new_text`) after every step that
+        produced text. Closing the generator early aborts the request."""
+        ids_list = None if prompt_token_ids is None else [prompt_token_ids]
+        ((text, ids, params),) = self._requests(prompt, sampling_params, ids_list)
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, prompt=text)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.request_id == request_id:
-                    yield out
+        try:
+            while request_id in self.engine.requests:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+        finally:
+            self.engine.abort_request(request_id)  # a no-op when it finished

@@ -67,7 +67,7 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     scores = torch.bmm(q.reshape(batch, s_q * heads, width), kv.transpose(1, 2))  # [B, s_q*H, S]
     scores.mul_(scale)
     hidden = ~_visible(seq_lens, s_q, kv.shape[1])
-    scores.view(batch, s_q, heads, -1).masked_fill_(hidden[:, :, None, :], float("-inf"))
+    scores.view(batch, s_q, heads, kv.shape[1]).masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty sequence gives zeros
     return torch.bmm(probs, kv[:, :, :kv_lora_rank]).view(batch, s_q, heads, kv_lora_rank)
 

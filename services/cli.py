@@ -54,11 +54,11 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream(llm, prompt: str, params) -> None:
+def _stream(llm, prompt: str | None, params, prompt_token_ids: list[int] | None = None) -> None:
     """Print one completion as it is generated, then its throughput."""
     start = time.perf_counter()
     out = None
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(prompt, params, prompt_token_ids=prompt_token_ids):
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
@@ -76,10 +76,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, **_pick(args, ENGINE_FLAGS))
-    prompt = args.prompt
+    prompt, ids = args.prompt, None
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    _stream(llm, prompt, SamplingParams(**_pick(args, SAMPLING_FLAGS)))
+        # The template writes the BOS itself: encode without special tokens, as HF's
+        # apply_chat_template(tokenize=True) does, or the model sees two BOS tokens.
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt, ids = None, llm.tokenizer.encode(rendered, add_special_tokens=False)
+    _stream(llm, prompt, SamplingParams(**_pick(args, SAMPLING_FLAGS)), prompt_token_ids=ids)
     return 0
 
 
