@@ -1,0 +1,71 @@
+"""DeepSeek-V2 and DeepSeek-V3 causal LMs (one class: V3 is V2 with sigmoid, bias-corrected routing).
+
+Layer i: h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h)), where FFN is a dense SwiGLU MLP for the
+first `first_k_dense_replace` layers and a DeepSeekMoE block after. The forward works on the
+flat batch (see engine/forward_batch.py), never on padded [B, T] tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from engine.models.mla import MLAttention
+from engine.models.moe import DeepseekMoE
+from engine.models.registry import register_model
+from kernels.rotary import rope_cos_sin_cache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLAttention(cfg, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = (
+            DeepseekMoE(cfg, dtype=dtype)
+            if cfg.is_moe_layer(layer_idx)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        )
+
+    def forward(self, h, cos, sin, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+class DeepseekV2ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        cos, sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def process_weights(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.process_weights()
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """-> hidden states [N, hidden] after the final norm."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, batch, kv_cache)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] -> logits [M, vocab] float32."""
+        if hidden.shape[0] >= 8 and hidden.device.type == "cpu":
+            # On CPU the [V, H] @ [H, M] orientation of the same product runs ~1.8x faster for
+            # a batch of rows than [M, H] @ [H, V]^T.
+            return torch.mm(self.lm_head.weight, hidden.t()).t().float().contiguous()
+        return self.lm_head(hidden).float()

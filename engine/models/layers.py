@@ -1,0 +1,62 @@
+"""Small building blocks shared by the model files: linear, RMSNorm and the SwiGLU MLP.
+
+Parameters are allocated uninitialised (`torch.empty`) because the loader fills every one of
+them; nothing is randomly initialised and then overwritten.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.norm import rms_norm
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(num_embeddings, dim, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one [2I, H] weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(
+            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        )

@@ -1,0 +1,115 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent KV cache.
+
+Per token the cache holds c_kv (the normalised KV latent, width L = kv_lora_rank) and k_pe (the
+rotary key shared by all heads, width R = qk_rope_head_dim), side by side in one row of width
+L + R. Prefill chunks use the non-absorbed form: the latents of the whole context are
+up-projected by kv_b_proj into per-head keys and values. Decodes use the absorbed form: W_UK is
+folded into the query and W_UV applied after attention, so attention reads the latent rows
+directly (see kernels/mla.py). Both compute the same function; tests hold them to each other and
+to HF transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.layers import Linear, RMSNorm
+from kernels.attention import extend_attention
+from kernels.mla import mla_decode
+from kernels.rotary import apply_rotary
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleaved = cfg.rope_interleave
+        hidden, heads, qk_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * qk_dim, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim, dtype=dtype)
+        self.q_lora = cfg.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = Linear(
+            hidden, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype=dtype)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype)
+        self.w_uk: torch.Tensor | None = None  # [H, nope, L], set by process_weights
+        self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
+
+    def process_weights(self) -> None:
+        """Split kv_b_proj into the absorbed-form matrices once the weights are loaded."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim].contiguous()
+        self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [N, hidden], cos/sin [N, R/2] at each token's position, kv_cache [blocks, block_size, L+R]."""
+        n = x.shape[0]
+        L, H = self.kv_lora_rank, self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(n, H, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        q_pe = apply_rotary(q_pe, cos, sin, self.interleaved)  # [N, H, R]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [N, L+R]
+        c_kv = self.kv_a_layernorm(kv_a[:, :L])
+        k_pe = apply_rotary(kv_a[:, L:], cos, sin, self.interleaved)  # [N, R]
+        latent = torch.cat((c_kv, k_pe), dim=-1)  # [N, L+R]
+        kv_cache.view(-1, L + self.rope_dim).index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
+
+        out = x.new_empty(n, H, self.v_dim)
+        d = batch.num_decodes
+        if d:
+            out[:d] = self._decode(q_nope[:d], q_pe[:d], kv_cache, batch)
+        for seq in batch.prefills:
+            s, e = seq.q_start, seq.q_start + seq.q_len
+            if seq.ctx_len == seq.q_len:  # nothing cached before: the chunk's own latents are the context
+                ctx = latent[s:e]
+            else:
+                ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(x.dtype)
+            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)
+        return self.o_proj(out.view(n, H * self.v_dim))
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Non-absorbed: q_* [n, H, *], ctx [ctx, L+R] -> [n, H, v]."""
+        L, H = self.kv_lora_rank, self.num_heads
+        kv = self.kv_b_proj(ctx[:, :L]).view(-1, H, self.nope_dim + self.v_dim)  # [ctx, H, nope+v]
+        k_pe = ctx[:, None, L:].expand(-1, H, self.rope_dim)
+        k = torch.cat((kv[..., : self.nope_dim], k_pe), dim=-1)  # [ctx, H, nope+R]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [n, H, nope+R]
+        o, _ = extend_attention(q, k, kv[..., self.nope_dim :], self.scale, return_lse=False)
+        return o
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch):
+        """Absorbed: q_* [D, H, *] -> [D, H, v]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, L]
+        q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [D, 1, H, L+R]
+        o_lat, _ = mla_decode(
+            q,
+            kv_cache,
+            batch.decode_block_table,
+            batch.decode_seq_lens,
+            self.scale,
+            self.kv_lora_rank,
+            return_lse=False,
+        )
+        return torch.bmm(o_lat[:, 0].transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D, H, v]

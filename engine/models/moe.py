@@ -1,0 +1,70 @@
+"""DeepSeek MoE block: a router picks top-k routed experts per token, plus always-on shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import GatedMLP, _param
+from kernels.gate import grouped_topk
+from kernels.moe import fused_moe
+
+
+class MoEGate(nn.Module):
+    """Router weights kept in float32, as the reference computes routing in float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = (
+            _param(cfg.n_routed_experts, dtype=torch.float32) if cfg.topk_method == "noaux_tc" else None
+        )
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, dtype: torch.dtype):
+        super().__init__()
+        self.w13 = _param(num_experts, 2 * inter, hidden, dtype=dtype)  # gate rows, then up rows
+        self.w2 = _param(num_experts, hidden, inter, dtype=dtype)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype):
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        self.cfg = cfg
+        self.gate = MoEGate(cfg)
+        self.experts = FusedExperts(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype
+        )
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype)
+            if cfg.n_shared_experts
+            else None
+        )
+        # V2's plain "greedy" routing ignores groups even when the config names some.
+        self.n_group = 1 if cfg.topk_method == "greedy" else cfg.n_group
+        self.topk_group = self.n_group if cfg.topk_method == "greedy" else cfg.topk_group
+        # HF's V2 never renormalises the top-k weights; V3 does when norm_topk_prob.
+        self.norm_topk_prob = cfg.norm_topk_prob and cfg.model_type == "deepseek_v3"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]."""
+        cfg = self.cfg
+        router_logits = torch.nn.functional.linear(x.float(), self.gate.weight)  # [N, E]
+        topk_weights, topk_ids = grouped_topk(
+            router_logits,
+            self.gate.e_score_correction_bias,
+            self.n_group,
+            self.topk_group,
+            cfg.num_experts_per_tok,
+            self.norm_topk_prob,
+            cfg.routed_scaling_factor,
+            scoring=cfg.scoring_func,
+        )
+        out = fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
