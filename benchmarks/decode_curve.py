@@ -22,11 +22,17 @@ from benchmarks.common import hardware_slug, result_path, save  # noqa: E402
 from benchmarks.offline_throughput import random_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
+PREFILL_BUDGET = 4096
+
+
+def headroom(batch: int, context: int) -> int:
+    """Tokens the first-prefilled requests decode while the rest of the batch is still prefilling."""
+    return batch * context // PREFILL_BUDGET + 4
+
 
 def decode_rate(llm: LLM, batch: int, context: int, steps: int, vocab: int) -> dict:
     engine = llm.engine
-    # Requests finish prefill a few steps apart under the token budget; leave room for that.
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + headroom(batch, context), ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, context, vocab, seed=batch)):
         engine.add_request(f"b{batch}-{i}", prompt, params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -66,8 +72,12 @@ def main() -> None:
         dtype=args.dtype,
         num_threads=args.threads,
         max_num_seqs=max(batches),
-        max_num_batched_tokens=4096,
-        kv_cache_memory_gib=1.5 * max(batches) * (args.context + args.steps + 16) * 20e3 / 2**30,
+        max_num_batched_tokens=PREFILL_BUDGET,
+        kv_cache_memory_gib=1.5
+        * max(batches)
+        * (args.context + args.steps + headroom(max(batches), args.context))
+        * 20e3
+        / 2**30,
     )
     decode_rate(llm, 4, 32, 2, vocab)  # warm-up
     rows = []

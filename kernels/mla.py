@@ -59,11 +59,34 @@ def _visible(seq_lens: torch.Tensor, s_q: int, num_keys: int) -> torch.Tensor:
     return key_pos[None, None, :] <= last_visible[:, :, None]
 
 
+FAST_CHUNK_BYTES = 8 << 20
+"""Gathered KV per chunk of sequences in the fast decode path: small enough to stay in the
+last-level cache between the two GEMMs that read it (and below glibc's mmap threshold)."""
+
+
 def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) -> torch.Tensor:
     """The same attention without the LSE, in a few large ops: the s_q * H query rows of a
-    sequence share its single latent KV head, so scores and output are two batched GEMMs."""
+    sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
+    batches run in chunks of sequences so the gathered KV is reused from cache, not DRAM."""
     batch, s_q, heads, width = q.shape
-    kv = gather_blocks(kv_cache, block_table, int(seq_lens.max()) if batch else 0).to(q.dtype)  # [B, S, L+R]
+    max_len = int(seq_lens.max()) if batch else 0
+    row_bytes = max(max_len, 1) * width * kv_cache.element_size()
+    chunk = max(1, FAST_CHUNK_BYTES // row_bytes)
+    if batch > chunk:
+        return torch.cat(
+            [
+                _mla_decode_fast(
+                    q[i : i + chunk],
+                    kv_cache,
+                    block_table[i : i + chunk],
+                    seq_lens[i : i + chunk],
+                    scale,
+                    kv_lora_rank,
+                )
+                for i in range(0, batch, chunk)
+            ]
+        )
+    kv = gather_blocks(kv_cache, block_table, max_len).to(q.dtype)  # [B, S, L+R]
     scores = torch.bmm(q.reshape(batch, s_q * heads, width), kv.transpose(1, 2))  # [B, s_q*H, S]
     scores.mul_(scale)
     hidden = ~_visible(seq_lens, s_q, kv.shape[1])

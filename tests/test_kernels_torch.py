@@ -712,3 +712,22 @@ def test_fused_add_rms_norm(shape, dtype):
     assert normed.dtype == summed.dtype == dtype
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
     assert_close(normed, rms_norm_naive(x + residual, weight), dtype)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2], ids=lambda c: f"chunk{c}")
+def test_mla_decode_fast_in_chunks_matches_one_piece(chunk_rows, monkeypatch):
+    """Long batches run the fast path in chunks of sequences; the chunking must not change results."""
+    import kernels.mla as mla
+
+    g = gen(11)
+    seq_lens, bs = [0, 5, 17, 16, 33], 16
+    kv_cache, table, rows = paged_cache(seq_lens, bs, torch.float32, g)
+    q = torch.randn(len(seq_lens), 2, 4, LAT + ROPE, generator=g)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    whole, _ = mla_decode(q, kv_cache, table, lens_t, 0.1, LAT, impl="torch", return_lse=False)
+    row_bytes = max(seq_lens) * (LAT + ROPE) * 4
+    monkeypatch.setattr(mla, "FAST_CHUNK_BYTES", chunk_rows * row_bytes)
+    chunked, _ = mla_decode(q, kv_cache, table, lens_t, 0.1, LAT, impl="torch", return_lse=False)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    want, _ = mla_naive(q, rows, seq_lens, 0.1)
+    assert_close(chunked, want, torch.float32)
