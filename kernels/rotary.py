@@ -6,12 +6,16 @@ Each pair of rotary dimensions (x_a, x_b) at position p is rotated by the angle 
 
 DeepSeek pairs adjacent dimensions (x0, x1), (x2, x3), ... ("interleaved"); the other layout pairs
 dimension i with i + R/2. The output is always written with all first members, then all second
-members (the fast float32 path keeps pairs interleaved instead). q and k go through the same permutation, so their dot product -- the only thing
-attention reads -- is unchanged, and the cache stores k_pe in this layout.
+members (the fast float32 CPU path keeps pairs interleaved instead). q and k go through the same
+permutation, so their dot product -- the only thing attention reads -- is unchanged, and the
+cache stores k_pe in this layout.
 
 YaRN (arXiv 2309.00071) blends interpolated (divided by `factor`) and original frequencies with
 a linear ramp between the correction dimensions of beta_fast and beta_slow rotations, and scales
 cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+
+Kernel layout: one program per (token, block of heads) over x viewed as [N, H, R]; it loads the
+pairs' two members as two [BLOCK_H, R/2] tiles and writes them back as the two halves.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from engine.config import RopeConfig, yarn_mscale
+from kernels.dispatch import resolve_impl
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -60,19 +67,122 @@ def rope_cos_sin_cache(rope: RopeConfig, dim: int, max_positions: int) -> tuple[
     return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [N, ..., R], cos/sin [N, R/2] (already gathered at each token's position) -> [N, ..., R]."""
+@triton.jit
+def rotary_kernel(
+    x_ptr,  # [N, H, R]
+    cos_ptr,  # [N, R/2]
+    sin_ptr,  # [N, R/2]
+    out_ptr,  # [N, H, R], may be x_ptr
+    stride_xn,
+    stride_xh,
+    stride_xr,
+    stride_cn,
+    stride_cr,
+    stride_sn,
+    stride_sr,
+    stride_on,
+    stride_oh,
+    stride_or,
+    num_heads,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)  # pair index
+    mask_i = offs_i < HALF
+    mask = (offs_h[:, None] < num_heads) & mask_i[None, :]  # [BLOCK_H, BLOCK_HALF]
+    if INTERLEAVED:
+        first, second = 2 * offs_i, 2 * offs_i + 1
+    else:
+        first, second = offs_i, offs_i + HALF
+    x_row = x_ptr + token * stride_xn + offs_h[:, None] * stride_xh
+    x1 = tl.load(x_row + first[None, :] * stride_xr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + second[None, :] * stride_xr, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + token * stride_cn + offs_i * stride_cr, mask=mask_i, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * stride_sn + offs_i * stride_sr, mask=mask_i, other=0.0).to(tl.float32)
+    out1 = x1 * c[None, :] - x2 * s[None, :]
+    out2 = x2 * c[None, :] + x1 * s[None, :]
+    # Every program loads its whole tile before storing, so out may alias x.
+    out_row = out_ptr + token * stride_on + offs_h[:, None] * stride_oh
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_row + offs_i[None, :] * stride_or, out1.to(out_ty), mask=mask)
+    tl.store(out_row + (offs_i[None, :] + HALF) * stride_or, out2.to(out_ty), mask=mask)
+
+
+def _apply_rotary_triton(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, out: torch.Tensor | None
+) -> torch.Tensor:
+    # (1) check
+    if x.dim() < 2:
+        raise ValueError(f"x must be [N, ..., R], got shape {tuple(x.shape)}")
+    n, r = x.shape[0], x.shape[-1]
+    if r % 2:
+        raise ValueError(f"the rotary width R must be even, got {r}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, r // 2):
+            raise ValueError(f"{name} must be [N={n}, R/2={r // 2}], got shape {tuple(t.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(
+            f"out must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(out.shape)}, {out.dtype}"
+        )
+    # (2) allocate
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out
+    x3 = x.reshape(n, -1, r)  # [N, H, R], H = the middle dims flattened (a view when possible)
+    try:
+        out3 = out.view(n, -1, r)
+    except RuntimeError as e:
+        raise ValueError(f"out must be viewable as [N, H, R], got strides {out.stride()}") from e
+    heads = x3.shape[1]
+    block_h = min(triton.next_power_of_2(heads), 16)
+    # (3) launch
+    rotary_kernel[(n, triton.cdiv(heads, block_h))](
+        x3,
+        cos,
+        sin,
+        out3,
+        *x3.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        *out3.stride(),
+        heads,
+        HALF=r // 2,
+        INTERLEAVED=interleaved,
+        BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(r // 2),
+    )
+    return out
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """x [N, ..., R], cos/sin [N, R/2] (already gathered at each token's position) -> [N, ..., R]
+    in x's dtype, written to `out` (which may be x itself) when given."""
+    if resolve_impl(impl, x, has_triton=True) == "triton":
+        return _apply_rotary_triton(x, cos, sin, interleaved, out)
     if interleaved and x.dtype == torch.float32:
         # One complex multiply per pair; the output keeps pairs interleaved (a fixed permutation of
         # the layout below, which q.k does not see). A slice that cannot be viewed as complex (odd
         # offset or stride, e.g. q[..., nope:] with an odd nope width) is copied rather than sent to
         # the reference: the layout must not depend on strides, or q and k could disagree.
-        if not _complex_viewable(x):
-            x = x.clone(memory_format=torch.contiguous_format)
+        xc = x if _complex_viewable(x) else x.clone(memory_format=torch.contiguous_format)
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         rot = torch.complex(cos, sin).view(shape)
-        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
-    return apply_rotary_ref(x, cos, sin, interleaved)
+        result = torch.view_as_real(torch.view_as_complex(xc.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+    else:
+        result = apply_rotary_ref(x, cos, sin, interleaved)
+    return result if out is None else out.copy_(result)
 
 
 def _complex_viewable(x: torch.Tensor) -> bool:

@@ -96,8 +96,7 @@ DISPATCHED = {
 @pytest.mark.parametrize("op", DISPATCHED)
 def test_dispatch(op):
     call = DISPATCHED[op]
-    with pytest.raises(NotImplementedError):
-        call("triton")
+    call("triton")  # every op has a kernel (interpreted on CPU); tests/test_triton_*.py check values
     for bad in ("cuda", "Torch", ""):
         with pytest.raises(ValueError, match="impl must be one of"):
             call(bad)

@@ -42,8 +42,11 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> y [N, D]; with a residual [N, D], -> (y of x + residual, x + residual), one kernel."""
+        return rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 class GatedMLP(nn.Module):

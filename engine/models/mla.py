@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import Linear, RMSNorm
 from kernels.attention import extend_attention
+from kernels.kv_store import store_kv
 from kernels.mla import mla_decode
 from kernels.rotary import apply_rotary
 
@@ -73,8 +74,7 @@ class MLAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa(x)  # [N, L+R]
         c_kv = self.kv_a_layernorm(kv_a[:, :L])
         k_pe = apply_rotary(kv_a[:, L:], cos, sin, self.interleaved)  # [N, R]
-        latent = torch.cat((c_kv, k_pe), dim=-1)  # [N, L+R]
-        kv_cache.view(-1, L + self.rope_dim).index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
+        store_kv(c_kv, k_pe, kv_cache, batch.slot_mapping)
 
         out = x.new_empty(n, H, self.v_dim)
         d = batch.num_decodes
@@ -83,7 +83,7 @@ class MLAttention(nn.Module):
         for seq in batch.prefills:
             s, e = seq.q_start, seq.q_start + seq.q_len
             if seq.ctx_len == seq.q_len:  # nothing cached before: the chunk's own latents are the context
-                ctx = latent[s:e]
+                ctx = torch.cat((c_kv[s:e], k_pe[s:e]), dim=-1)  # [q_len, L+R]
             else:
                 ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(x.dtype)
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)

@@ -1,0 +1,119 @@
+"""Write each token's MLA cache row into the paged latent KV cache.
+
+    kv_cache[slot // block_size, slot % block_size] = [latent ; k_pe]   (cast to the cache dtype)
+
+One row per token: the normalised KV latent c_kv (width L) and the rotary key k_pe (width R)
+side by side. A slot of -1 means "no cache row for this token" (e.g. a padding token) and is
+skipped: the cache is left untouched there.
+
+Kernel layout: one program per token; it loads its slot and, when the slot is valid, copies the
+two pieces into the row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import resolve_impl
+
+
+@triton.jit
+def store_kv_kernel(
+    latent_ptr,  # [N, L]
+    k_pe_ptr,  # [N, R]
+    kv_cache_ptr,  # [num_blocks, block_size, L + R]
+    slot_ptr,  # [N] int32 or int64
+    stride_ln,
+    stride_pn,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    block_size,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    row = kv_cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    cache_ty = kv_cache_ptr.dtype.element_ty
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = (offs_l < L) & valid
+    latent = tl.load(latent_ptr + token * stride_ln + offs_l, mask=mask_l)
+    tl.store(row + offs_l * stride_cd, latent.to(cache_ty), mask=mask_l)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = (offs_r < R) & valid
+    k_pe = tl.load(k_pe_ptr + token * stride_pn + offs_r, mask=mask_r)
+    tl.store(row + (L + offs_r) * stride_cd, k_pe.to(cache_ty), mask=mask_r)
+
+
+def _check(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    n, width = latent.shape[0], latent.shape[-1] + k_pe.shape[-1]
+    if latent.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != n:
+        raise ValueError(
+            f"latent and k_pe must be [N, L] and [N, R], got {tuple(latent.shape)} and {tuple(k_pe.shape)}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size, L+R={width}], got {tuple(kv_cache.shape)}"
+        )
+    if slot_mapping.shape != (n,):
+        raise ValueError(f"slot_mapping must be [N={n}], got shape {tuple(slot_mapping.shape)}")
+
+
+def _store_kv_triton(
+    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # (1) check (2) nothing to allocate (3) launch
+    _check(latent, k_pe, kv_cache, slot_mapping)
+    n, lat, rope = latent.shape[0], latent.shape[1], k_pe.shape[1]
+    if n == 0:
+        return
+    if latent.stride(1) != 1:
+        latent = latent.contiguous()
+    if k_pe.stride(1) != 1:
+        k_pe = k_pe.contiguous()
+    store_kv_kernel[(n,)](
+        latent,
+        k_pe,
+        kv_cache,
+        slot_mapping.contiguous(),
+        latent.stride(0),
+        k_pe.stride(0),
+        *kv_cache.stride(),
+        kv_cache.shape[1],
+        L=lat,
+        R=rope,
+        BLOCK_L=triton.next_power_of_2(lat),
+        BLOCK_R=triton.next_power_of_2(rope),
+    )
+
+
+def store_kv(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    impl: str = "auto",
+) -> None:
+    """latent [N, L], k_pe [N, R], kv_cache [num_blocks, block_size, L+R] (written in place),
+    slot_mapping [N] int (block_id * block_size + offset, or -1 to skip the token)."""
+    if resolve_impl(impl, kv_cache, has_triton=True) == "triton":
+        _store_kv_triton(latent, k_pe, kv_cache, slot_mapping)
+    else:
+        store_kv_ref(latent, k_pe, kv_cache, slot_mapping)
+
+
+def store_kv_ref(
+    latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _check(latent, k_pe, kv_cache, slot_mapping)
+    rows = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)  # [N, L+R]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        rows, slot_mapping = rows[valid], slot_mapping[valid]
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, rows)
