@@ -11,13 +11,347 @@ KV "head" of width L + R (the cache row itself) and a value of width L:
 
 With s_q > 1 query positions per sequence (MTP verification) the queries are the last s_q
 positions, and query i sees keys j <= seq_len - s_q + i (causal).
+
+The Triton kernel is split-K ("flash decoding") in two stages. All s_q * H query rows of a
+sequence share its one KV head, so a program takes BLOCK_M of them at once and each key tile it
+reads feeds a [BLOCK_M, BLOCK_N] GEMM. Decode batches are small, so a sequence's keys are also
+cut into num_splits ranges that run as separate programs:
+
+    stage 1, program (b, rows, split):  online softmax over the split's keys, BLOCK_N at a time
+        m = max_j s_j,  l = sum_j exp(s_j - m),  o_split = sum_j exp(s_j - m) v_j / l,
+        lse_split = m + log l                              (an empty range: o = 0, lse = -inf)
+    stage 2, program (b, rows):  o = sum_s exp(lse_s - lse) o_s,  lse = log sum_s exp(lse_s)
+
+Keys are read through the block table: key n of sequence b is row n % block_size of cache
+block block_table[b, n // block_size]. The latent part of a key row is also its value, so it
+is loaded once and used by both GEMMs.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.dispatch import resolve_impl
+
+# --- Triton kernels -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_ptr,  # [B, s_q, H, L+R]
+    kv_ptr,  # [num_blocks, block_size, L+R]
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    o_ptr,  # [B, s_q*H, num_splits, L]: float32 partials, or the output itself with one split
+    lse_ptr,  # [B, s_q*H, num_splits] float32
+    scale_log2,  # scale * log2(e): the softmax runs in base 2
+    num_splits,
+    s_q,
+    num_heads,
+    block_size,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kv_block,
+    stride_kv_row,
+    stride_table_b,
+    stride_ob,
+    stride_om,
+    stride_os,
+    stride_lse_b,
+    stride_lse_m,
+    stride_lse_s,
+    LAT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: a tile of keys lies in one block
+):
+    # int64 offsets: a large cache holds more than 2^31 elements.
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + pid_b).to(tl.int64)
+    # This split's keys: a BLOCK_N-aligned slice of the sequence.
+    keys_per_split = (seq_len + num_splits - 1) // num_splits
+    keys_per_split = (keys_per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    split_start = pid_s * keys_per_split
+    split_end = tl.minimum(split_start + keys_per_split, seq_len)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = query index * H + head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    row_mask = offs_m < s_q * num_heads
+    lat_mask = offs_l < LAT
+    rope_mask = offs_r < ROPE
+    query = offs_m // num_heads
+    # The last key each row sees (causal). Splits are BLOCK_N-aligned, so a tile runs past its
+    # split's end only at seq_len, which this already excludes.
+    last_key = seq_len - s_q + query  # [BLOCK_M]
+
+    q_rows = q_ptr + pid_b * stride_qb + query * stride_qs + (offs_m % num_heads) * stride_qh
+    q_lat = tl.load(q_rows[:, None] + offs_l[None, :], mask=row_mask[:, None] & lat_mask[None, :], other=0.0)
+    q_pe = tl.load(
+        q_rows[:, None] + LAT + offs_r[None, :], mask=row_mask[:, None] & rope_mask[None, :], other=0.0
+    )
+    q_lat = q_lat.to(tl.float32)  # [BLOCK_M, BLOCK_L]
+    q_pe = q_pe.to(tl.float32)  # [BLOCK_M, BLOCK_R]
+
+    table_row = block_table_ptr + pid_b * stride_table_b
+    offs_kv_n = offs_n * stride_kv_row
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.full([BLOCK_M, BLOCK_L], 0.0, tl.float32)
+    for start_n in range(split_start, split_end, BLOCK_N):
+        # Masked lanes load nothing (other=0): cache rows past seq_len (stale, NaN) are never read,
+        # and neither are table columns past the last block.
+        key_mask = offs_n < split_end - start_n  # [BLOCK_N]
+        if TILE_IN_BLOCK:  # one table entry per tile
+            page = tl.load(table_row + start_n // block_size).to(tl.int64)
+            kv_rows = kv_ptr + page * stride_kv_block + (start_n % block_size) * stride_kv_row + offs_kv_n
+        else:  # small or odd block sizes: each key's own entry
+            keys = start_n + offs_n
+            page = tl.load(table_row + keys // block_size, mask=key_mask, other=0).to(tl.int64)
+            kv_rows = kv_ptr + page * stride_kv_block + (keys % block_size) * stride_kv_row
+        k_lat = tl.load(
+            kv_rows[:, None] + offs_l[None, :], mask=key_mask[:, None] & lat_mask[None, :], other=0.0
+        )
+        k_pe = tl.load(
+            kv_rows[:, None] + LAT + offs_r[None, :], mask=key_mask[:, None] & rope_mask[None, :], other=0.0
+        )
+        k_lat = k_lat.to(tl.float32)  # [BLOCK_N, BLOCK_L], the key's latent part and the value
+        k_pe = k_pe.to(tl.float32)  # [BLOCK_N, BLOCK_R]
+
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=INPUT_PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        visible = offs_n[None, :] <= (last_key - start_n)[:, None]
+        s = tl.where(visible, s * scale_log2, float("-inf"))  # masked before exp: never NaN
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p, k_lat, acc=acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln 2: base e
+
+    o_rows = o_ptr + pid_b * stride_ob + offs_m * stride_om + pid_s * stride_os
+    tl.store(
+        o_rows[:, None] + offs_l[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & lat_mask[None, :],
+    )
+    tl.store(
+        lse_ptr + pid_b * stride_lse_b + offs_m * stride_lse_m + pid_s * stride_lse_s, lse, mask=row_mask
+    )
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    o_part_ptr,  # [B, s_q*H, num_splits, L] float32
+    lse_part_ptr,  # [B, s_q*H, num_splits] float32
+    o_ptr,  # [B, s_q*H, L]
+    lse_ptr,  # [B, s_q*H] float32
+    num_splits,
+    num_rows,
+    stride_pb,
+    stride_pm,
+    stride_ps,
+    stride_plb,
+    stride_plm,
+    stride_pls,
+    stride_ob,
+    stride_om,
+    stride_lse_b,
+    stride_lse_m,
+    LAT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_s = tl.arange(0, BLOCK_S)
+    row_mask = offs_m < num_rows
+    tile_mask = row_mask[:, None] & (offs_l[None, :] < LAT)
+
+    lse_rows = lse_part_ptr + pid_b * stride_plb + offs_m * stride_plm  # [BLOCK_M]
+    lse_all = tl.load(
+        lse_rows[:, None] + offs_s[None, :] * stride_pls,
+        mask=row_mask[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+    )  # [BLOCK_M, BLOCK_S]
+    lse_max = tl.max(lse_all, axis=1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights exp(-inf) = 0
+    denom = tl.sum(tl.exp(lse_all - lse_max[:, None]), axis=1)
+
+    o_tiles = o_part_ptr + pid_b * stride_pb + offs_m[:, None] * stride_pm + offs_l[None, :]
+    acc = tl.full([BLOCK_M, BLOCK_L], 0.0, tl.float32)
+    for _ in range(num_splits):
+        weight = tl.exp(tl.load(lse_rows, mask=row_mask, other=float("-inf")) - lse_max)  # [BLOCK_M]
+        acc += weight[:, None] * tl.load(o_tiles, mask=tile_mask, other=0.0)  # an empty split holds 0
+        lse_rows += stride_pls
+        o_tiles += stride_ps
+
+    seen = denom > 0.0
+    denom_safe = tl.where(seen, denom, 1.0)
+    o = acc / denom_safe[:, None]
+    lse = tl.where(seen, lse_max + tl.log(denom_safe), float("-inf"))
+    o_tiles = o_ptr + pid_b * stride_ob + offs_m[:, None] * stride_om + offs_l[None, :]
+    tl.store(o_tiles, o.to(o_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(lse_ptr + pid_b * stride_lse_b + offs_m * stride_lse_m, lse, mask=row_mask)
+
+
+# --- launch ---------------------------------------------------------------------------------------
+
+BLOCK_M = 16
+"""Query rows (s_q * H flattened) per program; 16 is the smallest tl.dot tile."""
+BLOCK_N = 32
+"""Keys per step of the online softmax: 32, or 16 where that divides the cache block size and 32
+does not (a tile within one block needs a single table lookup)."""
+MIN_KEYS_PER_SPLIT = 256
+"""The default split count gives a table filled to capacity at least this many keys per split."""
+MAX_SPLITS = 32
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_num_splits(batch: int, row_blocks: int, max_keys: int, num_sms: int) -> int:
+    """Split the keys until the (batch x row-block x split) grid covers every SM about once, but
+    keep each split at least MIN_KEYS_PER_SPLIT keys long. max_keys is the block table's capacity,
+    an upper bound known without reading seq_lens back from the device."""
+    by_occupancy = triton.cdiv(num_sms, max(batch * row_blocks, 1))
+    by_length = triton.cdiv(max_keys, MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _check(q, kv_cache, block_table, seq_lens, kv_lora_rank, num_splits) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, s_q, H, L+R], got shape {tuple(q.shape)}")
+    batch, _, _, width = q.shape
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, {width}], got {tuple(kv_cache.shape)}")
+    if not 0 < kv_lora_rank < width:
+        raise ValueError(f"kv_lora_rank must be in (0, {width}), got {kv_lora_rank}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"block_table must be int32 [{batch}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if q.dtype not in FLOAT_DTYPES or kv_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q and kv_cache must be one of {FLOAT_DTYPES}, got {q.dtype} and {kv_cache.dtype}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dimension")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+    if len({t.device for t in (q, kv_cache, block_table, seq_lens)}) != 1:
+        raise ValueError("q, kv_cache, block_table and seq_lens must be on one device")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton path of mla_decode: (1) check, (2) allocate, (3) launch stage 1 and, with more
+    than one split, the merge."""
+    _check(q, kv_cache, block_table, seq_lens, kv_lora_rank, num_splits)
+    batch, s_q, heads, width = q.shape
+    lat, rope = kv_lora_rank, width - kv_lora_rank
+    rows = s_q * heads
+    row_blocks = triton.cdiv(rows, BLOCK_M)
+    block_size = kv_cache.shape[1]
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        num_splits = default_num_splits(batch, row_blocks, block_table.shape[1] * block_size, num_sms)
+
+    o = torch.empty(batch, s_q, heads, lat, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, s_q, heads, dtype=torch.float32, device=q.device)
+    if batch == 0 or rows == 0:
+        return o, lse
+    o_rows, lse_rows = o.view(batch, rows, lat), lse.view(batch, rows)  # [B, s_q*H, L], [B, s_q*H]
+    if num_splits == 1:  # stage 1 writes the final result (its split index is always 0)
+        o_part, lse_part = o_rows[:, :, None, :], lse_rows[:, :, None]
+    else:
+        o_part = torch.empty(batch, rows, num_splits, lat, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device)
+
+    block_n = 16 if block_size % BLOCK_N != 0 and block_size % 16 == 0 else BLOCK_N
+    block_l = max(16, triton.next_power_of_2(lat))
+    block_r = max(16, triton.next_power_of_2(rope))
+    # fp32 inputs get exact fp32 products; bf16/fp16 values are exact in tf32, so their q.k is too
+    # (only the probabilities in p @ v are rounded to tf32).
+    exact = torch.float32 in (q.dtype, kv_cache.dtype)
+    _mla_decode_split_kernel[(batch, row_blocks, num_splits)](
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        o_part,
+        lse_part,
+        scale * 1.4426950408889634,  # log2(e)
+        num_splits,
+        s_q,
+        heads,
+        block_size,
+        *q.stride()[:3],
+        *kv_cache.stride()[:2],
+        block_table.stride(0),
+        *o_part.stride()[:3],
+        *lse_part.stride(),
+        LAT=lat,
+        ROPE=rope,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        INPUT_PRECISION="ieee" if exact else "tf32",
+        TILE_IN_BLOCK=block_size % block_n == 0,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _mla_decode_merge_kernel[(batch, row_blocks)](
+            o_part,
+            lse_part,
+            o_rows,
+            lse_rows,
+            num_splits,
+            rows,
+            *o_part.stride()[:3],
+            *lse_part.stride(),
+            *o_rows.stride()[:2],
+            *lse_rows.stride(),
+            LAT=lat,
+            BLOCK_M=BLOCK_M,
+            BLOCK_L=block_l,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return o, lse
+
+
+# --- public API -----------------------------------------------------------------------------------
 
 
 def mla_decode(
@@ -29,14 +363,21 @@ def mla_decode(
     kv_lora_rank: int,
     impl: str = "auto",
     return_lse: bool = True,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B, s_q, H, L+R], kv_cache [num_blocks, block_size, L+R], block_table [B, max_blocks] int32,
     seq_lens [B] int32 (including the s_q new tokens) -> (o [B, s_q, H, L] in q's dtype, lse [B, s_q, H] float32).
-    With return_lse=False the lse is None and the PyTorch path skips computing it."""
-    resolve_impl(impl, q, has_triton=False)
+    With return_lse=False the lse is None and the PyTorch path skips computing it. num_splits
+    (Triton only) overrides how many ranges each sequence's keys are cut into."""
+    if resolve_impl(impl, q, has_triton=True) == "triton":
+        o, lse = mla_decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits)
+        return o, lse if return_lse else None
     if return_lse:
         return mla_decode_ref(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), None
+
+
+# --- PyTorch paths --------------------------------------------------------------------------------
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_table: torch.Tensor, max_len: int) -> torch.Tensor:
