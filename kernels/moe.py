@@ -5,16 +5,236 @@
 Experts are stored fused: w13[E, 2I, H] (gate rows then up rows) and w2[E, H, I]. Expert ids of
 -1 (experts that live on another rank under expert parallelism) contribute nothing.
 
+The Triton path (vLLM's fused_moe) works on the T*K (token, k) pairs, pair p = t * K + k:
+
+1. `moe_align_block_size` sorts the pair ids by expert and pads each expert's segment to a
+   multiple of BLOCK_M with the sentinel T*K, so that every BLOCK_M block of the sorted list
+   belongs to one expert (`expert_ids[block]`). Pairs routed to -1 are left out entirely.
+2. `fused_moe_kernel`, a grouped GEMM over (padded M blocks x N blocks): a program gathers its
+   block's rows of A, multiplies them by its expert's weight tile and scatters the result to the
+   rows of C named by the pair ids. It runs twice:
+       gate_up[p] = x[p // K] @ w13[e]^T                 [T*K, 2I]
+       out_k[p]   = w[p] * (silu(gate) * up)[p] @ w2[e]^T   [T*K, H]   (MUL_ROUTED_WEIGHT)
+3. out[t] = sum_k out_k[t, k]; the rows of -1 pairs are never written and stay zero.
+
 The reference sorts the (token, k) pairs by expert and runs one GEMM pair per expert that has
-tokens; the Triton kernel does the same over padded expert blocks in one launch.
+tokens (or two batched GEMMs over padded experts when the loads are even).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels.dispatch import resolve_impl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def fused_moe_kernel(
+    a_ptr,  # [rows, K]: x (row = pair // TOP_K) or the activations (TOP_K = 1: row = pair)
+    b_ptr,  # [E, N, K]: w13 or w2; C = A @ B[e]^T
+    c_ptr,  # [T*K, N]: one row per (token, k) pair
+    topk_weights_ptr,  # [T*K] routing weights, contiguous
+    sorted_token_ids_ptr,  # [max_padded] pair ids grouped by expert, padded with num_pairs
+    expert_ids_ptr,  # [num_blocks] the expert of each BLOCK_M block of sorted_token_ids
+    num_tokens_post_padded_ptr,  # [1] length of the used part of sorted_token_ids
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # The grid covers the worst-case padding, known without a device sync; blocks past the end
+    # of the real padding have nothing to do.
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)  # int64: E * stride_be passes 2^31
+    if expert == -1:  # non-local pairs; moe_align_block_size emits -1 only past the end
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)  # [BLOCK_M]
+    pair_mask = offs_pair < num_pairs  # the sentinel num_pairs pads the expert's last block
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (offs_pair // TOP_K)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    # Tiles are widened to fp32 before any arithmetic (bf16 math is wrong in the interpreter).
+    # 16-bit values are exact in tf32, so the tf32 dot is exact products with fp32 accumulation;
+    # fp32 inputs ask for the full-precision dot.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if MUL_ROUTED_WEIGHT:  # weights before the sum over k, as the reference applies them
+        weight = tl.load(topk_weights_ptr + offs_pair, mask=pair_mask, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + offs_pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] in [-1, E) -> (sorted_token_ids [T*K + E*(bs-1)] int32,
+    expert_ids [cdiv(T*K + E*(bs-1), bs)] int32, num_tokens_post_padded [1] int32).
+
+    sorted_token_ids holds the flat pair ids p = t * K + k grouped by expert in expert order (within
+    an expert in pair order), each expert's segment padded to a multiple of block_size with the
+    sentinel T*K; experts without pairs get no segment. Its length is the worst case, so nothing
+    here waits on the device; entries past num_tokens_post_padded (the padded total) are sentinels.
+    expert_ids[i] is the expert of sorted_token_ids[i*bs : (i+1)*bs], -1 for blocks past the end.
+    Pairs routed to -1 are left out entirely (they get no slot and no block), so a -1 block never
+    precedes num_tokens_post_padded. Ids >= E are a caller error (an index error, not checked).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_padded = num_pairs + num_experts * (block_size - 1)
+    # Pairs routed to -1 go to a spare bucket E, which sorts last and is dropped.
+    flat = topk_ids.reshape(-1).long()  # [T*K]
+    bucket = torch.where(flat < 0, num_experts, flat)  # [T*K] in [0, E]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # [E+1]; bincount would sync on CUDA
+    padded = (counts[:num_experts] + block_size - 1) // block_size * block_size  # [E]
+    seg_end = torch.cumsum(padded, 0)  # [E] end of each expert's segment
+    seg_start = seg_end - padded  # [E]
+
+    order = torch.argsort(bucket, stable=True)  # [T*K] pair ids grouped by bucket
+    sorted_bucket = bucket[order]
+    bucket_first = torch.cumsum(counts, 0) - counts  # [E+1] where each bucket starts in `order`
+    rank = torch.arange(num_pairs, device=device) - bucket_first[sorted_bucket]  # index in bucket
+    dest = seg_start[sorted_bucket.clamp(max=num_experts - 1)] + rank  # [T*K] slot of each pair
+    dest = torch.where(sorted_bucket < num_experts, dest, max_padded)  # -1 pairs: the spare slot
+    sorted_ids = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:max_padded]  # drop the spare slot
+
+    num_blocks = triton.cdiv(max_padded, block_size)
+    block_start = torch.arange(num_blocks, device=device) * block_size  # [blocks]
+    # The expert owning position s is the first whose segment ends after s (empty ones end at s).
+    expert_ids = torch.searchsorted(seg_end, block_start, right=True)  # [blocks] in [0, E]
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, seg_end[-1:].to(torch.int32)
+
+
+def moe_block_sizes(num_tokens: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): vLLM's defaults where it has no tuned config -- 16-row blocks
+    when experts see about a token each (decode), else 64-row blocks. BLOCK_M is also the
+    alignment of moe_align_block_size."""
+    if num_tokens <= num_experts:
+        return 16, 32, 64
+    return 64, 64, 32
+
+
+def _grouped_gemm(a, b, c, topk_weights, sorted_ids, expert_ids, num_post, top_k, mul_weight, blocks):
+    """c[p] = (w[p] *) a[p // top_k] @ b[expert of p]^T for the pairs p in sorted_ids."""
+    block_m, block_n, block_k = blocks
+    n, k = b.shape[1], b.shape[2]
+    grid = (triton.cdiv(sorted_ids.numel(), block_m), triton.cdiv(n, block_n))
+    fused_moe_kernel[grid](
+        a,
+        b,
+        c,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        n,
+        k,
+        c.shape[0],
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        c.stride(1),
+        TOP_K=top_k,
+        MUL_ROUTED_WEIGHT=mul_weight,
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_sizes: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """fused_moe's Triton path; block_sizes (BLOCK_M, BLOCK_N, BLOCK_K) default to moe_block_sizes."""
+    # (1) check
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {x.shape}, {w13.shape}, {w2.shape}"
+        )
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden:
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E, 2I, H] and [E, H, I] with H={hidden}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be [T={num_tokens}, K]"
+        )
+    if x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(
+            f"x, w13, w2 must share one of {FLOAT_DTYPES}; got {x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if not (x.device == w13.device == w2.device == topk_weights.device == topk_ids.device):
+        raise ValueError("x, w13, w2, topk_weights and topk_ids must be on one device")
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    blocks = block_sizes or moe_block_sizes(num_tokens, num_experts)
+
+    # (2) allocate
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, blocks[0], num_experts)
+    topk_weights = topk_weights.contiguous()  # indexed by flat pair id
+    gate_up = x.new_empty(num_tokens * top_k, 2 * inter)  # [T*K, 2I]; rows of -1 pairs unused
+    out_k = x.new_zeros(num_tokens, top_k, hidden)  # [T, K, H]; rows of -1 pairs stay zero
+
+    # (3) launch
+    _grouped_gemm(x, w13, gate_up, topk_weights, sorted_ids, expert_ids, num_post, top_k, False, blocks)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T*K, I], the reference's arithmetic
+    out_rows = out_k.view(num_tokens * top_k, hidden)  # [T*K, H]
+    _grouped_gemm(act, w2, out_rows, topk_weights, sorted_ids, expert_ids, num_post, 1, True, blocks)
+    return out_k.sum(dim=1)  # [T, H]; 16-bit sums accumulate in fp32
 
 
 def fused_moe(
@@ -26,7 +246,8 @@ def fused_moe(
     impl: str = "auto",
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in x's dtype."""
-    resolve_impl(impl, x, has_triton=False)
+    if resolve_impl(impl, x, has_triton=True) == "triton":
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
