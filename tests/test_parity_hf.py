@@ -20,9 +20,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-
-pytest.importorskip("transformers")
-
 from tests.hf_reference import VARIANTS, Reference, build_hf_checkpoint, decisive_references
 
 PROMPT_LENS = (1, 7, 16, 23)
