@@ -8,14 +8,11 @@
     weights = scores (unbiased) of the chosen experts, normalised to sum 1 when norm_topk_prob,
               times routed_scaling_factor
 
-Ties. The reference breaks ties with `torch.topk`, as the HF reference does, so the two agree
-everywhere. That choice among exactly equal values is an accident of the implementation: on CPU
-`torch.topk` partitions with std::nth_element and does not prefer the lowest index (for k < n
-and n >= 4 it often picks a higher one), and CUDA runs another algorithm with no documented tie
-order either. The kernel uses a fixed, device-independent rule -- among equal values the lowest
-index wins, for groups and experts alike -- so it matches the reference whenever no exact tie
-decides the choice. Exact ties need bit-equal float32 scores, which router logits computed from
-real activations essentially never give.
+Ties. Among exactly equal values the lowest index wins, for groups and experts alike, in the
+reference and the kernel: a fixed, device-independent rule. (`torch.topk`, which the HF
+reference uses, has no tie order -- on CPU it partitions with std::nth_element and often picks a
+higher index -- so the reference takes its top-k with a stable sort instead. Without exact ties,
+which router scores from real activations essentially never have, the choice is the same.)
 The order of the k chosen experts is unspecified in both.
 
 Kernel layout: one program per BLOCK_T tokens. The logits are loaded as a [BLOCK_T, BLOCK_E]
@@ -215,6 +212,11 @@ def grouped_topk(
     return grouped_topk_ref(*args)
 
 
+def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values along the last dim; among equal values the lowest index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def grouped_topk_ref(
     scores_logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -240,12 +242,12 @@ def grouped_topk_ref(
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         else:
             group_scores = grouped.max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_idx = _top_indices(group_scores, topk_group)
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
         # -inf keeps masked experts out even when every kept score is negative (biased V3 choice).
         choice = choice.masked_fill(~score_mask.bool(), float("-inf") if bias is not None else 0.0)
-    topk_ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_ids = _top_indices(choice, top_k)
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)

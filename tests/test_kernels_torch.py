@@ -416,36 +416,43 @@ GATE_CASES = {
 }
 
 
+def topk_lowest(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk with a tie rule: among equal values the lowest index (torch.topk has none)."""
+    idx = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+    return values.gather(-1, idx), idx
+
+
 def hf_route_one(logits: torch.Tensor, bias, n_group, topk_group, top_k, norm, scaling, scoring):
     """One token [1, E] through HF's DeepseekV3TopkRouter (bias given) or DeepseekV2TopkRouter
-    (no bias; group_limited_greedy, or greedy when n_group == 1), transcribed."""
+    (no bias; group_limited_greedy, or greedy when n_group == 1), transcribed, with the engine's
+    lowest-index tie rule in place of torch.topk's unspecified one."""
     num_experts = logits.shape[-1]
     logits = logits.float()
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1, dtype=torch.float32)
     if bias is not None:
         choice = scores + bias
         group_scores = choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_idx = topk_lowest(group_scores, topk_group)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = (
             group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
         )
         choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        ids = topk_lowest(choice, top_k)[1]
         weights = scores.gather(1, ids)
         if norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * scaling, ids
     if n_group == 1:
-        weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+        weights, ids = topk_lowest(scores, top_k)
     else:
         group_scores = scores.view(-1, n_group, num_experts // n_group).max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_idx = topk_lowest(group_scores, topk_group)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
         score_mask = (
             group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
         )
-        weights, ids = torch.topk(scores.masked_fill(~score_mask.bool(), 0.0), k=top_k, dim=-1, sorted=False)
+        weights, ids = topk_lowest(scores.masked_fill(~score_mask.bool(), 0.0), top_k)
     return weights * scaling, ids
 
 

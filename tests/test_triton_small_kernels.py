@@ -43,11 +43,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 # --- grouped top-k routing -----------------------------------------------------------------------
 #
-# Ties: torch.topk on CPU does not prefer the lowest index among equal values (it partitions with
-# std::nth_element), and CUDA's topk differs again, so the reference's choice among exactly tied
-# experts is an accident of the implementation. The kernel takes the lowest index. It is held to
-# the reference where no tie decides the choice, and to `route_lowest_index` below -- the same
-# routing with a stable sort in place of topk -- everywhere, ties included.
+# Ties: the reference and the kernel both take the lowest index among equal values (torch.topk
+# has no tie order, so the reference uses a stable sort). The kernel is held to the reference and
+# to `route_lowest_index` below, an independent transcription of the same rule, ties included.
 
 # name -> (E, n_group, topk_group, top_k, scoring, biased, norm_topk_prob, routed_scaling_factor)
 GATE_CASES = {
@@ -131,9 +129,10 @@ def test_grouped_topk(case, ties, dtype):
     assert weights.shape == ids.shape == (GATE_TOKENS, top_k)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     weights, ids = by_expert(weights.cpu(), ids.cpu())
-    want = [by_expert(*route_lowest_index(logits, bias, *args))]
-    if not ties:  # with no ties, the HF-faithful reference makes the very same choice
-        want.append(by_expert(*grouped_topk_ref(logits, bias, *args)))
+    want = [
+        by_expert(*route_lowest_index(logits, bias, *args)),
+        by_expert(*grouped_topk_ref(logits, bias, *args)),
+    ]
     for want_w, want_ids in want:
         assert ids.tolist() == want_ids.tolist(), f"logits {logits.tolist()}"
         torch.testing.assert_close(weights, want_w, **TOL[torch.float32])
