@@ -1,6 +1,6 @@
 """DeepSeek-V2 and DeepSeek-V3 causal LMs (one class: V3 is V2 with sigmoid, bias-corrected routing).
 
-Layer i: h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h)), where FFN is a dense SwiGLU MLP for the
+Layer i: h += MLA(RMSNorm(h)); h += FFN(RMSNorm(h)) (each add fused into the next norm), where FFN is a dense SwiGLU MLP for the
 first `first_k_dense_replace` layers and a DeepSeekMoE block after. The forward works on the
 flat batch (see engine/forward_batch.py), never on padded [B, T] tensors.
 """
@@ -31,9 +31,24 @@ class DecoderLayer(nn.Module):
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         )
 
-    def forward(self, h, cos, sin, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos,
+        sin,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output, residual: the stream before it (None for layer 0).
+        Each residual add is fused into the following RMSNorm. -> (mlp output, residual stream)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, batch, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -56,11 +71,11 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
-        h = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, batch, kv_cache)
-        return self.norm(h)
+            x, residual = layer(x, residual, cos, sin, batch, kv_cache)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] -> logits [M, vocab] float32."""
