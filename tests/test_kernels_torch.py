@@ -23,34 +23,9 @@ from kernels.mla import mla_decode
 from kernels.moe import fused_moe
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, rope_cos_sin_cache, rope_inv_freq
+from tests.kernel_testing import DTYPE_ID, TOL, assert_close, gen, one_thread  # noqa: F401 (fixture)
 
-# Per-dtype tolerances against a float64 reference. float32 paths differ from it only by rounding
-# and summation order; bfloat16 paths round inputs and intermediates (scores, probabilities,
-# activations) to 8 mantissa bits.
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
-DTYPES = [torch.float32, torch.bfloat16]
-DTYPE_ID = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation, which on a busy 2-core
-    machine makes each op tens of times slower. Restored for the modules that follow."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.double(), expected.double(), **TOL[dtype])
+DTYPES = [torch.float32, torch.bfloat16]  # the references' dtypes (the Triton tests add float16)
 
 
 # --- dispatch -------------------------------------------------------------------------------------

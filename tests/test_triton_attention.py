@@ -14,28 +14,8 @@ import pytest
 import torch
 
 from kernels.attention import extend_attention, extend_attention_triton, merge_attn_states
+from tests.kernel_testing import DTYPE_ID, DTYPES, assert_close, one_thread  # noqa: F401 (fixture)
 from tests.test_kernels_torch import D_QK, D_V, attend_subset, extend_naive, gen
-from tests.test_kernels_torch import DTYPE_ID as TORCH_DTYPE_ID
-from tests.test_kernels_torch import TOL as TORCH_TOL
-
-# float16 keeps 11 significant bits: only the output's final rounding (2**-11 relative) differs
-# from float64, since the kernel computes in float32.
-TOL = {**TORCH_TOL, torch.float16: dict(atol=2e-3, rtol=2e-3)}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_ID = {**TORCH_DTYPE_ID, torch.float16: "fp16"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.double(), expected.double(), **TOL[dtype])
 
 
 def extend_inputs(n: int, ctx: int, heads: int, d_qk: int, d_v: int, dtype: torch.dtype, seed: int = 11):

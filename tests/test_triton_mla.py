@@ -17,31 +17,15 @@ import pytest
 import torch
 
 from kernels.mla import default_num_splits, mla_decode
-from tests.test_kernels_torch import DTYPE_ID, LAT, ROPE, gen, mla_naive, paged_cache
+from tests.kernel_testing import DTYPE_ID, DTYPES, TOL, one_thread  # noqa: F401 (fixture)
+from tests.test_kernels_torch import LAT, ROPE, gen, mla_naive, paged_cache
 
-# Per-dtype tolerances for o against float64. All kernel arithmetic is float32, so the error is the
-# final rounding of o to the input dtype (plus a few float32 ulps).
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
 LSE_TOL = dict(atol=1e-5, rtol=1e-5)  # the lse stays float32 whatever the input dtype
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_NAME = {**DTYPE_ID, torch.float16: "fp16"}
 
 SEQ_LENS = {  # name -> seq_lens [B] as a function of the block size
     "0,1,bs+1": lambda bs: [0, 1, bs + 1],  # empty, a single token, one past a block multiple
     "bs,2,2bs+1": lambda bs: [bs, 2, 2 * bs + 1],  # an exact multiple, fewer keys than s_q = 3
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def nan_poisoned(kv_cache: torch.Tensor, table: torch.Tensor, seq_lens: list[int]):
@@ -95,7 +79,7 @@ MLA_CASES = [
         DTYPES[i % len(DTYPES)],
         splits,
         id=f"B3-S{s_q}-H{heads}-bs{bs}-lens[{','.join(map(str, SEQ_LENS[lens](bs)))}]"
-        f"-{DTYPE_NAME[DTYPES[i % len(DTYPES)]]}-splits{splits}",
+        f"-{DTYPE_ID[DTYPES[i % len(DTYPES)]]}-splits{splits}",
     )
     for i, (lens, s_q, heads, bs, splits) in enumerate(SHAPES)
 ]

@@ -12,27 +12,11 @@ import pytest
 import torch
 
 from kernels.moe import fused_moe, fused_moe_triton, moe_align_block_size
+from tests.kernel_testing import DTYPE_ID, DTYPES, assert_close, one_thread  # noqa: F401 (fixture)
 from tests.test_kernels_torch import INTER, gen, moe_naive
-from tests.test_kernels_torch import TOL as TORCH_TOL
 
 HIDDEN = 40  # with moe_naive's INTER = 20: neither a power of two nor a multiple of any block
 # float16 rounds inputs, gate_up, activations and the weighted rows to 11 mantissa bits.
-TOL = {**TORCH_TOL, torch.float16: dict(atol=5e-3, rtol=5e-3)}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.double(), expected.double(), **TOL[dtype])
 
 
 # --- moe_align_block_size ----------------------------------------------------------------------------

@@ -19,26 +19,9 @@ from kernels.gate import grouped_topk, grouped_topk_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, rope_cos_sin_cache
+from tests.kernel_testing import DTYPE_ID, DTYPES, TOL, assert_close, gen  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# Kernel (float32 arithmetic, one rounding at the end) against the reference (which rounds some
-# intermediates to the input dtype): about one or two units in the last place of the dtype.
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), **TOL[dtype])
 
 
 # --- grouped top-k routing -----------------------------------------------------------------------
