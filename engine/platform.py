@@ -24,6 +24,7 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache  # the answer is fixed per machine; the warning below is logged once
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype weights, activations and KV cache use on `device` for a model requested in `dtype`.
 

@@ -73,7 +73,8 @@ class ModelRunner:
         self, items: list[ScheduledRequest]
     ) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
         """-> (batch, sample_rows, prompt_rows): sample_rows[i] is the logits row of items[i] if it
-        samples (else -1); prompt_rows[i] = (first logits row, count) of its prompt-logprob positions."""
+        samples (else -1); prompt_rows[i] = (first logits row, first target token index, count) of
+        its prompt-logprob positions."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -83,7 +84,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
-        prompt_rows: list[tuple[int, int]] = []
+        prompt_rows: list[tuple[int, int, int]] = []
         for item in items:
             req, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
             q_start = len(input_ids)
@@ -100,22 +101,21 @@ class ModelRunner:
                     PrefillSeq(q_start, n, ctx, torch.tensor(blocks[: -(-ctx // bs)], dtype=torch.long))
                 )
             # Prompt logprobs: position p predicts token p + 1; only prompt targets not yet reported.
-            first_target = max(start + 1, len(req.prompt_logprobs) if req.prompt_logprobs else 1)
+            first_target = max(start + 1, len(req.prompt_logprobs))  # it starts as [None]
             last_target = min(start + n, req.num_prompt_tokens - 1)
             if req.wants_prompt_logprobs and first_target <= last_target:
-                prompt_rows.append((len(logits_indices), last_target - first_target + 1))
+                prompt_rows.append((len(logits_indices), first_target, last_target - first_target + 1))
                 logits_indices.extend(q_start + (t - 1 - start) for t in range(first_target, last_target + 1))
             else:
-                prompt_rows.append((-1, 0))
+                prompt_rows.append((-1, 0, 0))
             if item.samples:
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(q_start + n - 1)
             else:
                 sample_rows.append(-1)
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        table = torch.zeros(len(decode_tables), max_blocks, dtype=torch.int32)
-        for row, blocks in enumerate(decode_tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int32)
+        table = table.view(len(decode_tables), max_blocks)  # keeps the shape when there are no decodes
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -147,10 +147,9 @@ class ModelRunner:
                 if lps is not None:
                     out.logprobs[it.request.request_id] = lps
 
-        for it, (first, count) in zip(items, prompt_rows, strict=True):
+        for it, (first, first_target, count) in zip(items, prompt_rows, strict=True):
             if count:
                 req = it.request
-                first_target = max(it.num_computed_tokens + 1, len(req.prompt_logprobs) or 1)
                 targets = torch.tensor(
                     req.token_ids[first_target : first_target + count], device=logits.device
                 )

@@ -113,8 +113,8 @@ class Sampler:
         masks = []
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_token_ids) >= p.min_tokens:
-                continue
+            if p.min_tokens == 0 or len(row.output_token_ids) >= p.min_tokens:
+                continue  # checked in this order: output_token_ids may be a fresh copy
             stops = set(p.stop_token_ids)
             if not p.ignore_eos:
                 stops.update(self.eos_token_ids)
