@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench protos venv clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || (echo "need $(PYTHON)" && exit 1)
@@ -21,6 +21,9 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+protos: venv
+	$(PY) -m services.protogen
 
 lint: venv
 	$(VENV)/bin/ruff check engine kernels services tests benchmarks
