@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from engine import env
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.hashing import hash_blocks
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -37,6 +39,19 @@ def _generation_eos(folder: Path) -> list[int]:
         return []
     eos = json.loads(path.read_text()).get("eos_token_id")
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+@dataclass
+class ExportedKv:
+    """A finished prefill-only request's prompt KV, pinned until `release_export`."""
+
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    """Chained hashes of the full prompt blocks."""
+    num_tokens: int
+    """Prompt tokens the blocks hold."""
+    generator_state: torch.Tensor | None = None
+    """The seeded request's generator state after the first token, for the decode side to continue."""
 
 
 class EngineCore:
@@ -69,6 +84,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.exported: dict[str, ExportedKv] = {}
+        """Prefill-only requests' pinned prompt blocks, by request id (disaggregated prefill)."""
+        self.importing: dict[str, Request] = {}
+        """Requests holding blocks whose prompt KV is being written from outside (a KV transfer)."""
         self.step_count = 0
         torch.manual_seed(cfg.seed)
         logger.info(
@@ -106,7 +125,22 @@ class EngineCore:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        kv_export: bool = False,
+    ) -> Request:
+        """Queue a request. kv_export: prefill only; it ends after its first token with status
+        FINISHED_EXPORTED and its prompt blocks pinned in `exported` (see release_export)."""
+        req = self._new_request(request_id, prompt_token_ids, params, prompt)
+        req.kv_export = kv_export
+        self.scheduler.add(req)
+        return req
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -119,15 +153,90 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
         )
-        self.scheduler.add(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.importing.pop(request_id, None)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._finalize(req, [], "")
+
+    # ---- KV transfer: the producer side ------------------------------------------------------
+
+    def release_export(self, request_id: str) -> bool:
+        """Unpin an exported request's blocks (they stay in the prefix cache). False if unknown."""
+        exported = self.exported.pop(request_id, None)
+        if exported is None:
+            return False
+        self.block_manager.free_blocks(exported.block_ids)
+        return True
+
+    # ---- KV transfer: the consumer side ------------------------------------------------------
+
+    def begin_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        generator_state: torch.Tensor | None = None,
+    ) -> Request:
+        """Create a request that continues after output_token_ids (sampled elsewhere) once its
+        prompt KV has been written into its blocks from outside. It is not scheduled until
+        `finish_import`; `allocate_import` gives it blocks; `abort_request` ends it."""
+        if not output_token_ids:
+            raise ValueError("output_token_ids must hold the prefill worker's first token")
+        if len(output_token_ids) >= params.max_tokens:
+            raise ValueError(
+                f"{len(output_token_ids)} tokens already generated, max_tokens is {params.max_tokens}"
+            )
+        vocab = self.model_cfg.vocab_size
+        for i, tok in enumerate(output_token_ids):
+            if not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(f"output_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab})")
+        req = self._new_request(request_id, prompt_token_ids, params, None)
+        if generator_state is not None:
+            if req.generator is None:
+                raise ValueError("sampler_state is set but the request has no seed")
+            try:
+                req.generator.set_state(generator_state)
+            except RuntimeError as e:
+                self._finalize(req, [], "")
+                raise ValueError(f"sampler_state is not a valid generator state: {e}") from None
+        for tok in output_token_ids:
+            req.append_token(tok)
+        self.detokenizers[request_id].step(list(output_token_ids))  # that text was sent by the producer
+        self.importing[request_id] = req
+        return req
+
+    def allocate_import(self, request_id: str) -> int | None:
+        """Give an importing request blocks for its prompt, reusing prefix-cache hits. Returns how
+        many leading prompt blocks were hits (their KV need not be transferred), or None when the
+        cache has no room yet (retry after a step)."""
+        req = self.importing[request_id]
+        hits, num_hit_tokens = self.block_manager.get_computed_blocks(req)
+        num_prompt = req.num_prompt_tokens
+        if not self.block_manager.allocate_slots(req, num_prompt - num_hit_tokens, hits, cache_blocks=False):
+            return None
+        req.metrics.num_cached_tokens = num_hit_tokens
+        return len(hits)
+
+    def finish_import(self, request_id: str) -> None:
+        """The prompt KV is in the request's blocks: cache them and join the running batch."""
+        req = self.importing.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_blocks(req, req.num_computed_tokens)
+        req.metrics.first_scheduled_time = time.monotonic()
+        self.scheduler.add_running(req)
+
+    def recompute_import(self, request_id: str) -> None:
+        """The transfer failed: drop the blocks and compute the prompt here instead."""
+        req = self.importing.pop(request_id)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        self.scheduler.add(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -166,14 +275,27 @@ class EngineCore:
             detokenizer = self.detokenizers[req.request_id]
             detok = detokenizer.step([token])
             status = self._check_stop(req, token, detok.stop_matched)
+            if status is None and req.kv_export:
+                status = RequestStatus.FINISHED_EXPORTED
             new_text = detok.text
             if status is not None:
                 if detok.stop_matched is None:
                     new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
                     if detokenizer.stop_matched is not None:
                         req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
-                self.scheduler.finish(req, status)
-                outputs.append(self._finalize(req, [token], new_text))
+                exported = status is RequestStatus.FINISHED_EXPORTED
+                self.scheduler.finish(req, status, free_blocks=not exported)
+                if exported:
+                    n = req.num_prompt_tokens
+                    hashes = req.block_hashes[: n // self.cfg.block_size]
+                    if len(hashes) < n // self.cfg.block_size:  # prefix caching off: not kept on the way
+                        hashes = hash_blocks(req.prompt_token_ids, self.cfg.block_size)
+                    state = req.generator.get_state() if req.generator is not None else None
+                    self.exported[req.request_id] = ExportedKv(req.block_ids, hashes, n, state)
+                    req.block_ids = []
+                out = self._finalize(req, [token], new_text)
+                out.exported_kv = self.exported.get(req.request_id) if exported else None
+                outputs.append(out)
             else:
                 outputs.append(self._output(req, [token], new_text))
         return outputs

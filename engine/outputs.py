@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.request import RequestMetrics
 
@@ -30,6 +31,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
     metrics: RequestMetrics | None = None
+    exported_kv: Any = None
+    """For a prefill-only request that handed over (finish_reason "exported"): its pinned
+    `engine.engine_core.ExportedKv`."""
 
     @property
     def num_cached_tokens(self) -> int:

@@ -18,6 +18,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_EXPORTED = "exported"
+    """Prefill-only request done: first token sampled, prompt KV pinned for a decode worker."""
 
     @property
     def finished(self) -> bool:
@@ -25,6 +27,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_EXPORTED,
         )
 
 
@@ -71,6 +74,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    kv_export: bool = False
+    """Prefill-only (disaggregated prefill): after the first token the request ends with its prompt's
+    KV blocks pinned for a transfer instead of freed."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -120,13 +120,21 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a request from the queues and free its blocks."""
+    def add_running(self, req: Request) -> None:
+        """Join a request whose blocks are allocated and filled from outside (an imported KV
+        transfer) to the running batch; it decodes from the next step on."""
+        assert req.block_ids and req.num_computed_tokens > 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Remove a request from the queues and free its blocks (unless the caller takes them over)."""
         assert status.finished
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.block_manager.free(req)
+        if free_blocks:
+            self.block_manager.free(req)
         req.status = status
         req.metrics.finished_time = time.monotonic()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from engine import env
 
+MAX_CHUNK_BYTES = 4 * 2**20 - 64 * 2**10  # services.kv_transfer.wire.MAX_CHUNK_BYTES (not imported: keeps start-up light)
+
 # Flags map one-to-one onto EngineConfig / SamplingParams fields (--max-num-seqs -> max_num_seqs).
 ENGINE_FLAGS: dict[str, dict] = {
     "dtype": dict(default="bfloat16", choices=["bfloat16", "float16", "float32"]),
@@ -108,6 +110,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=str(args.model), **_pick(args, ENGINE_FLAGS))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.worker.server import WorkerServerConfig, model_name, serve
+    from services.worker.service import WorkerSettings
+
+    settings = WorkerSettings(
+        role=args.role,
+        model_name=args.served_model_name or model_name(args.model),
+        dp_rank=args.dp_rank,
+        lease_s=args.lease_s,
+        kv_chunk_bytes=args.kv_chunk_bytes,
+    )
+    cfg = WorkerServerConfig(
+        engine=_engine_config(args),
+        settings=settings,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        registry=args.registry,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        grace_s=args.grace_s,
+    )
+    return asyncio.run(serve(cfg))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -126,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("worker", help="serve one engine (prefill, decode or colocated) over gRPC")
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--registry", default=None, help="redis://host:port/db to register in")
+    p.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
+    p.add_argument("--lease-s", type=float, default=30.0, help="how long exported KV stays pinned")
+    p.add_argument("--kv-chunk-bytes", type=int, default=MAX_CHUNK_BYTES, help="largest KV chunk pulled")
+    p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
+    _add_flags(p, ENGINE_FLAGS)
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
     p.add_argument("--model-dir", default=env.model_cache_dir())

@@ -56,9 +56,16 @@ class BlockManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None) -> bool:
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed: list[Block] | None = None,
+        cache_blocks: bool = True,
+    ) -> bool:
         """Make room for num_new_tokens more tokens (after any prefix hits). False, and nothing
-        changed, when the free blocks don't suffice."""
+        changed, when the free blocks don't suffice. With cache_blocks=False the new full blocks
+        are not registered in the prefix cache (their contents arrive later: see cache_blocks)."""
         computed = computed or []
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
@@ -74,11 +81,20 @@ class BlockManager:
         self.pool.touch(computed)
         req.block_ids.extend(b.block_id for b in computed)
         req.block_ids.extend(b.block_id for b in self.pool.allocate(max(needed, 0)))
-        if self.enable_prefix_caching:
-            self._update_hashes(req, total)
-            for i in range(num_computed // self.block_size, total // self.block_size):
-                self.pool.cache_full_block(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+        if cache_blocks:
+            self.cache_blocks(req, total, start=num_computed)
         return True
+
+    def cache_blocks(self, req: Request, num_tokens: int, start: int = 0) -> None:
+        """Register the request's full blocks among tokens [start, num_tokens) in the prefix cache."""
+        if self.enable_prefix_caching:
+            self._update_hashes(req, num_tokens)
+            for i in range(start // self.block_size, num_tokens // self.block_size):
+                self.pool.cache_full_block(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block (tail first), for blocks held outside a request."""
+        self.pool.free([self.pool.blocks[b] for b in reversed(block_ids)])
 
     def free(self, req: Request) -> None:
         """Release a request's blocks, tail first, so its prefix blocks are evicted last."""

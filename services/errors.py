@@ -1,0 +1,67 @@
+"""Errors that carry a gRPC status code; one interceptor (services/grpc_utils.py) maps them, and the
+HTTP front maps the same codes to HTTP statuses."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(ServiceError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.DATA_LOSS: 502,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return HTTP_STATUS.get(code, 500)

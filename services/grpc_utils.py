@@ -1,0 +1,138 @@
+"""Shared gRPC plumbing: the server (health, reflection, error mapping), channels and deadlines.
+
+Handlers stay thin: they raise `ValueError` (caller mistakes) or `services.errors.ServiceError`
+(with a status code) and the one interceptor below turns them into statuses. Downstream RPC errors
+pass through with their own code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.errors import ServiceError
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 * 2**20
+"""gRPC's default message cap, kept on purpose: KV moves in chunks under it."""
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
+async def _map_error(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, ServiceError):
+        await context.abort(exc.code, exc.message)
+    if isinstance(exc, ValueError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call failed: keep its code
+        await context.abort(exc.code(), exc.details() or "")
+    logger.exception("%s failed", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Map exceptions raised by handlers to status codes (ValueError -> INVALID_ARGUMENT)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - mapped to a status
+                    await _map_error(context, method, e)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    await _map_error(context, method, e)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Standard grpc.health.v1 with "liveness" and "readiness" (both NOT_SERVING until set) and
+    server reflection for the given fully qualified service names."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+async def set_health(servicer: health.aio.HealthServicer, live: bool, ready: bool) -> None:
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    await servicer.set(LIVENESS, serving if live else not_serving)
+    await servicer.set(READINESS, serving if ready else not_serving)
+    await servicer.set("", serving if ready else not_serving)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind to host:port (port 0 picks a free one); returns the port. Never binds other addresses."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return bound
+
+
+def channel(endpoint: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        endpoint,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+
+
+def remaining(context: grpc.aio.ServicerContext, default: float | None = None) -> float | None:
+    """Seconds left before the caller's deadline (None: no deadline), to pass downstream."""
+    left = context.time_remaining()
+    return default if left is None else max(left, 0.0)
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+Handler = Callable[..., Awaitable]

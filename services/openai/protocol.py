@@ -1,0 +1,555 @@
+"""OpenAI request bodies to engine inputs, and engine deltas to OpenAI responses.
+
+Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
+types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
+lenient about fields it does not know, as OpenAI's API is. Fields that would silently change the
+meaning of a request if ignored (`echo`, `suffix`, `best_of`, `logit_bias`, `tools`, a non-text
+`response_format`) are rejected instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from tokenizers import decoders
+
+from engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from engine.tokenizer import Tokenizer
+from services.router.api import Delta, Frontend, GenerateInput, KvFailurePolicy, ServingMode, Usage
+
+MAX_N = 16
+"""Most samples per prompt (`n`)."""
+MAX_PROMPTS = 64
+"""Most prompts in one batched /v1/completions request."""
+MAX_STOP = 16
+"""Most stop strings per request."""
+MAX_TEMPERATURE = 2.0
+"""Highest temperature accepted (OpenAI's limit)."""
+DEFAULT_MAX_TOKENS = 16
+"""/v1/completions' max_tokens when none is given (OpenAI's default). Chat defaults to the rest of
+the context window instead."""
+LOGPROB_FLOOR = -9999.0
+"""-inf (and NaN) logprobs are sent as this: JSON has no infinity (vLLM does the same)."""
+CHAT_ROLES = ("system", "user", "assistant")
+"""The roles the model's chat template renders."""
+
+
+class ApiError(Exception):
+    """A request error the client sees as OpenAI's error body, with an HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {message, type, param, code}}."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# Field names an engine ValueError may start with ("temperature must be ..."): the param it names.
+_PARAMS = {
+    *(f.name for f in dataclasses.fields(SamplingParams)),
+    *("prompt", "messages", "n", "model", "stream_options", "max_completion_tokens", "top_logprobs"),
+}
+
+
+def param_from_message(message: str) -> str | None:
+    """The request field a ValueError message starts with, if it is one ("prompt_token_ids[3] ..." → prompt)."""
+    match = re.match(r"[a-z_]+", message)
+    if match is None:
+        return None
+    word = match.group(0)
+    if word.startswith("prompt_token_ids"):
+        return "prompt"
+    return word if word in _PARAMS else None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# ---- field readers: None means absent, as OpenAI clients send null for unset fields -------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise ApiError(f"{name} must be an integer, got {_show(value)}", name)
+    if value < lo or (hi is not None and value > hi):
+        limit = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ApiError(f"{name} must be an integer {limit}, got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float | None, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ApiError(f"{name} must be a finite number, got {_show(value)}", name)
+    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+        low = f"({lo:g}" if lo_open else f"[{lo:g}"
+        limit = f"in {low}, {hi:g}]" if hi is not None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+        raise ApiError(f"{name} must be {limit}, got {value!r}", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false, got {_show(value)}", name)
+    return value
+
+
+def _enum(body: dict, name: str, enum: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = [e.value for e in enum]
+    if value not in allowed:
+        raise ApiError(f"{name} must be one of {allowed}, got {_show(value)}", name)
+    return enum(value)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError("stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise ApiError(f"stop has {len(stop)} strings, more than the limit of {MAX_STOP}", "stop")
+    if not all(stop):
+        raise ApiError("stop strings must not be empty", "stop")
+    return stop
+
+
+def _token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    ids = body.get(name)
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise ApiError(f"{name} must be a list of integers", name)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"{name} entry {bad} is outside the vocabulary [0, {vocab_size})", name)
+    return ids
+
+
+def _reject_unsupported(body: dict) -> None:
+    unsupported = {
+        "echo": body.get("echo") not in (None, False),
+        "suffix": body.get("suffix") not in (None, ""),
+        "best_of": body.get("best_of") not in (None, 1),
+        "logit_bias": bool(body.get("logit_bias")),
+        "tools": bool(body.get("tools")),
+        "response_format": body.get("response_format") not in (None, {"type": "text"}),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise ApiError(f"{name} is not supported by this server", name)
+
+
+def _check_model(body: dict, model_name: str) -> None:
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            f"The model {_show(model)} does not exist; this server serves {model_name!r}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedRequest:
+    """A validated /v1/completions or /v1/chat/completions request in engine terms."""
+
+    chat: bool
+    """Chat completion (message/delta choices) rather than text completion."""
+    prompts: list[list[int]]
+    """Token ids of each prompt; chat has exactly one."""
+    params: SamplingParams
+    """Shared by every choice; generate_inputs offsets the seed per sample."""
+    n: int
+    """Samples per prompt; choice index = prompt index * n + sample index."""
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: send a usage chunk before [DONE]."""
+    mode: ServingMode = ServingMode.AUTO
+    kv_failure_policy: KvFailurePolicy = KvFailurePolicy.FAIL
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token in the response's logprobs; None when logprobs were not asked for."""
+        return self.params.logprobs
+
+    def generate_inputs(self, request_id: str) -> list[GenerateInput]:
+        """One GenerateInput per choice, with request id `{request_id}-{index}`. With a seed, sample
+        i uses seed + i (wrapped into the seed range) so the n samples differ, as in vLLM."""
+        inputs = []
+        for p, prompt in enumerate(self.prompts):
+            for i in range(self.n):
+                params = dataclasses.replace(self.params)
+                if params.seed is not None:
+                    lo, hi = SEED_RANGE
+                    params.seed = (params.seed + i - lo) % (hi - lo) + lo
+                request = f"{request_id}-{p * self.n + i}"
+                inputs.append(GenerateInput(request, list(prompt), params, self.mode, self.kv_failure_policy))
+        return inputs
+
+
+def _completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    prompt = body.get("prompt")
+    usage = "prompt must be a string, a list of token ids, or a list of either (a batch)"
+    if prompt is None:
+        raise ApiError("prompt is required", "prompt")
+    if prompt == "" or prompt == []:
+        raise ApiError("prompt must not be empty", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list):
+        raise ApiError(usage, "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(f"prompt holds {len(prompt)} prompts, more than the limit of {MAX_PROMPTS}", "prompt")
+    prompts = []
+    for p in prompt:
+        if isinstance(p, str) and p:
+            prompts.append(tokenizer.encode(p))
+        elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            bad = next((t for t in p if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ApiError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+            prompts.append(list(p))
+        elif p == "" or p == []:
+            raise ApiError("prompt must not be empty", "prompt")
+        else:
+            raise ApiError(usage, "prompt")
+    return prompts
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise ApiError(f"{where} must be a string or a list of content parts", where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(f"{where}[{i}] must be a text part {{'type': 'text', 'text': ...}}", where)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
+    """Render the messages with the model's chat template. The template writes the BOS itself, so
+    the text is encoded without special tokens: the ids HF's apply_chat_template(tokenize=True) gives."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(f"messages[{i}] must be an object with role and content", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {_show(role)}", "messages")
+        rendered.append({"role": role, "content": _message_text(message.get("content"), f"messages[{i}].content")})
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+    except (jinja2.TemplateError, ValueError) as e:
+        raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ApiError("messages render to an empty prompt", "messages")
+    return ids
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k == 0 or top_k < -1):
+        raise ApiError(f"top_k must be -1 (disabled) or an integer >= 1, got {_show(top_k)}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed < SEED_RANGE[1]):
+        raise ApiError(f"seed must be an integer in [-2**63, 2**64), got {_show(seed)}", "seed")
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=-1 if top_k is None else top_k,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, None, lo_open=True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        max_tokens=max_tokens,
+        min_tokens=_int(body, "min_tokens", 0, 0),
+        stop=_stop(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids", vocab_size),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+    )
+    try:  # the engine's own checks (min_tokens <= max_tokens, ...) as a backstop
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise ApiError(str(e), param_from_message(str(e))) from None
+    return params
+
+
+def _common(body: dict) -> dict[str, Any]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", "stream_options")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError("stream_options.include_usage must be true or false", "stream_options")
+    return {
+        "n": _int(body, "n", 1, 1, MAX_N),
+        "stream": stream,
+        "include_usage": stream and bool(include_usage),
+        "mode": _enum(body, "mode", ServingMode, ServingMode.AUTO),
+        "kv_failure_policy": _enum(body, "kv_failure_policy", KvFailurePolicy, KvFailurePolicy.FAIL),
+    }
+
+
+def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
+    """A /v1/completions body. Raises ApiError; frontend.validate is the caller's next step."""
+    _check_model(body, frontend.model_name)
+    _reject_unsupported(body)
+    prompts = _completion_prompts(body, frontend.tokenizer, frontend.vocab_size)
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    params = _sampling(body, max_tokens, logprobs, frontend.vocab_size)
+    return ParsedRequest(chat=False, prompts=prompts, params=params, **_common(body))
+
+
+def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
+    """A /v1/chat/completions body. max_completion_tokens wins over max_tokens; with neither, the
+    request may use the rest of the context window (as vLLM)."""
+    _check_model(body, frontend.model_name)
+    _reject_unsupported(body)
+    prompt = _chat_prompt(body, frontend.tokenizer)
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", max(1, frontend.max_model_len - len(prompt)), 1)
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not want_logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
+    params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
+    return ParsedRequest(chat=True, prompts=[prompt], params=params, **_common(body))
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes, reversed: how byte-level BPE pieces map to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+class TokenStrings:
+    """Token id → (text, raw bytes) for logprobs. A byte-level piece maps back to its exact bytes,
+    which may end inside a UTF-8 character (its text then shows U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer.tokenizer
+        self._bytes_of = _byte_decoder() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        if token_id not in self._cache:
+            piece = self._tok.id_to_token(token_id) or ""
+            if self._bytes_of is not None and all(c in self._bytes_of for c in piece):
+                raw = bytes(self._bytes_of[c] for c in piece)
+            else:  # added/special tokens are stored as plain text
+                raw = (self._tok.decode([token_id], skip_special_tokens=False) or piece).encode()
+            self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return self._cache[token_id]
+
+
+def _lp(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) or value < LOGPROB_FLOOR else float(value)
+
+
+def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+class ChoiceOutput:
+    """One choice's output so far: `add` turns each Delta into the choice part of a stream chunk,
+    `choice` gives the whole choice of a non-streaming response."""
+
+    def __init__(self, chat: bool, index: int, top_logprobs: int | None, strings: TokenStrings):
+        self.chat, self.index, self.top_logprobs, self._strings = chat, index, top_logprobs, strings
+        self.text: list[str] = []
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.usage: Usage | None = None
+        self.prompt_logprobs: list | None = None
+        self._text_offset = 0
+        self._logprobs: dict[str, list] | None = None
+        if top_logprobs is not None:
+            keys = ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            self._logprobs = {key: [] for key in keys}
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage is not None else self.num_tokens
+
+    def add(self, delta: Delta) -> dict | None:
+        """Record a delta; the chunk choice for it, or None when it carries nothing to send."""
+        self.num_tokens += len(delta.token_ids)
+        self.text.append(delta.text)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        self.usage = delta.usage or self.usage
+        logprobs = None
+        if self._logprobs is not None and delta.logprobs is not None:
+            if self.chat:
+                logprobs = {"content": self._chat_logprobs(delta.token_ids, delta.logprobs)}
+            else:
+                logprobs = self._completion_logprobs(delta.token_ids, delta.logprobs)
+            for key, values in logprobs.items():
+                self._logprobs[key].extend(values)
+        if not (delta.text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
+            return None
+        if self.chat:
+            choice = {"index": self.index, "delta": {"content": delta.text} if delta.text else {}}
+        else:
+            choice = {"index": self.index, "text": delta.text}
+        choice |= {"logprobs": logprobs, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs)
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return choice
+
+    def choice(self) -> dict:
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": self.index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": self._logprobs, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return choice
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lps in zip(token_ids, logprobs, strict=True):
+            text = self._strings(tok)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(lps.get(tok, next(iter(lps.values())))))
+            out["top_logprobs"].append({self._strings(t)[0]: _lp(v) for t, v in _top(lps, self.top_logprobs)})
+            out["text_offset"].append(self._text_offset)
+            self._text_offset += len(text)
+        return out
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
+        def entry(tok: int, value: float) -> dict:
+            text, raw = self._strings(tok)
+            return {"token": text, "logprob": _lp(value), "bytes": list(raw)}
+
+        return [
+            entry(tok, lps.get(tok, next(iter(lps.values()))))
+            | {"top_logprobs": [entry(t, v) for t, v in _top(lps, self.top_logprobs)]}
+            for tok, lps in zip(token_ids, logprobs, strict=True)
+        ]
+
+    def _prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None]) -> list:
+        return [
+            None
+            if lps is None
+            else {str(t): {"logprob": _lp(v), "decoded_token": self._strings(t)[0]} for t, v in lps.items()}
+            for lps in prompt_logprobs
+        ]
+
+
+def usage_json(prompts: list[list[int]], n: int, outputs: list[ChoiceOutput]) -> dict:
+    """Usage of the whole request: each prompt counted once (as OpenAI), every choice's tokens;
+    cached tokens per prompt are the best of its samples; kv_transfer_bytes is the total moved."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(o.completion_tokens for o in outputs)
+    cached = sum(
+        max((o.usage.cached_tokens if o.usage else 0) for o in outputs[p * n : (p + 1) * n])
+        for p in range(len(prompts))
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "kv_transfer_bytes": sum(o.usage.kv_transfer_bytes for o in outputs if o.usage),
+    }
+
+
+def response_json(request_id: str, created: int, model: str, chat: bool, choices: list[dict], **extra) -> dict:
+    """A non-streaming response; extra holds usage."""
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+
+
+def chunk_json(request_id: str, created: int, model: str, chat: bool, choices: list[dict], **extra) -> dict:
+    """One streamed chunk; extra holds usage when stream_options.include_usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+
+
+def models_json(frontend: Frontend, created: int) -> dict:
+    """GET /v1/models: OpenAI's list format with the one model this server serves."""
+    return {"object": "list", "data": [model_json(frontend, created)]}
+
+
+def model_json(frontend: Frontend, created: int) -> dict:
+    return {
+        "id": frontend.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "pdserve",
+        "root": frontend.model_name,
+        "max_model_len": frontend.max_model_len,
+    }

@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP API (aiohttp), served on the router's event loop.
+
+Handlers are thin: protocol.py turns bodies into engine inputs and deltas into JSON; this module
+runs a request's choices (one `Frontend.generate` per prompt × n, concurrently), streams them as
+server-sent events, and maps every error to OpenAI's error body.
+
+A client that goes away cancels every choice, which closes their generate iterators (the router
+then cancels the request on its workers): `start_http` turns on aiohttp's handler cancellation,
+and for runners built without it the choice loop notices the closed connection within
+DISCONNECT_POLL_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import prometheus_client
+from aiohttp import web
+
+from services.errors import ServiceError, http_status
+from services.openai.protocol import (
+    ApiError,
+    ChoiceOutput,
+    ParsedRequest,
+    TokenStrings,
+    chunk_json,
+    error_body,
+    model_json,
+    models_json,
+    param_from_message,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    response_json,
+    usage_json,
+)
+from services.router.api import Delta, Frontend, GenerateInput
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2
+"""How often a running request checks that its client is still connected."""
+_MAX_BODY = web.AppKey("max_body_bytes", int)
+_REQUEST_ID = "pdserve_request_id"  # key of the request id in the aiohttp request's dict
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request ran."""
+
+
+def build_app(
+    frontend: Frontend,
+    metrics_registry: prometheus_client.CollectorRegistry | None = None,
+    max_body_bytes: int = 1 << 20,
+) -> web.Application:
+    """The OpenAI API over `frontend`: /v1/completions, /v1/chat/completions, /v1/models,
+    /health and /metrics (`metrics_registry` in Prometheus text format; empty when None). Request
+    bodies over max_body_bytes get 413."""
+    api = _Api(frontend, metrics_registry)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    app[_MAX_BODY] = max_body_bytes
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.model)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics)
+    return app
+
+
+async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Serve `app` on host:port from the running loop (port 0: any free port, see runner.addresses).
+    The caller stops it with `await runner.cleanup()`."""
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("OpenAI API listening on %s", runner.addresses)
+    return runner
+
+
+def _error_of(exc: BaseException, request: web.Request) -> tuple[int, dict]:
+    """HTTP status and OpenAI error body for an exception; an unexpected one is logged."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_body(exc.message, exc.status, exc.param, exc.code)
+    if isinstance(exc, ServiceError):
+        status = http_status(exc.code)
+        param = param_from_message(exc.message) if status == 400 else None
+        return status, error_body(exc.message, status, param, exc.code.name.lower())
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[_MAX_BODY]
+        return 413, error_body(f"request body is larger than the limit of {limit} bytes", 413)
+    if isinstance(exc, web.HTTPException):
+        return exc.status, error_body(f"{exc.reason}: {request.method} {request.path}", exc.status)
+    request_id = request.get(_REQUEST_ID)
+    logger.error("%s %s failed (request id %s)", request.method, request.path, request_id, exc_info=exc)
+    return 500, error_body(f"internal server error (request id {request_id})", 500)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        status, body = _error_of(e, request)
+    except ClientGone:
+        return web.Response(status=499)  # nobody reads it
+    except Exception as e:
+        status, body = _error_of(e, request)
+    return web.json_response(body, status=status)
+
+
+def _sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _watch_connection(request: web.Request, queue: asyncio.Queue) -> None:
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait((-1, ClientGone()))
+
+
+async def _run_choices(
+    request: web.Request, frontend: Frontend, inputs: list[GenerateInput]
+) -> AsyncGenerator[tuple[int, Delta]]:
+    """Every choice's deltas as they come, as (choice index, delta), until all generate iterators
+    end. Raises the first error (ClientGone when the client disconnects); on any exit, cancels the
+    choices still running."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, inp: GenerateInput) -> None:
+        try:
+            stream: AsyncIterator[Delta] = frontend.generate(inp)
+            closing = contextlib.aclosing(stream) if isinstance(stream, AsyncGenerator) else contextlib.nullcontext()
+            finished = False
+            async with closing:
+                async for delta in stream:
+                    finished = finished or delta.finish_reason is not None
+                    queue.put_nowait((index, delta))
+            if not finished:
+                raise RuntimeError(f"generate for {inp.request_id} ended without a finish_reason")
+            queue.put_nowait((index, None))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, inp), name=inp.request_id) for i, inp in enumerate(inputs)]
+    watcher = asyncio.create_task(_watch_connection(request, queue))
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in (*tasks, watcher):
+            task.cancel()
+        await asyncio.gather(*tasks, watcher, return_exceptions=True)
+
+
+class _Api:
+    """The route handlers; one instance per app."""
+
+    def __init__(self, frontend: Frontend, registry: prometheus_client.CollectorRegistry | None):
+        self.frontend = frontend
+        self.registry = registry
+        self.strings = TokenStrings(frontend.tokenizer)
+        self.created = int(time.time())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request[_REQUEST_ID] = request_id
+        body = parse_json(await request.read())
+        parsed = (parse_chat if chat else parse_completion)(body, self.frontend)
+        for prompt in parsed.prompts:
+            try:
+                self.frontend.validate(prompt, parsed.params)
+            except ValueError as e:
+                raise ApiError(str(e), param_from_message(str(e))) from None
+        inputs = parsed.generate_inputs(request_id)
+        outputs = [ChoiceOutput(chat, i, parsed.top_logprobs, self.strings) for i in range(len(inputs))]
+        logger.debug("request %s: %d choice(s), stream=%s", request_id, len(inputs), parsed.stream)
+        deltas = _run_choices(request, self.frontend, inputs)
+        if parsed.stream:
+            return await self._stream(request, request_id, parsed, outputs, deltas)
+        async with contextlib.aclosing(deltas):
+            async for index, delta in deltas:
+                outputs[index].add(delta)
+        usage = usage_json(parsed.prompts, parsed.n, outputs)
+        choices = [o.choice() for o in outputs]
+        model = self.frontend.model_name
+        return web.json_response(response_json(request_id, int(time.time()), model, chat, choices, usage=usage))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        parsed: ParsedRequest,
+        outputs: list[ChoiceOutput],
+        deltas: AsyncGenerator[tuple[int, Delta]],
+    ) -> web.StreamResponse:
+        """SSE chunks. Headers go out with the first delta, so an error before it (overload, no
+        worker) still gets its own HTTP status; a later one is sent as a `data: {"error": ...}`
+        event that ends the stream."""
+        created, model, chat = int(time.time()), self.frontend.model_name, parsed.chat
+        usage_null = {"usage": None} if parsed.include_usage else {}
+
+        def chunk(choices: list[dict], **extra) -> bytes:
+            return _sse(chunk_json(request_id, created, model, chat, choices, **(extra or usage_null)))
+
+        resp: web.StreamResponse | None = None
+        async with contextlib.aclosing(deltas):
+            try:
+                async for index, delta in deltas:
+                    if resp is None:
+                        resp = await self._start_stream(request, outputs, chunk)
+                    choice = outputs[index].add(delta)
+                    if choice is not None:
+                        await resp.write(chunk([choice]))
+                if resp is None:
+                    resp = await self._start_stream(request, outputs, chunk)
+                if parsed.include_usage:
+                    await resp.write(chunk([], usage=usage_json(parsed.prompts, parsed.n, outputs)))
+                await resp.write(b"data: [DONE]\n\n")
+            except (ClientGone, ConnectionResetError):
+                logger.info("request %s: client disconnected; cancelled", request_id)
+                return resp or web.Response(status=499)
+            except Exception as e:
+                if resp is None:
+                    raise
+                _, body = _error_of(e, request)
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write(_sse(body))
+        return resp
+
+    async def _start_stream(self, request: web.Request, outputs: list[ChoiceOutput], chunk) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        if outputs[0].chat:  # each choice's first chunk carries the role
+            for o in outputs:
+                first = {"index": o.index, "delta": {"role": "assistant", "content": ""}}
+                await resp.write(chunk([first | {"logprobs": None, "finish_reason": None}]))
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_json(self.frontend, self.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.frontend.model_name:
+            raise ApiError(f"The model {name!r} does not exist", "model", status=404, code="model_not_found")
+        return web.json_response(model_json(self.frontend, self.created))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.registry is None:
+            return web.Response(body=b"", content_type="text/plain")
+        data = prometheus_client.generate_latest(self.registry)
+        return web.Response(body=data, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})

@@ -1,0 +1,181 @@
+"""An EngineCore in its own thread, driven from an asyncio loop.
+
+The engine thread is the only one that touches the core (scheduler, block manager, model). The
+loop side sends commands (`call`) that run between two steps and get their result back as a
+future, and reads each request's outputs from its own asyncio queue, so the gRPC loop never
+waits on a forward pass. The thread steps while there is work and sleeps on the command queue
+otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from engine.engine_core import EngineCore
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.1
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (a step failed or the engine was shut down)."""
+
+
+class AsyncEngine:
+    def __init__(self, core_factory: Callable[[], EngineCore]):
+        self._factory = core_factory
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._retrying: list[tuple[Callable[[EngineCore], Any], asyncio.Future]] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self.core: EngineCore | None = None
+        """Set once loaded. Read-only outside the engine thread (stable attributes only)."""
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()
+        self.step_count = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> EngineCore:
+        await self._ready.wait()
+        if self.core is None:
+            raise EngineDead(f"engine failed to start: {self.error}")
+        return self.core
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- the loop side -----------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[EngineCore], T], retry_until_set: bool = False) -> T:
+        """Run fn(core) on the engine thread between steps. retry_until_set: while fn returns None,
+        run it again after every step (waiting for free KV blocks, say)."""
+        if not self.alive:
+            raise EngineDead(f"engine is not running: {self.error}")
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put((fn, fut, retry_until_set))
+        return await fut
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """The queue the request's RequestOutputs arrive on; register it before adding the request."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _resolve(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+        def done() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self._loop.call_soon_threadsafe(done)
+
+    def _run_command(self, fn, fut, retry: bool) -> None:
+        try:
+            result = fn(self.core)
+        except Exception as e:  # noqa: BLE001 - returned to the caller
+            self._resolve(fut, exc=e)
+            return
+        if result is None and retry:
+            self._retrying.append((fn, fut))
+        else:
+            self._resolve(fut, result)
+
+    def _run(self) -> None:
+        try:
+            self.core = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported through wait_ready
+            logger.exception("engine failed to load")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._ready.set)
+            return
+        self._loop.call_soon_threadsafe(self._ready.set)
+        try:
+            while not self._stopping:
+                busy = self.core.has_unfinished_requests()
+                try:
+                    item = None if busy else self._commands.get(timeout=_IDLE_WAIT_S)
+                    while True:
+                        if item is not None:
+                            self._run_command(*item)
+                        item = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                if self._stopping:
+                    break
+                if self.core.has_unfinished_requests():
+                    self._step()
+                else:
+                    self.last_step_time = time.monotonic()  # idle is healthy
+                if self._retrying:
+                    retrying, self._retrying = self._retrying, []
+                    for fn, fut in retrying:
+                        self._run_command(fn, fut, True)
+        except BaseException as e:  # noqa: BLE001 - the worker reports it through liveness
+            logger.exception("engine thread died")
+            self.error = e
+        finally:
+            self._fail_all(self.error or EngineDead("engine stopped"))
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        self.step_count += 1
+        self.last_step_time = time.monotonic()
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        q = self._streams.get(request_id)
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDead(str(exc)))
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._resolve(item[1], exc=EngineDead(str(exc)))
+        for _, fut in self._retrying:
+            self._resolve(fut, exc=EngineDead(str(exc)))

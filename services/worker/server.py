@@ -1,0 +1,184 @@
+"""A worker process: one engine (in its own thread) behind the Worker and KvTransfer services.
+
+Start-up order: bind and serve health at once (readiness NOT_SERVING), load the model in the
+engine thread, then turn readiness to SERVING and register. SIGTERM/SIGINT: readiness goes
+NOT_SERVING, the worker deregisters, in-flight streams get a grace period, pinned transfers are
+aborted, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.v1 import worker_pb2_grpc as wgrpc
+from services.grpc_utils import add_health_and_reflection, bind, new_server, set_health
+from services.kv_transfer.producer import KvTransferService
+from services.kv_transfer.transfer import TransferTable
+from services.metrics import Metrics
+from services.registry import Heartbeat, WorkerRecord, make_registry
+from services.worker.async_engine import AsyncEngine
+from services.worker.identity import compat_hash, geometry, new_identity
+from services.worker.service import WorkerService, WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+LEASE_SWEEP_S = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerServerConfig:
+    engine: EngineConfig
+    settings: WorkerSettings
+    host: str = "127.0.0.1"
+    """Address to bind (and advertise); only this one is bound."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int | None = None
+    """Prometheus /metrics over HTTP on host:metrics_port; None: off."""
+    registry: str | None = None
+    """redis://host:port/db to register in; None: the router is told the endpoints statically."""
+    heartbeat_ttl_s: float = 10.0
+    grace_s: float = 30.0
+    """How long in-flight requests may run after SIGTERM."""
+
+
+async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner:
+    async def handle(_request):
+        return web.Response(body=metrics.exposition(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
+    settings = cfg.settings
+    metrics = Metrics(settings.role)
+    server = new_server()
+    port = bind(server, cfg.host, cfg.port)
+    endpoint = f"{cfg.host}:{port}"
+    identity = new_identity(endpoint, settings.dp_rank)
+    engine = AsyncEngine(lambda: EngineCore(cfg.engine))
+    service: WorkerService | None = None
+
+    def free_transfer(request_id: str) -> None:
+        service.background(engine.call(lambda core: core.release_export(request_id)))
+
+    table = TransferTable(free_transfer)
+    service = WorkerService(settings, engine, table, identity, metrics)
+    kv_service = KvTransferService(table, identity, metrics)
+    wgrpc.add_WorkerServicer_to_server(service, server)
+    kv_grpc.add_KvTransferServicer_to_server(kv_service, server)
+    health = add_health_and_reflection(
+        server, ["pdserve.v1.Worker", "pdserve.v1.KvTransfer"]
+    )
+    await set_health(health, live=True, ready=False)
+    await server.start()
+    if on_bound is not None:
+        on_bound(port)
+    logger.info("%s worker listening on %s (loading %s)", settings.role, endpoint, cfg.engine.model)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine.start()
+    try:
+        core = await engine.wait_ready()
+    except Exception:
+        await set_health(health, live=False, ready=False)
+        await server.stop(0)
+        return 1
+    geo = geometry(core)
+    service.engine_ready(geo, compat_hash(core))
+    kv_service.engine_ready(core.runner.kv_caches, geo)
+    bm = core.block_manager
+    metrics.gauge("pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running))
+    metrics.gauge("pdserve_num_requests_waiting", "Requests waiting", lambda: len(core.scheduler.waiting))
+    metrics.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use", lambda: bm.usage)
+    metrics.gauge(
+        "pdserve_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up",
+        lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+    )
+    metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
+    metrics_runner = await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    await set_health(health, live=True, ready=True)
+    logger.info("%s worker ready on %s", settings.role, endpoint)
+
+    heartbeat = None
+    registry = make_registry(cfg.registry, None) if cfg.registry else None
+    if registry is not None:
+
+        def record() -> WorkerRecord:
+            load = {
+                "num_running": len(core.scheduler.running),
+                "num_waiting": len(core.scheduler.waiting),
+                "kv_usage": bm.usage,
+            }
+            return WorkerRecord(
+                endpoint, settings.role, settings.model_name, settings.dp_rank, identity.epoch, load,
+                time.time_ns() // 1_000_000,
+            )
+
+        heartbeat = Heartbeat(registry, record, ttl_s=cfg.heartbeat_ttl_s)
+        heartbeat.start()
+
+    async def sweep_leases() -> None:
+        expired = metrics.labels(metrics.kv_expired_leases)
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            n = table.expire_due()
+            if n:
+                expired.inc(n)
+                logger.info("%d KV transfer lease(s) expired", n)
+
+    sweeper = asyncio.ensure_future(sweep_leases())
+    engine_died = asyncio.ensure_future(_watch_engine(engine))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, engine_died], return_when=asyncio.FIRST_COMPLETED)
+    code = 0 if stop.is_set() else 1
+
+    # Drain: refuse new work, let in-flight streams finish, then stop.
+    service.draining = True
+    await set_health(health, live=code == 0, ready=False)
+    if heartbeat is not None:
+        await heartbeat.stop(deregister=True)
+    if registry is not None:
+        await registry.close()
+    deadline = time.monotonic() + cfg.grace_s
+    while code == 0 and engine.num_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    table.abort_all()
+    sweeper.cancel()
+    engine_died.cancel()
+    await server.stop(1.0)
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
+    await service.peers.close()
+    engine.stop()
+    logger.info("%s worker on %s stopped", settings.role, endpoint)
+    return code
+
+
+async def _watch_engine(engine: AsyncEngine) -> None:
+    while engine.alive:
+        await asyncio.sleep(0.5)
+    logger.error("engine thread stopped: %s", engine.error)
+
+
+def model_name(path: str) -> str:
+    return Path(path).resolve().name

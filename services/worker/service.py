@@ -1,0 +1,327 @@
+"""The `Worker` gRPC service: Prefill (export KV under a lease), Decode (import KV or run
+colocated, then stream), load and engine info. Handlers are thin; engine work runs on the
+engine thread through AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache.hashing import hash_blocks
+from engine.outputs import RequestOutput
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wgrpc
+from services import convert
+from services.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from services.grpc_utils import channel, remaining
+from services.kv_transfer import consumer
+from services.kv_transfer.transfer import TransferTable
+from services.kv_transfer.wire import DTYPES, MAX_CHUNK_BYTES, Geometry
+from services.metrics import Metrics
+from services.worker.async_engine import AsyncEngine, EngineDead
+
+logger = logging.getLogger(__name__)
+
+ROLES = {"prefill": wpb.WORKER_ROLE_PREFILL, "decode": wpb.WORKER_ROLE_DECODE, "colocated": wpb.WORKER_ROLE_COLOCATED}
+DEFAULT_PULL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    """"prefill", "decode" or "colocated" (answers both Prefill and Decode)."""
+    model_name: str
+    dp_rank: int = 0
+    lease_s: float = 30.0
+    """How long a prefill worker keeps exported KV pinned waiting for the decode side."""
+    kv_chunk_bytes: int = MAX_CHUNK_BYTES
+    """Largest KV chunk this worker asks a producer for."""
+
+
+class PeerStubs:
+    """One channel per producer endpoint, reused across transfers."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, kv_grpc.KvTransferStub] = {}
+        self._channels = []
+
+    def kv(self, endpoint: str) -> kv_grpc.KvTransferStub:
+        stub = self._stubs.get(endpoint)
+        if stub is None:
+            ch = channel(endpoint)
+            self._channels.append(ch)
+            stub = self._stubs[endpoint] = kv_grpc.KvTransferStub(ch)
+        return stub
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+
+class WorkerService(wgrpc.WorkerServicer):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: AsyncEngine,
+        table: TransferTable,
+        identity: kv_pb.KvProducer,
+        metrics: Metrics,
+    ):
+        self.settings = settings
+        self.engine = engine
+        self.table = table
+        self.identity = identity
+        self.metrics = metrics
+        self.peers = PeerStubs()
+        self.draining = False
+        self.geo: Geometry | None = None
+        self.compat_hash = ""
+        self._tasks: set[asyncio.Task] = set()
+
+    def engine_ready(self, geo: Geometry, compat_hash: str) -> None:
+        self.geo, self.compat_hash = geo, compat_hash
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def background(self, coro) -> None:
+        """Run a cleanup that must finish even when the handler that started it is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _admit(self, *roles: str) -> None:
+        if self.settings.role not in roles:
+            raise FailedPrecondition(f"this is a {self.settings.role} worker; the call needs role {' or '.join(roles)}")
+        if self.draining:
+            raise Unavailable("worker is draining")
+        if self.geo is None or not self.engine.alive:
+            raise Unavailable("engine is not ready")
+
+    async def _abort(self, request_id: str) -> None:
+        def abort(core) -> None:
+            core.abort_request(request_id)
+            core.release_export(request_id)
+
+        try:
+            await self.engine.call(abort)
+        except EngineDead:
+            pass
+
+    async def _release_producer(self, handle: kv_pb.KvHandle, done: bool) -> None:
+        reason = kv_pb.RELEASE_REASON_DONE if done else kv_pb.RELEASE_REASON_ABORT
+        try:
+            await self.peers.kv(handle.producer.endpoint).Release(
+                kv_pb.ReleaseRequest(transfer_id=handle.transfer_id, reason=reason), timeout=5.0
+            )
+        except Exception as e:  # noqa: BLE001 - the producer's lease frees the blocks anyway
+            logger.info("release of transfer %s failed: %s", handle.transfer_id, e)
+
+    def _observe(self, out: RequestOutput) -> None:
+        m, metrics = self.metrics, out.metrics
+        m.labels(m.requests, out.finish_reason or "unknown").inc()
+        if metrics is not None:
+            m.observe_request(metrics.time_to_first_token, metrics.e2e_latency, metrics.queue_time, [])
+            m.labels(m.cached_tokens).inc(metrics.num_cached_tokens)
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+
+    async def GetEngineInfo(self, request, context) -> wpb.EngineInfo:
+        core = await self.engine.wait_ready() if self.engine.core is None else self.engine.core
+        geo = self.geo
+        return wpb.EngineInfo(
+            role=ROLES[self.settings.role],
+            model=self.settings.model_name,
+            dp_rank=self.settings.dp_rank,
+            identity=self.identity,
+            kv_cache=wpb.KvCacheGeometry(
+                num_layers=geo.num_layers, num_blocks=core.num_kv_blocks, block_size=geo.block_size,
+                width=geo.width, dtype=DTYPES[geo.dtype],
+            ),
+            compat_hash=self.compat_hash,
+            max_model_len=core.max_model_len,
+            vocab_size=core.model_cfg.vocab_size,
+        )
+
+    async def GetLoad(self, request, context) -> wpb.Load:
+        core = self.engine.core
+        if core is None:
+            return wpb.Load(draining=self.draining)
+        bm = core.block_manager
+        return wpb.Load(
+            num_running=len(core.scheduler.running),
+            num_waiting=len(core.scheduler.waiting) + len(core.importing),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=core.num_kv_blocks,
+            num_pinned_transfers=len(self.table),
+            prefix_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            draining=self.draining,
+        )
+
+    async def Drain(self, request, context) -> wpb.DrainResponse:
+        self.draining = True
+        return wpb.DrainResponse(num_in_flight=self.engine.num_streams)
+
+    async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
+        self._admit("prefill", "colocated")
+        rid = request.request_id or uuid.uuid4().hex
+        prompt = list(request.prompt_token_ids)
+        params = convert.sampling_from_proto(request.sampling)
+        stream = self.engine.open_stream(rid)
+        exported = False
+        try:
+            await self.engine.call(lambda core: core.add_request(rid, prompt, params, kv_export=True))
+            out = await stream.get()
+            if isinstance(out, BaseException):
+                raise Unavailable(f"engine failed: {out}")
+            assert out.finished, "a prefill-only request ends with its first token"
+            self._observe(out)
+            response = wpb.PrefillResponse(output=convert.output_to_proto(out, first=True))
+            kv = out.exported_kv
+            if kv is not None:
+                lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else self.settings.lease_s
+                t = self.table.create(rid, kv.block_ids, kv.block_hashes, kv.num_tokens, lease_s)
+                exported = True
+                response.kv_handle.CopyFrom(
+                    kv_pb.KvHandle(
+                        transfer_id=t.transfer_id,
+                        producer=self.identity,
+                        block_hashes=kv.block_hashes,
+                        num_tokens=kv.num_tokens,
+                        num_blocks=len(kv.block_ids),
+                        block_size=self.geo.block_size,
+                        lease_expiry_unix_ms=int(t.lease_expiry * 1000),
+                        compat_hash=self.compat_hash,
+                    )
+                )
+                if kv.generator_state is not None:
+                    response.sampler_state = kv.generator_state.numpy().tobytes()
+            return response
+        except BaseException:
+            if not exported:  # cancelled or failed before the table took the blocks over
+                self.background(self._abort(rid))
+            raise
+        finally:
+            self.engine.close_stream(rid)
+
+    async def Decode(self, request: wpb.DecodeRequest, context):
+        self._admit("decode", "colocated")
+        rid = request.request_id or uuid.uuid4().hex
+        prompt = list(request.prompt_token_ids)
+        params = convert.sampling_from_proto(request.sampling)
+        start = time.monotonic()
+        stream = self.engine.open_stream(rid)
+        handle = request.kv_handle if request.HasField("kv_handle") else None
+        kv_bytes, kv_seconds, released = 0, 0.0, handle is None
+        try:
+            if handle is None:
+                await self.engine.call(lambda core: core.add_request(rid, prompt, params))
+            else:
+                kv_bytes, kv_seconds, pulled = await self._import(rid, request, prompt, params, remaining(context))
+                released = True  # on failure _import released it (abort) already
+                if pulled:
+                    self.background(self._release_producer(handle, done=True))
+            first, last_token_time, gaps = True, None, []
+            while True:
+                item = await stream.get()
+                batch = [item]
+                while not stream.empty():  # tokens that are ready together go in one message
+                    batch.append(stream.get_nowait())
+                msg = None
+                for out in batch:
+                    if isinstance(out, BaseException):
+                        raise Unavailable(f"engine failed: {out}")
+                    part = convert.output_to_proto(out, first and handle is None)
+                    first = False
+                    if msg is None:
+                        msg = part
+                    else:
+                        convert.merge(msg, part)
+                now = time.monotonic()
+                if last_token_time is not None and msg.token_ids:
+                    gaps.append((now - last_token_time) / len(msg.token_ids))
+                last_token_time = now
+                if out.finished:
+                    self._observe(out)
+                    for gap in gaps:
+                        self.metrics.labels(self.metrics.itl).observe(gap)
+                    msg.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=len(out.token_ids),
+                            cached_tokens=out.num_cached_tokens,
+                            kv_transfer_bytes=kv_bytes,
+                        )
+                    )
+                    m = out.metrics
+                    msg.timings.CopyFrom(
+                        pb.Timings(
+                            queue_ns=int((m.queue_time or 0) * 1e9),
+                            kv_transfer_ns=int(kv_seconds * 1e9),
+                            ttft_ns=int((m.time_to_first_token or 0) * 1e9) if handle is None else 0,
+                            e2e_ns=int((time.monotonic() - start) * 1e9),
+                        )
+                    )
+                    msg.disaggregated = handle is not None
+                    yield msg
+                    return
+                yield msg
+        except BaseException:
+            self.background(self._abort(rid))
+            if not released:
+                self.background(self._release_producer(handle, done=False))
+            raise
+        finally:
+            self.engine.close_stream(rid)
+
+    async def _import(self, rid, request: wpb.DecodeRequest, prompt, params, timeout) -> tuple[int, float, bool]:
+        """Allocate blocks, pull the missing prompt KV and join the batch -> (bytes, seconds,
+        pulled). pulled is False when the pull failed and the prompt is recomputed instead."""
+        handle = request.kv_handle
+        geo = self.geo
+        if handle.compat_hash != self.compat_hash:
+            raise FailedPrecondition(f"KV from {handle.producer.endpoint} has compat hash {handle.compat_hash}, ours is {self.compat_hash}")
+        if handle.block_size != geo.block_size or handle.num_tokens != len(prompt) or handle.num_blocks != -(-len(prompt) // geo.block_size):
+            raise InvalidArgument(
+                f"kv_handle covers {handle.num_tokens} tokens in {handle.num_blocks} blocks of {handle.block_size}; "
+                f"the prompt has {len(prompt)} tokens and our blocks hold {geo.block_size}"
+            )
+        if list(handle.block_hashes) != hash_blocks(prompt, geo.block_size):
+            raise FailedPrecondition("kv_handle block hashes do not match the prompt's")
+        state = torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8) if request.sampler_state else None
+        outputs = list(request.output_token_ids)
+        await self.engine.call(lambda core: core.begin_import(rid, prompt, outputs, params, state))
+
+        def allocate(core):
+            hits = core.allocate_import(rid)
+            return None if hits is None else (hits, list(core.requests[rid].block_ids))
+
+        first_block, block_ids = await self.engine.call(allocate, retry_until_set=True)
+        start = time.monotonic()
+        try:
+            received = await consumer.pull(
+                self.peers.kv(handle.producer.endpoint), handle, geo, self.engine.core.runner.kv_caches,
+                block_ids, first_block, self.settings.kv_chunk_bytes,
+                timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S,
+            )
+        except ServiceError as e:
+            self.metrics.labels(self.metrics.kv_transfer_failures, e.code.name).inc()
+            self.background(self._release_producer(handle, done=False))
+            if request.kv_failure_policy != pb.KV_FAILURE_POLICY_RECOMPUTE:
+                raise
+            logger.warning("request %s: KV transfer failed (%s); recomputing the prompt", rid, e)
+            await self.engine.call(lambda core: core.recompute_import(rid))
+            return 0, time.monotonic() - start, False
+        seconds = time.monotonic() - start
+        self.metrics.labels(self.metrics.kv_transfer_bytes, "received").inc(received)
+        self.metrics.labels(self.metrics.kv_transfer_seconds).observe(seconds)
+        await self.engine.call(lambda core: core.finish_import(rid))
+        return received, seconds, True
