@@ -1,4 +1,4 @@
-"""OpenAI request bodies to engine inputs, and engine deltas to OpenAI responses.
+"""OpenAI request bodies to engine inputs (responses.py builds the answers), and the error body.
 
 Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
 types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from tokenizers import decoders
 
 from engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from engine.tokenizer import Tokenizer
-from services.router.api import Delta, Frontend, GenerateInput, KvFailurePolicy, ServingMode, Usage
+from services.router.api import Frontend, GenerateInput, KvFailurePolicy, ServingMode
 
 MAX_N = 16
 """Most samples per prompt (`n`)."""
@@ -34,8 +33,6 @@ MAX_TEMPERATURE = 2.0
 DEFAULT_MAX_TOKENS = 16
 """/v1/completions' max_tokens when none is given (OpenAI's default). Chat defaults to the rest of
 the context window instead."""
-LOGPROB_FLOOR = -9999.0
-"""-inf (and NaN) logprobs are sent as this: JSON has no infinity (vLLM does the same)."""
 CHAT_ROLES = ("system", "user", "assistant")
 """The roles the model's chat template renders."""
 
@@ -109,7 +106,9 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = N
     return value
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float | None, lo_open: bool = False) -> float:
+def _number(
+    body: dict, name: str, default: float, lo: float, hi: float | None, lo_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -286,11 +285,14 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
     rendered = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ApiError(f"messages[{i}] must be an object with role and content", "messages")
+            raise ApiError(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise ApiError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {_show(role)}", "messages")
-        rendered.append({"role": role, "content": _message_text(message.get("content"), f"messages[{i}].content")})
+            where = f"messages[{i}].role"
+            raise ApiError(f"{where} must be one of {list(CHAT_ROLES)}, got {_show(role)}", where)
+        rendered.append(
+            {"role": role, "content": _message_text(message.get("content"), f"messages[{i}].content")}
+        )
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
@@ -377,179 +379,3 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
     return ParsedRequest(chat=True, prompts=[prompt], params=params, **_common(body))
-
-
-# ---- responses ------------------------------------------------------------------------------
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-ins for bytes, reversed: how byte-level BPE pieces map to bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-class TokenStrings:
-    """Token id → (text, raw bytes) for logprobs. A byte-level piece maps back to its exact bytes,
-    which may end inside a UTF-8 character (its text then shows U+FFFD, as in vLLM)."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tok = tokenizer.tokenizer
-        self._bytes_of = _byte_decoder() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
-        self._cache: dict[int, tuple[str, bytes]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, bytes]:
-        if token_id not in self._cache:
-            piece = self._tok.id_to_token(token_id) or ""
-            if self._bytes_of is not None and all(c in self._bytes_of for c in piece):
-                raw = bytes(self._bytes_of[c] for c in piece)
-            else:  # added/special tokens are stored as plain text
-                raw = (self._tok.decode([token_id], skip_special_tokens=False) or piece).encode()
-            self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
-        return self._cache[token_id]
-
-
-def _lp(value: float) -> float:
-    return LOGPROB_FLOOR if math.isnan(value) or value < LOGPROB_FLOOR else float(value)
-
-
-def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
-    return sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
-
-
-class ChoiceOutput:
-    """One choice's output so far: `add` turns each Delta into the choice part of a stream chunk,
-    `choice` gives the whole choice of a non-streaming response."""
-
-    def __init__(self, chat: bool, index: int, top_logprobs: int | None, strings: TokenStrings):
-        self.chat, self.index, self.top_logprobs, self._strings = chat, index, top_logprobs, strings
-        self.text: list[str] = []
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.usage: Usage | None = None
-        self.prompt_logprobs: list | None = None
-        self._text_offset = 0
-        self._logprobs: dict[str, list] | None = None
-        if top_logprobs is not None:
-            keys = ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-            self._logprobs = {key: [] for key in keys}
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.usage.completion_tokens if self.usage is not None else self.num_tokens
-
-    def add(self, delta: Delta) -> dict | None:
-        """Record a delta; the chunk choice for it, or None when it carries nothing to send."""
-        self.num_tokens += len(delta.token_ids)
-        self.text.append(delta.text)
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
-        self.usage = delta.usage or self.usage
-        logprobs = None
-        if self._logprobs is not None and delta.logprobs is not None:
-            if self.chat:
-                logprobs = {"content": self._chat_logprobs(delta.token_ids, delta.logprobs)}
-            else:
-                logprobs = self._completion_logprobs(delta.token_ids, delta.logprobs)
-            for key, values in logprobs.items():
-                self._logprobs[key].extend(values)
-        if not (delta.text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
-            return None
-        if self.chat:
-            choice = {"index": self.index, "delta": {"content": delta.text} if delta.text else {}}
-        else:
-            choice = {"index": self.index, "text": delta.text}
-        choice |= {"logprobs": logprobs, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs)
-            choice["prompt_logprobs"] = self.prompt_logprobs
-        return choice
-
-    def choice(self) -> dict:
-        text = "".join(self.text)
-        choice: dict[str, Any] = {"index": self.index}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": self._logprobs, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
-        if self.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs
-        return choice
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list]:
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, lps in zip(token_ids, logprobs, strict=True):
-            text = self._strings(tok)[0]
-            out["tokens"].append(text)
-            out["token_logprobs"].append(_lp(lps.get(tok, next(iter(lps.values())))))
-            out["top_logprobs"].append({self._strings(t)[0]: _lp(v) for t, v in _top(lps, self.top_logprobs)})
-            out["text_offset"].append(self._text_offset)
-            self._text_offset += len(text)
-        return out
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
-        def entry(tok: int, value: float) -> dict:
-            text, raw = self._strings(tok)
-            return {"token": text, "logprob": _lp(value), "bytes": list(raw)}
-
-        return [
-            entry(tok, lps.get(tok, next(iter(lps.values()))))
-            | {"top_logprobs": [entry(t, v) for t, v in _top(lps, self.top_logprobs)]}
-            for tok, lps in zip(token_ids, logprobs, strict=True)
-        ]
-
-    def _prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None]) -> list:
-        return [
-            None
-            if lps is None
-            else {str(t): {"logprob": _lp(v), "decoded_token": self._strings(t)[0]} for t, v in lps.items()}
-            for lps in prompt_logprobs
-        ]
-
-
-def usage_json(prompts: list[list[int]], n: int, outputs: list[ChoiceOutput]) -> dict:
-    """Usage of the whole request: each prompt counted once (as OpenAI), every choice's tokens;
-    cached tokens per prompt are the best of its samples; kv_transfer_bytes is the total moved."""
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(o.completion_tokens for o in outputs)
-    cached = sum(
-        max((o.usage.cached_tokens if o.usage else 0) for o in outputs[p * n : (p + 1) * n])
-        for p in range(len(prompts))
-    )
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "kv_transfer_bytes": sum(o.usage.kv_transfer_bytes for o in outputs if o.usage),
-    }
-
-
-def response_json(request_id: str, created: int, model: str, chat: bool, choices: list[dict], **extra) -> dict:
-    """A non-streaming response; extra holds usage."""
-    kind = "chat.completion" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
-
-
-def chunk_json(request_id: str, created: int, model: str, chat: bool, choices: list[dict], **extra) -> dict:
-    """One streamed chunk; extra holds usage when stream_options.include_usage."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
-
-
-def models_json(frontend: Frontend, created: int) -> dict:
-    """GET /v1/models: OpenAI's list format with the one model this server serves."""
-    return {"object": "list", "data": [model_json(frontend, created)]}
-
-
-def model_json(frontend: Frontend, created: int) -> dict:
-    return {
-        "id": frontend.model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "pdserve",
-        "root": frontend.model_name,
-        "max_model_len": frontend.max_model_len,
-    }

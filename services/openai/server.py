@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (aiohttp), served on the router's event loop.
 
-Handlers are thin: protocol.py turns bodies into engine inputs and deltas into JSON; this module
+Handlers are thin: protocol.py turns bodies into engine inputs, responses.py deltas into JSON; this module
 runs a request's choices (one `Frontend.generate` per prompt × n, concurrently), streams them as
 server-sent events, and maps every error to OpenAI's error body.
 
@@ -26,17 +26,19 @@ from aiohttp import web
 from services.errors import ServiceError, http_status
 from services.openai.protocol import (
     ApiError,
-    ChoiceOutput,
     ParsedRequest,
-    TokenStrings,
-    chunk_json,
     error_body,
-    model_json,
-    models_json,
     param_from_message,
     parse_chat,
     parse_completion,
     parse_json,
+)
+from services.openai.responses import (
+    ChoiceOutput,
+    TokenStrings,
+    chunk_json,
+    model_json,
+    models_json,
     response_json,
     usage_json,
 )
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.2
 """How often a running request checks that its client is still connected."""
 _MAX_BODY = web.AppKey("max_body_bytes", int)
-_REQUEST_ID = "pdserve_request_id"  # key of the request id in the aiohttp request's dict
+_REQUEST_ID = web.RequestKey("request_id", str)
 
 
 class ClientGone(Exception):
@@ -129,7 +131,7 @@ async def _watch_connection(request: web.Request, queue: asyncio.Queue) -> None:
 
 async def _run_choices(
     request: web.Request, frontend: Frontend, inputs: list[GenerateInput]
-) -> AsyncGenerator[tuple[int, Delta]]:
+) -> AsyncGenerator[tuple[int, Delta], None]:
     """Every choice's deltas as they come, as (choice index, delta), until all generate iterators
     end. Raises the first error (ClientGone when the client disconnects); on any exit, cancels the
     choices still running."""
@@ -138,7 +140,11 @@ async def _run_choices(
     async def pump(index: int, inp: GenerateInput) -> None:
         try:
             stream: AsyncIterator[Delta] = frontend.generate(inp)
-            closing = contextlib.aclosing(stream) if isinstance(stream, AsyncGenerator) else contextlib.nullcontext()
+            closing = (
+                contextlib.aclosing(stream)
+                if isinstance(stream, AsyncGenerator)
+                else contextlib.nullcontext()
+            )
             finished = False
             async with closing:
                 async for delta in stream:
@@ -163,6 +169,9 @@ async def _run_choices(
             else:
                 yield index, item
     finally:
+        running_ids = [task.get_name() for task in tasks if not task.done()]
+        if running_ids:
+            logger.info("cancelling %s", ", ".join(running_ids))
         for task in (*tasks, watcher):
             task.cancel()
         await asyncio.gather(*tasks, watcher, return_exceptions=True)
@@ -205,7 +214,9 @@ class _Api:
         usage = usage_json(parsed.prompts, parsed.n, outputs)
         choices = [o.choice() for o in outputs]
         model = self.frontend.model_name
-        return web.json_response(response_json(request_id, int(time.time()), model, chat, choices, usage=usage))
+        return web.json_response(
+            response_json(request_id, int(time.time()), model, chat, choices, usage=usage)
+        )
 
     async def _stream(
         self,
@@ -213,7 +224,7 @@ class _Api:
         request_id: str,
         parsed: ParsedRequest,
         outputs: list[ChoiceOutput],
-        deltas: AsyncGenerator[tuple[int, Delta]],
+        deltas: AsyncGenerator[tuple[int, Delta], None],
     ) -> web.StreamResponse:
         """SSE chunks. Headers go out with the first delta, so an error before it (overload, no
         worker) still gets its own HTTP status; a later one is sent as a `data: {"error": ...}`
@@ -249,7 +260,9 @@ class _Api:
                     await resp.write(_sse(body))
         return resp
 
-    async def _start_stream(self, request: web.Request, outputs: list[ChoiceOutput], chunk) -> web.StreamResponse:
+    async def _start_stream(
+        self, request: web.Request, outputs: list[ChoiceOutput], chunk
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         if outputs[0].chat:  # each choice's first chunk carries the role
