@@ -26,7 +26,7 @@ from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -103,26 +103,14 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; changes nothing."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_cfg.vocab_size
-        for i, tok in enumerate(prompt_token_ids):
-            if not isinstance(tok, int) or not 0 <= tok < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        n = len(prompt_token_ids)
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len ({self.max_model_len})")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
-        blocks = -(-(n + params.max_tokens) // self.cfg.block_size)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {blocks} KV blocks, more than num_kv_blocks ({self.num_kv_blocks})"
-            )
+        validate_request(
+            prompt_token_ids,
+            params,
+            self.model_cfg.vocab_size,
+            self.max_model_len,
+            self.cfg.block_size,
+            self.num_kv_blocks,
+        )
 
     def add_request(
         self,

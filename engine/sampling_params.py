@@ -121,3 +121,35 @@ class SamplingParams:
                     raise ValueError(
                         f"stop_token_ids entry {tok!r} is outside the vocabulary [0, {vocab_size})"
                     )
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int | None = None,
+    num_kv_blocks: int | None = None,
+) -> None:
+    """Everything about a request that must hold before it enters an engine (the engine and the
+    router both call this): raise ValueError naming the field and the limit."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    for i, tok in enumerate(prompt_token_ids):
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
+            raise ValueError(f"prompt_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab_size})")
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n > max_model_len:
+        raise ValueError(f"prompt has {n} tokens, more than max_model_len ({max_model_len})")
+    if n + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+            f"exceeds max_model_len ({max_model_len})"
+        )
+    if block_size is not None and num_kv_blocks is not None:
+        blocks = -(-(n + params.max_tokens) // block_size)
+        if blocks > num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks, more than num_kv_blocks ({num_kv_blocks})"
+            )

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from engine import env
 
-MAX_CHUNK_BYTES = 4 * 2**20 - 64 * 2**10  # services.kv_transfer.wire.MAX_CHUNK_BYTES (not imported: keeps start-up light)
+MAX_CHUNK_BYTES = (
+    4 * 2**20 - 64 * 2**10
+)  # services.kv_transfer.wire.MAX_CHUNK_BYTES (not imported: keeps start-up light)
 
 # Flags map one-to-one onto EngineConfig / SamplingParams fields (--max-num-seqs -> max_num_seqs).
 ENGINE_FLAGS: dict[str, dict] = {
@@ -142,6 +144,74 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return asyncio.run(serve(cfg))
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.router.core import RouterSettings
+    from services.router.policy import RoutingConfig
+    from services.router.server import RouterServerConfig, serve
+    from services.worker.server import model_name
+
+    if not args.registry and not args.workers:
+        raise ValueError("give --registry redis://... or --workers host:port,...")
+    routing = RoutingConfig(
+        colocate_max_tokens=args.colocate_max_tokens,
+        colocate_cached_fraction=args.colocate_cached_fraction,
+    )
+    cfg = RouterServerConfig(
+        model=args.model,
+        settings=RouterSettings(model_name=args.served_model_name or model_name(args.model), routing=routing),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=None if args.no_http else args.http_port,
+        registry=args.registry,
+        workers=[w for w in (args.workers or "").split(",") if w],
+    )
+    return asyncio.run(serve(cfg))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from engine.make_model import make_model
+    from services.launcher import Stack, StackConfig
+
+    model = args.model or str(make_model("tiny", Path(env.model_cache_dir()) / "pdserve-tiny"))
+    engine_args = ["--dtype", args.dtype]
+    if args.num_kv_blocks:
+        engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    stack = Stack(
+        StackConfig(
+            model=model,
+            host=args.host,
+            num_prefill=args.num_prefill,
+            num_decode=args.num_decode,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            engine_args=engine_args,
+            registry=args.registry,
+            threads_per_worker=args.threads_per_worker,
+        )
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack.start()
+    print(
+        f"pdserve serving {model}\n  OpenAI HTTP: {stack.http_url}/v1\n  gRPC:        {stack.grpc_endpoint}",
+        flush=True,
+    )
+    for proc in stack.procs:
+        print(f"  {proc.name:<10} {proc.endpoint} (pid {proc.popen.pid})", flush=True)
+    while not stop.wait(0.5):
+        if any(p.popen.poll() is not None for p in stack.procs):
+            print("a process exited; stopping the stack", file=sys.stderr)
+            break
+    codes = stack.stop()
+    return 0 if stop.is_set() and not any(codes.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -164,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="serve one engine (prefill, decode or colocated) over gRPC")
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     p.add_argument("--model", required=True, help="HF-format model folder")
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the folder name)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -176,6 +248,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
     _add_flags(p, ENGINE_FLAGS)
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("router", help="the public gRPC and OpenAI HTTP front over the workers")
+    p.add_argument("--model", required=True, help="HF-format model folder (for the tokenizer)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument("--registry", default=None, help="redis://host:port/db to discover workers in")
+    p.add_argument("--workers", default=None, help="static worker endpoints host:port,... (no Redis)")
+    p.add_argument("--colocate-max-tokens", type=int, default=32, help="shorter prompts run colocated")
+    p.add_argument("--colocate-cached-fraction", type=float, default=0.8)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("serve", help="start a router, a prefill and a decode worker on this machine")
+    p.add_argument("--model", default=None, help="HF-format model folder (default: the tiny model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--registry", default=None, help="redis://host:port/db (default: static, no Redis)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
     p.add_argument("--model-dir", default=env.model_cache_dir())

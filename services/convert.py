@@ -40,6 +40,7 @@ KV_FAILURE_POLICIES = {
     pb.KV_FAILURE_POLICY_FAIL: KvFailurePolicy.FAIL,
     pb.KV_FAILURE_POLICY_RECOMPUTE: KvFailurePolicy.RECOMPUTE,
 }
+KV_FAILURE_POLICY_TO_PROTO = {v: k for k, v in KV_FAILURE_POLICIES.items()}
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -50,7 +51,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+    msg = pb.SamplingParams(
+        stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
+    )
     for name in _OPTIONAL_FIELDS:
         value = getattr(params, name)
         if value is not None:
@@ -60,7 +63,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 def logprobs_to_proto(entries: list[dict[int, float] | None]) -> list[pb.Logprobs]:
     return [
-        pb.Logprobs(token_ids=list(e), logprobs=list(e.values())) if e is not None else pb.Logprobs() for e in entries
+        pb.Logprobs(token_ids=list(e), logprobs=list(e.values())) if e is not None else pb.Logprobs()
+        for e in entries
     ]
 
 
@@ -104,7 +108,9 @@ def delta_from_proto(msg: pb.GenerateResponse) -> Delta:
         token_ids=list(msg.token_ids),
         text=msg.text,
         logprobs=logprobs_from_proto(msg.logprobs) if len(msg.logprobs) else None,
-        prompt_logprobs=[None, *logprobs_from_proto(msg.prompt_logprobs)] if len(msg.prompt_logprobs) else None,
+        prompt_logprobs=[None, *logprobs_from_proto(msg.prompt_logprobs)]
+        if len(msg.prompt_logprobs)
+        else None,
         finish_reason=_FINISH_NAMES.get(msg.finish_reason),
         stop_reason=getattr(msg, which) if which else None,
         disaggregated=msg.disaggregated,
@@ -138,11 +144,23 @@ def delta_to_proto(request_id: str, delta: Delta) -> pb.GenerateResponse:
         msg.stop_token_id = delta.stop_reason
     if delta.usage is not None:
         u = delta.usage
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                    cached_tokens=u.cached_tokens, kv_transfer_bytes=u.kv_transfer_bytes))
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_tokens=u.cached_tokens,
+                kv_transfer_bytes=u.kv_transfer_bytes,
+            )
+        )
     if delta.timings is not None:
         t = delta.timings
-        msg.timings.CopyFrom(pb.Timings(queue_ns=int(t.queue * 1e9), prefill_ns=int(t.prefill * 1e9),
-                                        kv_transfer_ns=int(t.kv_transfer * 1e9), ttft_ns=int(t.ttft * 1e9),
-                                        e2e_ns=int(t.e2e * 1e9)))
+        msg.timings.CopyFrom(
+            pb.Timings(
+                queue_ns=int(t.queue * 1e9),
+                prefill_ns=int(t.prefill * 1e9),
+                kv_transfer_ns=int(t.kv_transfer * 1e9),
+                ttft_ns=int(t.ttft * 1e9),
+                e2e_ns=int(t.e2e * 1e9),
+            )
+        )
     return msg

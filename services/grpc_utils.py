@@ -92,7 +92,9 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     server reflection for the given fully qualified service names."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
     return servicer
 
 

@@ -21,31 +21,67 @@ class Metrics:
             "pdserve_requests", "Finished requests by outcome", ["component", "finish_reason"], registry=r
         )
         self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds", "Arrival to first token", ["component"], buckets=_LATENCY_BUCKETS, registry=r
+            "pdserve_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["component"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds", "Between consecutive tokens", ["component"], buckets=_TOKEN_BUCKETS, registry=r
+            "pdserve_inter_token_latency_seconds",
+            "Between consecutive tokens",
+            ["component"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds", "Arrival to last token", ["component"], buckets=_LATENCY_BUCKETS, registry=r
+            "pdserve_e2e_request_latency_seconds",
+            "Arrival to last token",
+            ["component"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
-            "pdserve_queue_time_seconds", "Arrival to first scheduled", ["component"], buckets=_LATENCY_BUCKETS, registry=r
+            "pdserve_queue_time_seconds",
+            "Arrival to first scheduled",
+            ["component"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", ["component"], registry=r)
-        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", ["component"], registry=r)
-        self.cached_tokens = Counter("pdserve_cached_prompt_tokens", "Prompt tokens served from a prefix cache", ["component"], registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Generated tokens", ["component"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache",
+            ["component"],
+            registry=r,
+        )
         self.kv_transfer_bytes = Counter(
-            "pdserve_kv_transfer_bytes", "KV-cache bytes moved between workers", ["component", "direction"], registry=r
+            "pdserve_kv_transfer_bytes",
+            "KV-cache bytes moved between workers",
+            ["component", "direction"],
+            registry=r,
         )
         self.kv_transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "Time to pull one request's KV", ["component"], buckets=_LATENCY_BUCKETS, registry=r
+            "pdserve_kv_transfer_seconds",
+            "Time to pull one request's KV",
+            ["component"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.kv_transfer_failures = Counter(
-            "pdserve_kv_transfer_failures", "KV transfers that failed, by status code", ["component", "code"], registry=r
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed, by status code",
+            ["component", "code"],
+            registry=r,
         )
         self.kv_expired_leases = Counter(
-            "pdserve_kv_transfer_expired_leases", "Pinned transfers freed by lease expiry", ["component"], registry=r
+            "pdserve_kv_transfer_expired_leases",
+            "Pinned transfers freed by lease expiry",
+            ["component"],
+            registry=r,
         )
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
@@ -55,7 +91,9 @@ class Metrics:
     def labels(self, metric, *values):
         return metric.labels(self.component, *values)
 
-    def observe_request(self, ttft: float | None, e2e: float | None, queue: float | None, itls: list[float]) -> None:
+    def observe_request(
+        self, ttft: float | None, e2e: float | None, queue: float | None, itls: list[float]
+    ) -> None:
         if ttft is not None:
             self.labels(self.ttft).observe(ttft)
         if e2e is not None:

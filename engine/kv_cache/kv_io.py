@@ -17,7 +17,9 @@ assert sys.byteorder == "little", "the KV wire format is little-endian"
 def read_blocks(caches: list[torch.Tensor], block_ids: list[int], layer_start: int, num_layers: int) -> bytes:
     """Copy out the slab [num_layers, len(block_ids), block_size, width] as bytes."""
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
-    slab = torch.stack([caches[layer].index_select(0, index) for layer in range(layer_start, layer_start + num_layers)])
+    slab = torch.stack(
+        [caches[layer].index_select(0, index) for layer in range(layer_start, layer_start + num_layers)]
+    )
     return slab.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -34,7 +36,9 @@ def write_blocks(caches: list[torch.Tensor], block_ids: list[int], layer_start: 
     if not block_ids or len(data) != expected:
         raise ValueError(f"KV slab has {len(data)} bytes, expected {expected} for shape {shape}")
     if layer_start < 0 or layer_start + num_layers > len(caches):
-        raise ValueError(f"KV slab layers [{layer_start}, {layer_start + num_layers}) outside [0, {len(caches)})")
+        raise ValueError(
+            f"KV slab layers [{layer_start}, {layer_start + num_layers}) outside [0, {len(caches)})"
+        )
     slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(caches[0].dtype).view(shape)
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     for i in range(num_layers):

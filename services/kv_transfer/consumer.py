@@ -31,7 +31,10 @@ async def pull(
     missing = {(layer, b) for layer in range(geo.num_layers) for b in range(first_block, num_blocks)}
     received = 0
     request = kv_pb.PullRequest(
-        transfer_id=handle.transfer_id, epoch=handle.producer.epoch, first_block=first_block, max_chunk_bytes=max_chunk_bytes
+        transfer_id=handle.transfer_id,
+        epoch=handle.producer.epoch,
+        first_block=first_block,
+        max_chunk_bytes=max_chunk_bytes,
     )
     call = stub.Pull(request, timeout=timeout)
     try:
@@ -43,13 +46,17 @@ async def pull(
                 for b in range(slab.block_start, slab.block_start + slab.num_blocks)
             }
             if not cells <= missing:
-                raise DataLoss(f"KV chunk layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks} was sent twice")
+                raise DataLoss(
+                    f"KV chunk layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks} was sent twice"
+                )
             ids = local_block_ids[slab.block_start : slab.block_start + slab.num_blocks]
             await asyncio.to_thread(write_blocks, caches, ids, slab.layer_start, chunk.data)
             missing -= cells
             received += len(chunk.data)
     except grpc.aio.AioRpcError as e:
-        raise ServiceError(f"KV pull from {handle.producer.endpoint} failed: {e.details()}", e.code()) from None
+        raise ServiceError(
+            f"KV pull from {handle.producer.endpoint} failed: {e.details()}", e.code()
+        ) from None
     finally:
         call.cancel()  # a no-op when the stream completed; ends it on the producer when we stop early
     if missing:

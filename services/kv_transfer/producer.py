@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from engine.kv_cache.kv_io import read_blocks
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.kv_transfer.transfer import TransferTable
 from services.kv_transfer.wire import Geometry, make_chunk, plan
 from services.metrics import Metrics
-from engine.kv_cache.kv_io import read_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ class KvTransferService(kv_grpc.KvTransferServicer):
             for slab in plan(self.geo, request.first_block, num_blocks, max_bytes):
                 ids = t.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
                 # Pinned blocks are never written by the engine, so reading them off its thread is safe.
-                data = await asyncio.to_thread(read_blocks, self.caches, ids, slab.layer_start, slab.num_layers)
+                data = await asyncio.to_thread(
+                    read_blocks, self.caches, ids, slab.layer_start, slab.num_layers
+                )
                 t.bytes_sent += len(data)
                 sent.inc(len(data))
                 yield make_chunk(self.geo, slab, data)

@@ -65,7 +65,14 @@ class TransferTable:
     def __len__(self) -> int:
         return len(self._transfers)
 
-    def create(self, request_id: str, block_ids: list[int], block_hashes: list[bytes], num_tokens: int, lease_s: float) -> Transfer:
+    def create(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        block_hashes: list[bytes],
+        num_tokens: int,
+        lease_s: float,
+    ) -> Transfer:
         lease_s = min(lease_s, self.max_lease_s)
         t = Transfer(uuid.uuid4().hex, request_id, block_ids, block_hashes, num_tokens, time.time() + lease_s)
         self._transfers[t.transfer_id] = t

@@ -83,14 +83,28 @@ def check_chunk(geo: Geometry, chunk: kv_pb.KvChunk, first_block: int, num_block
             f"{chunk.num_blocks}: checksum mismatch"
         )
     if chunk.dtype != DTYPES[geo.dtype]:
-        raise DataLoss(f"KV chunk dtype {kv_pb.KvDtype.Name(chunk.dtype)} != {kv_pb.KvDtype.Name(DTYPES[geo.dtype])}")
+        raise DataLoss(
+            f"KV chunk dtype {kv_pb.KvDtype.Name(chunk.dtype)} != {kv_pb.KvDtype.Name(DTYPES[geo.dtype])}"
+        )
     shape = [chunk.num_layers, chunk.num_blocks, geo.block_size, geo.width]
     if list(chunk.shape) != shape:
         raise DataLoss(f"KV chunk shape {list(chunk.shape)} != expected {shape}")
-    if not (0 <= chunk.layer_start and chunk.num_layers > 0 and chunk.layer_start + chunk.num_layers <= geo.num_layers):
-        raise DataLoss(f"KV chunk layers [{chunk.layer_start}, +{chunk.num_layers}) outside [0, {geo.num_layers})")
-    if not (first_block <= chunk.block_start and chunk.num_blocks > 0 and chunk.block_start + chunk.num_blocks <= num_blocks):
-        raise DataLoss(f"KV chunk blocks [{chunk.block_start}, +{chunk.num_blocks}) outside [{first_block}, {num_blocks})")
+    if not (
+        0 <= chunk.layer_start
+        and chunk.num_layers > 0
+        and chunk.layer_start + chunk.num_layers <= geo.num_layers
+    ):
+        raise DataLoss(
+            f"KV chunk layers [{chunk.layer_start}, +{chunk.num_layers}) outside [0, {geo.num_layers})"
+        )
+    if not (
+        first_block <= chunk.block_start
+        and chunk.num_blocks > 0
+        and chunk.block_start + chunk.num_blocks <= num_blocks
+    ):
+        raise DataLoss(
+            f"KV chunk blocks [{chunk.block_start}, +{chunk.num_blocks}) outside [{first_block}, {num_blocks})"
+        )
     if len(chunk.data) != chunk.num_layers * chunk.num_blocks * geo.block_layer_bytes:
         raise DataLoss(f"KV chunk has {len(chunk.data)} bytes, its header says {shape}")
     return Slab(chunk.layer_start, chunk.num_layers, chunk.block_start, chunk.num_blocks)

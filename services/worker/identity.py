@@ -23,7 +23,13 @@ def compat_hash(core: EngineCore) -> str:
     config = json.loads((Path(core.cfg.model) / "config.json").read_text())
     geo = geometry(core)
     blob = json.dumps(
-        {"config": config, "layers": geo.num_layers, "block_size": geo.block_size, "width": geo.width, "dtype": str(geo.dtype)},
+        {
+            "config": config,
+            "layers": geo.num_layers,
+            "block_size": geo.block_size,
+            "width": geo.width,
+            "dtype": str(geo.dtype),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -31,4 +37,6 @@ def compat_hash(core: EngineCore) -> str:
 
 def new_identity(endpoint: str, dp_rank: int) -> kv_pb.KvProducer:
     """A fresh engine id and an epoch that grows across restarts (start time in ms)."""
-    return kv_pb.KvProducer(engine_id=uuid.uuid4().hex, epoch=time.time_ns() // 1_000_000, dp_rank=dp_rank, endpoint=endpoint)
+    return kv_pb.KvProducer(
+        engine_id=uuid.uuid4().hex, epoch=time.time_ns() // 1_000_000, dp_rank=dp_rank, endpoint=endpoint
+    )

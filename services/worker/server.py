@@ -82,9 +82,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     kv_service = KvTransferService(table, identity, metrics)
     wgrpc.add_WorkerServicer_to_server(service, server)
     kv_grpc.add_KvTransferServicer_to_server(kv_service, server)
-    health = add_health_and_reflection(
-        server, ["pdserve.v1.Worker", "pdserve.v1.KvTransfer"]
-    )
+    health = add_health_and_reflection(server, ["pdserve.v1.Worker", "pdserve.v1.KvTransfer"])
     await set_health(health, live=True, ready=False)
     await server.start()
     if on_bound is not None:
@@ -107,15 +105,20 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     service.engine_ready(geo, compat_hash(core))
     kv_service.engine_ready(core.runner.kv_caches, geo)
     bm = core.block_manager
-    metrics.gauge("pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running))
+    metrics.gauge(
+        "pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running)
+    )
     metrics.gauge("pdserve_num_requests_waiting", "Requests waiting", lambda: len(core.scheduler.waiting))
     metrics.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use", lambda: bm.usage)
     metrics.gauge(
-        "pdserve_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up",
+        "pdserve_prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / looked up",
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
-    metrics_runner = await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    metrics_runner = (
+        await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    )
     await set_health(health, live=True, ready=True)
     logger.info("%s worker ready on %s", settings.role, endpoint)
 
@@ -130,7 +133,12 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
                 "kv_usage": bm.usage,
             }
             return WorkerRecord(
-                endpoint, settings.role, settings.model_name, settings.dp_rank, identity.epoch, load,
+                endpoint,
+                settings.role,
+                settings.model_name,
+                settings.dp_rank,
+                identity.epoch,
+                load,
                 time.time_ns() // 1_000_000,
             )
 

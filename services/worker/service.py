@@ -30,7 +30,11 @@ from services.worker.async_engine import AsyncEngine, EngineDead
 
 logger = logging.getLogger(__name__)
 
-ROLES = {"prefill": wpb.WORKER_ROLE_PREFILL, "decode": wpb.WORKER_ROLE_DECODE, "colocated": wpb.WORKER_ROLE_COLOCATED}
+ROLES = {
+    "prefill": wpb.WORKER_ROLE_PREFILL,
+    "decode": wpb.WORKER_ROLE_DECODE,
+    "colocated": wpb.WORKER_ROLE_COLOCATED,
+}
 DEFAULT_PULL_TIMEOUT_S = 60.0
 
 
@@ -99,7 +103,9 @@ class WorkerService(wgrpc.WorkerServicer):
 
     def _admit(self, *roles: str) -> None:
         if self.settings.role not in roles:
-            raise FailedPrecondition(f"this is a {self.settings.role} worker; the call needs role {' or '.join(roles)}")
+            raise FailedPrecondition(
+                f"this is a {self.settings.role} worker; the call needs role {' or '.join(roles)}"
+            )
         if self.draining:
             raise Unavailable("worker is draining")
         if self.geo is None or not self.engine.alive:
@@ -142,8 +148,11 @@ class WorkerService(wgrpc.WorkerServicer):
             dp_rank=self.settings.dp_rank,
             identity=self.identity,
             kv_cache=wpb.KvCacheGeometry(
-                num_layers=geo.num_layers, num_blocks=core.num_kv_blocks, block_size=geo.block_size,
-                width=geo.width, dtype=DTYPES[geo.dtype],
+                num_layers=geo.num_layers,
+                num_blocks=core.num_kv_blocks,
+                block_size=geo.block_size,
+                width=geo.width,
+                dtype=DTYPES[geo.dtype],
             ),
             compat_hash=self.compat_hash,
             max_model_len=core.max_model_len,
@@ -185,6 +194,13 @@ class WorkerService(wgrpc.WorkerServicer):
             assert out.finished, "a prefill-only request ends with its first token"
             self._observe(out)
             response = wpb.PrefillResponse(output=convert.output_to_proto(out, first=True))
+            response.output.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=len(prompt),
+                    completion_tokens=len(out.token_ids),
+                    cached_tokens=out.num_cached_tokens,
+                )
+            )
             kv = out.exported_kv
             if kv is not None:
                 lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else self.settings.lease_s
@@ -225,7 +241,9 @@ class WorkerService(wgrpc.WorkerServicer):
             if handle is None:
                 await self.engine.call(lambda core: core.add_request(rid, prompt, params))
             else:
-                kv_bytes, kv_seconds, pulled = await self._import(rid, request, prompt, params, remaining(context))
+                kv_bytes, kv_seconds, pulled = await self._import(
+                    rid, request, prompt, params, remaining(context)
+                )
                 released = True  # on failure _import released it (abort) already
                 if pulled:
                     self.background(self._release_producer(handle, done=True))
@@ -282,21 +300,33 @@ class WorkerService(wgrpc.WorkerServicer):
         finally:
             self.engine.close_stream(rid)
 
-    async def _import(self, rid, request: wpb.DecodeRequest, prompt, params, timeout) -> tuple[int, float, bool]:
+    async def _import(
+        self, rid, request: wpb.DecodeRequest, prompt, params, timeout
+    ) -> tuple[int, float, bool]:
         """Allocate blocks, pull the missing prompt KV and join the batch -> (bytes, seconds,
         pulled). pulled is False when the pull failed and the prompt is recomputed instead."""
         handle = request.kv_handle
         geo = self.geo
         if handle.compat_hash != self.compat_hash:
-            raise FailedPrecondition(f"KV from {handle.producer.endpoint} has compat hash {handle.compat_hash}, ours is {self.compat_hash}")
-        if handle.block_size != geo.block_size or handle.num_tokens != len(prompt) or handle.num_blocks != -(-len(prompt) // geo.block_size):
+            raise FailedPrecondition(
+                f"KV from {handle.producer.endpoint} has compat hash {handle.compat_hash}, ours is {self.compat_hash}"
+            )
+        if (
+            handle.block_size != geo.block_size
+            or handle.num_tokens != len(prompt)
+            or handle.num_blocks != -(-len(prompt) // geo.block_size)
+        ):
             raise InvalidArgument(
                 f"kv_handle covers {handle.num_tokens} tokens in {handle.num_blocks} blocks of {handle.block_size}; "
                 f"the prompt has {len(prompt)} tokens and our blocks hold {geo.block_size}"
             )
         if list(handle.block_hashes) != hash_blocks(prompt, geo.block_size):
             raise FailedPrecondition("kv_handle block hashes do not match the prompt's")
-        state = torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8) if request.sampler_state else None
+        state = (
+            torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8)
+            if request.sampler_state
+            else None
+        )
         outputs = list(request.output_token_ids)
         await self.engine.call(lambda core: core.begin_import(rid, prompt, outputs, params, state))
 
@@ -308,8 +338,13 @@ class WorkerService(wgrpc.WorkerServicer):
         start = time.monotonic()
         try:
             received = await consumer.pull(
-                self.peers.kv(handle.producer.endpoint), handle, geo, self.engine.core.runner.kv_caches,
-                block_ids, first_block, self.settings.kv_chunk_bytes,
+                self.peers.kv(handle.producer.endpoint),
+                handle,
+                geo,
+                self.engine.core.runner.kv_caches,
+                block_ids,
+                first_block,
+                self.settings.kv_chunk_bytes,
                 timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S,
             )
         except ServiceError as e:

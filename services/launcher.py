@@ -1,0 +1,216 @@
+"""Start a whole pdserve stack as processes on one machine: prefill and decode workers, a router.
+
+Used by `pdserve serve`, the demo (`make run`), the serving benchmark and the end-to-end tests.
+Every process binds to the given host only; ports are picked free up front. `start()` returns
+once every process reports readiness SERVING over grpc.health.v1; `stop()` sends SIGTERM, then
+SIGKILL to whatever outlives the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(
+    endpoint: str, timeout: float, proc: subprocess.Popen | None = None, service: str = "readiness"
+) -> None:
+    """Block until the gRPC server at endpoint reports `service` SERVING; RuntimeError on timeout
+    or when proc exits first."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(endpoint) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{endpoint}: process exited with {proc.returncode} before it was ready")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{endpoint} not ready after {timeout:.0f} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class Proc:
+    name: str
+    endpoint: str
+    popen: subprocess.Popen
+    log_path: Path | None = None
+
+
+@dataclass
+class StackConfig:
+    model: str
+    host: str = "127.0.0.1"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0
+    grpc_port: int = 0
+    """Router gRPC port (0: a free one)."""
+    http_port: int | None = 0
+    """Router HTTP port (0: a free one; None: no HTTP)."""
+    engine_args: list[str] = field(default_factory=list)
+    """Extra `pdserve worker` flags (--dtype, --num-kv-blocks, ...)."""
+    worker_args: dict[str, list[str]] = field(default_factory=dict)
+    """Extra flags per role."""
+    router_args: list[str] = field(default_factory=list)
+    registry: str | None = None
+    log_dir: str | None = None
+    """Write each process's output to <log_dir>/<name>.log (else inherit the terminal)."""
+    threads_per_worker: int | None = None
+    ready_timeout_s: float = 180.0
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig):
+        self.cfg = cfg
+        self.procs: list[Proc] = []
+        self.grpc_port = cfg.grpc_port or free_port(cfg.host)
+        self.http_port = None if cfg.http_port is None else (cfg.http_port or free_port(cfg.host))
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"{self.cfg.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.http_port}"
+
+    def workers(self, role: str | None = None) -> list[Proc]:
+        return [p for p in self.procs if p.name != "router" and (role is None or p.name.startswith(role))]
+
+    def _spawn(self, name: str, args: list[str], endpoint: str, env: dict | None = None) -> Proc:
+        log_path = None
+        out = None
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            log_path = Path(self.cfg.log_dir) / f"{name}.log"
+            out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "--log-level",
+            os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+            *args,
+        ]
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        proc = Proc(name, endpoint, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self, role: str, index: int, port: int | None = None) -> Proc:
+        cfg = self.cfg
+        port = port or free_port(cfg.host)
+        args = [
+            "worker",
+            "--role",
+            role,
+            "--model",
+            cfg.model,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--dp-rank",
+            str(index),
+        ]
+        if cfg.registry:
+            args += ["--registry", cfg.registry]
+        env = dict(os.environ)
+        if cfg.threads_per_worker:
+            args += ["--num-threads", str(cfg.threads_per_worker)]
+            env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)
+        args += cfg.engine_args + cfg.worker_args.get(role, [])
+        return self._spawn(f"{role}-{index}", args, f"{cfg.host}:{port}", env)
+
+    def start(self) -> Stack:
+        cfg = self.cfg
+        try:
+            for role, count in (
+                ("prefill", cfg.num_prefill),
+                ("decode", cfg.num_decode),
+                ("colocated", cfg.num_colocated),
+            ):
+                for i in range(count):
+                    self.start_worker(role, i)
+            args = ["router", "--model", cfg.model, "--host", cfg.host, "--grpc-port", str(self.grpc_port)]
+            args += ["--http-port", str(self.http_port)] if self.http_port is not None else ["--no-http"]
+            if cfg.registry:
+                args += ["--registry", cfg.registry]
+            else:
+                args += ["--workers", ",".join(p.endpoint for p in self.workers())]
+            self._spawn("router", args + cfg.router_args, self.grpc_endpoint)
+            deadline = time.monotonic() + cfg.ready_timeout_s
+            for proc in self.procs:
+                wait_ready(proc.endpoint, max(deadline - time.monotonic(), 1.0), proc.popen)
+            self.wait_routable(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_routable(self, deadline: float) -> None:
+        """Until the router has probed every worker (so routing sees all of them)."""
+        from pdserve.v1 import inference_pb2 as pb
+        from pdserve.v1 import inference_pb2_grpc as pb_grpc
+
+        want = {p.endpoint for p in self.workers() if p.popen.poll() is None}
+        with grpc.insecure_channel(self.grpc_endpoint) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            while True:
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5.0)
+                if want <= {w.endpoint for w in info.workers if w.healthy}:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router sees {list(info.workers)}, expected {sorted(want)}")
+                time.sleep(0.1)
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(sig)
+        if sig == signal.SIGKILL:
+            proc.popen.wait()
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM everything (router first), wait, SIGKILL stragglers; returns exit codes."""
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes = {}
+        for proc in reversed(self.procs):
+            try:
+                codes[proc.name] = proc.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                codes[proc.name] = proc.popen.wait()
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

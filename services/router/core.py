@@ -1,0 +1,234 @@
+"""The router's request path: validate, route, prefill, hand the KV over to decode, stream back.
+
+    generate ─► choose(prefill rank, decode rank) ─► Prefill ─► first token (streamed at once)
+                                                 └─► Decode(KvHandle, first token) ─► tokens ...
+
+Colocated requests go straight to Decode without a handle. Cancelling the generator (client
+gone) cancels the worker call in flight; a handle the decode side never received is released
+(abort) so the prefill rank does not wait for its lease to run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.kv_cache.hashing import hash_blocks
+from engine.sampling_params import SamplingParams, validate_request
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.v1 import worker_pb2 as wpb
+from services import convert
+from services.errors import ServiceError, Unavailable
+from services.metrics import Metrics
+from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage
+from services.router.policy import Route, RoutingConfig, choose
+from services.router.pool import WorkerHandle, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_name: str
+    routing: RoutingConfig = RoutingConfig()
+    default_timeout_s: float = 600.0
+    """Deadline of a request that names none."""
+    lease_ms: int = 0
+    """Lease asked of prefill ranks (0: theirs)."""
+
+
+class RouterCore(Frontend):
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer, pool: WorkerPool, metrics: Metrics):
+        self.settings = settings
+        self.model_name = settings.model_name
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- model limits, from the workers ---------------------------------------------------------
+
+    def _infos(self) -> list[wpb.EngineInfo]:
+        infos = [w.info for w in self.pool.workers.values() if w.info is not None]
+        if not infos:
+            raise Unavailable("no worker has reported its engine yet")
+        return infos
+
+    @property
+    def max_model_len(self) -> int:
+        return min(i.max_model_len for i in self._infos())
+
+    @property
+    def vocab_size(self) -> int:
+        return min(i.vocab_size for i in self._infos())
+
+    @property
+    def block_size(self) -> int:
+        return self._infos()[0].kv_cache.block_size
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        infos = self._infos()
+        validate_request(
+            prompt_token_ids,
+            params,
+            min(i.vocab_size for i in infos),
+            min(i.max_model_len for i in infos),
+            infos[0].kv_cache.block_size,
+            min(i.kv_cache.num_blocks for i in infos),
+        )
+
+    # ---- the request path -----------------------------------------------------------------------
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, w: WorkerHandle, handle: kv_pb.KvHandle) -> None:
+        try:
+            req = kv_pb.ReleaseRequest(transfer_id=handle.transfer_id, reason=kv_pb.RELEASE_REASON_ABORT)
+            await w.kv.Release(req, timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            logger.info("release of %s on %s failed: %s", handle.transfer_id, w.endpoint, e.code().name)
+
+    def _check_rpc_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> ServiceError:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_unhealthy(w, e.details() or "UNAVAILABLE")
+        return ServiceError(f"{w.endpoint}: {e.details()}", e.code())
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        params, prompt = inp.params, inp.prompt_token_ids
+        self.validate(prompt, params)
+        start = time.monotonic()
+        deadline = start + (inp.timeout if inp.timeout is not None else self.settings.default_timeout_s)
+        rid = inp.request_id or uuid.uuid4().hex
+        bs = self.block_size
+        hashes = hash_blocks(prompt, bs)
+        route = choose(self.pool, self.settings.routing, inp.mode, hashes, len(prompt), bs)
+        route.decode.in_flight += 1
+        if route.prefill is not None:
+            route.prefill.in_flight += 1
+        m = self.metrics
+        first_token_time = last_token_time = None
+        usage = Usage(prompt_tokens=len(prompt))
+        timings = Timings()
+        finish = "abort"
+        try:
+            async for delta in self._run(rid, inp, route, hashes, deadline, usage, timings):
+                now = time.monotonic()
+                if delta.token_ids:
+                    if first_token_time is None:
+                        first_token_time = now
+                    elif last_token_time is not None:
+                        gap = (now - last_token_time) / len(delta.token_ids)
+                        for _ in delta.token_ids:
+                            m.labels(m.itl).observe(gap)
+                    last_token_time = now
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+                    timings.ttft = (first_token_time or now) - start
+                    timings.e2e = now - start
+                    delta.usage, delta.timings = usage, timings
+                    delta.disaggregated = route.prefill is not None
+                    m.labels(m.kv_transfer_bytes, "routed").inc(usage.kv_transfer_bytes)
+                    m.labels(m.prompt_tokens).inc(usage.prompt_tokens)
+                    m.labels(m.generation_tokens).inc(usage.completion_tokens)
+                    m.labels(m.cached_tokens).inc(usage.cached_tokens)
+                    m.observe_request(timings.ttft, timings.e2e, None, [])
+                yield delta
+        finally:
+            route.decode.in_flight -= 1
+            if route.prefill is not None:
+                route.prefill.in_flight -= 1
+            m.labels(m.requests, finish).inc()
+
+    async def _run(
+        self, rid, inp: GenerateInput, route: Route, hashes, deadline, usage: Usage, timings: Timings
+    ):
+        sampling = convert.sampling_to_proto(inp.params)
+        prompt = inp.prompt_token_ids
+        decode_req = wpb.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            kv_failure_policy=convert.KV_FAILURE_POLICY_TO_PROTO[inp.kv_failure_policy],
+        )
+        if route.prefill is not None:
+            p = route.prefill
+            t0 = time.monotonic()
+            try:
+                resp = await p.worker.Prefill(
+                    wpb.PrefillRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        lease_ms=self.settings.lease_ms,
+                    ),
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                )
+            except grpc.aio.AioRpcError as e:
+                raise self._check_rpc_error(p, e) from None
+            timings.prefill = time.monotonic() - t0
+            p.prefix.add(hashes)
+            first = convert.delta_from_proto(resp.output)
+            usage.cached_tokens = resp.output.usage.cached_tokens
+            usage.completion_tokens = len(first.token_ids)
+            if not resp.HasField("kv_handle"):  # finished at its first token
+                yield first
+                return
+            handed_over = False
+            try:
+                yield first  # the first token reaches the client before the KV moves
+                decode_req.kv_handle.CopyFrom(resp.kv_handle)
+                decode_req.output_token_ids.extend(first.token_ids)
+                decode_req.sampler_state = resp.sampler_state
+                handed_over = True
+                async for delta in self._decode(
+                    route.decode, decode_req, deadline, usage, timings, prefilled=True
+                ):
+                    yield delta
+            finally:
+                if not handed_over:
+                    self._background(self._release(p, resp.kv_handle))
+        else:
+            async for delta in self._decode(
+                route.decode, decode_req, deadline, usage, timings, prefilled=False
+            ):
+                yield delta
+        route.decode.prefix.add(hashes)
+
+    async def _decode(
+        self,
+        w: WorkerHandle,
+        req: wpb.DecodeRequest,
+        deadline,
+        usage: Usage,
+        timings: Timings,
+        prefilled: bool,
+    ):
+        call = w.worker.Decode(req, timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            async for msg in call:
+                delta = convert.delta_from_proto(msg)
+                if prefilled:
+                    delta.prompt_logprobs = None  # the prefill rank sent them
+                if msg.HasField("usage"):
+                    usage.completion_tokens = msg.usage.completion_tokens
+                    usage.kv_transfer_bytes = msg.usage.kv_transfer_bytes
+                    if not prefilled:
+                        usage.cached_tokens = msg.usage.cached_tokens
+                    timings.kv_transfer = msg.timings.kv_transfer_ns / 1e9
+                    timings.queue = msg.timings.queue_ns / 1e9
+                    delta.usage = delta.timings = None
+                yield delta
+        except grpc.aio.AioRpcError as e:
+            raise self._check_rpc_error(w, e) from None
+        finally:
+            call.cancel()  # no-op when finished; otherwise the worker aborts the request

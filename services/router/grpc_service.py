@@ -1,0 +1,85 @@
+"""The public `Inference` gRPC service: protos in, engine types to the router core, protos out."""
+
+from __future__ import annotations
+
+import uuid
+
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from services import convert
+from services.errors import InvalidArgument, NotFound
+from services.router.api import GenerateInput
+from services.router.core import RouterCore
+
+VERSION = "0.1.0"
+
+
+def chat_messages(chat: pb.Chat) -> list[dict]:
+    if not chat.messages:
+        raise InvalidArgument("chat.messages must not be empty")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.core.model_name:
+            raise NotFound(f"model {model!r} is not served here (serving {self.core.model_name!r})")
+
+    def _encode(self, which: str | None, request, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a request's text / token_ids / chat input."""
+        tok = self.core.tokenizer
+        if which == "text":
+            return tok.encode(request.text, add_special_tokens=add_special_tokens)
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "chat":
+            add_gen = (
+                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            )
+            rendered = tok.apply_chat_template(chat_messages(request.chat), add_generation_prompt=add_gen)
+            return tok.encode(rendered, add_special_tokens=False)  # the template writes the BOS
+        raise InvalidArgument("prompt is required: set text, token_ids or chat")
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        self._check_model(request.model)
+        rid = request.request_id or uuid.uuid4().hex
+        inp = GenerateInput(
+            request_id=rid,
+            prompt_token_ids=self._encode(request.WhichOneof("prompt"), request),
+            params=convert.sampling_from_proto(request.sampling),
+            mode=convert.SERVING_MODES[request.mode],
+            kv_failure_policy=convert.KV_FAILURE_POLICIES[request.kv_failure_policy],
+            timeout=context.time_remaining(),
+        )
+        async for delta in self.core.generate(inp):
+            yield convert.delta_to_proto(rid, delta)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        self._check_model(request.model)
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = self._encode(request.WhichOneof("input"), request, add)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
+
+    def _card(self) -> pb.ModelCard:
+        return pb.ModelCard(
+            id=self.core.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size
+        )
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[self._card()])
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        workers = [
+            pb.WorkerSummary(
+                endpoint=w.endpoint,
+                role=w.role,
+                dp_rank=w.info.dp_rank if w.info else 0,
+                epoch=w.info.identity.epoch if w.info else 0,
+                healthy=w.healthy,
+            )
+            for w in self.core.pool.workers.values()
+        ]
+        return pb.GetServerInfoResponse(version=VERSION, models=[self._card()], workers=workers)

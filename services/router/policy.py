@@ -1,0 +1,66 @@
+"""Where a request runs: a prefill rank and a decode rank, or one rank colocated.
+
+Prefill goes where the prompt's prefix is most likely cached when that saves at least
+`affinity_min_fraction` of the prompt, else to the least loaded prefill rank. Decode goes to the
+least loaded decode rank (prefix reuse breaks ties: cached blocks need not be transferred).
+A prompt runs colocated on its decode rank when it is short (at most `colocate_max_tokens`) or
+mostly cached there (`colocate_cached_fraction`), or when no prefill rank is healthy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.errors import Unavailable
+from services.router.api import ServingMode
+from services.router.pool import WorkerHandle, WorkerPool
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    colocate_max_tokens: int = 32
+    """AUTO mode: prompts of at most this many tokens skip disaggregation (0: never)."""
+    colocate_cached_fraction: float = 0.8
+    """AUTO mode: prompts at least this much cached on the decode rank run colocated there."""
+    affinity_min_fraction: float = 0.25
+    """Prefer a prefill rank holding at least this fraction of the prompt over a less loaded one."""
+
+
+@dataclass
+class Route:
+    decode: WorkerHandle
+    prefill: WorkerHandle | None
+    """None: colocated on the decode rank."""
+
+
+def _least_loaded(workers: list[WorkerHandle], hashes: list[bytes]) -> WorkerHandle:
+    return min(workers, key=lambda w: (w.score, -w.prefix.match(hashes), w.endpoint))
+
+
+def choose(
+    pool: WorkerPool,
+    cfg: RoutingConfig,
+    mode: ServingMode,
+    hashes: list[bytes],
+    num_tokens: int,
+    block_size: int,
+) -> Route:
+    decoders = pool.healthy("decode")
+    if not decoders:
+        raise Unavailable("no healthy decode worker")
+    decode = _least_loaded(decoders, hashes)
+    if mode is ServingMode.COLOCATED:
+        return Route(decode, None)
+    prefillers = [w for w in pool.healthy("prefill") if w is not decode]
+    if not prefillers:
+        if mode is ServingMode.DISAGGREGATED:
+            raise Unavailable("no healthy prefill worker for a disaggregated request")
+        return Route(decode, None)
+    if mode is ServingMode.AUTO:
+        cached = decode.prefix.match(hashes) * block_size
+        if num_tokens <= cfg.colocate_max_tokens or cached >= cfg.colocate_cached_fraction * num_tokens:
+            return Route(decode, None)
+    best = max(prefillers, key=lambda w: (w.prefix.match(hashes), -w.score))
+    if best.prefix.match(hashes) * block_size >= cfg.affinity_min_fraction * num_tokens > 0:
+        return Route(decode, best)
+    return Route(decode, _least_loaded(prefillers, hashes))

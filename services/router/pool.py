@@ -1,0 +1,185 @@
+"""The router's view of its workers: discovered from the registry, described by GetEngineInfo,
+weighed by GetLoad, and remembered by the prompts routed to them (prefix affinity).
+
+Only the router's event loop touches the pool. A worker that fails a probe or an RPC with
+UNAVAILABLE is unhealthy until a probe succeeds again. When the registry cannot be read the
+pool keeps the workers it knew (last-known state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wgrpc
+from services.grpc_utils import channel
+from services.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+ROLE_NAMES = {
+    wpb.WORKER_ROLE_PREFILL: "prefill",
+    wpb.WORKER_ROLE_DECODE: "decode",
+    wpb.WORKER_ROLE_COLOCATED: "colocated",
+}
+PROBE_TIMEOUT_S = 2.0
+
+
+class PrefixIndex:
+    """Block hashes of prompts recently routed to one worker, most recent last (bounded LRU).
+    An approximation of the worker's prefix cache: it may have evicted what we remember."""
+
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def match(self, hashes: list[bytes]) -> int:
+        """Leading blocks of the prompt this worker probably holds."""
+        n = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            n += 1
+        return n
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    endpoint: str
+    channel: grpc.aio.Channel
+    worker: wgrpc.WorkerStub
+    kv: kv_grpc.KvTransferStub
+    info: wpb.EngineInfo | None = None
+    load: wpb.Load = field(default_factory=wpb.Load)
+    healthy: bool = False
+    in_flight: int = 0
+    """Requests the router has on this worker now (fresher than the polled load)."""
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    last_seen: float = 0.0
+
+    @property
+    def role(self) -> str:
+        return ROLE_NAMES.get(self.info.role, "") if self.info is not None else ""
+
+    def can(self, stage: str) -> bool:
+        return (
+            self.healthy
+            and self.info is not None
+            and not self.load.draining
+            and self.role in (stage, "colocated")
+        )
+
+    @property
+    def score(self) -> float:
+        """Lower is less loaded: requests on it (ours and its queue) plus KV pressure."""
+        return self.in_flight + self.load.num_waiting + 4.0 * self.load.kv_usage
+
+
+class WorkerPool:
+    def __init__(self, registry: Registry, refresh_s: float = 1.0, probe_s: float = 0.5):
+        self.registry = registry
+        self.refresh_s = refresh_s
+        self.probe_s = probe_s
+        self.workers: dict[str, WorkerHandle] = {}
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for w in self.workers.values():
+            await w.channel.close()
+        await self.registry.close()
+
+    def healthy(self, stage: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if w.can(stage)]
+
+    def mark_unhealthy(self, w: WorkerHandle, why: str) -> None:
+        if w.healthy:
+            logger.warning("worker %s unhealthy: %s", w.endpoint, why)
+        w.healthy = False
+
+    async def wait_for(self, predicate, timeout: float) -> bool:
+        """Wait until predicate(pool) holds (checked after every probe round)."""
+        deadline = time.monotonic() + timeout
+        while not predicate(self):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return predicate(self)
+        return True
+
+    async def _run(self) -> None:
+        last_refresh = time.monotonic()
+        while True:
+            await asyncio.sleep(self.probe_s)
+            if time.monotonic() - last_refresh >= self.refresh_s:
+                last_refresh = time.monotonic()
+                await self.refresh()
+            else:
+                await self.probe_all()
+
+    async def refresh(self) -> None:
+        """Re-read the registry: add new endpoints, drop ones that left it, then probe all."""
+        try:
+            records = await self.registry.list_workers()
+        except Exception as e:  # noqa: BLE001 - keep serving from what we know
+            logger.warning("registry read failed (%s); keeping %d known workers", e, len(self.workers))
+            records = None
+        if records is not None:
+            listed = {r.endpoint for r in records}
+            for endpoint in listed - self.workers.keys():
+                ch = channel(endpoint)
+                self.workers[endpoint] = WorkerHandle(
+                    endpoint, ch, wgrpc.WorkerStub(ch), kv_grpc.KvTransferStub(ch)
+                )
+                logger.info("worker %s discovered", endpoint)
+            for endpoint in self.workers.keys() - listed:
+                w = self.workers.pop(endpoint)
+                logger.info("worker %s left the registry", endpoint)
+                asyncio.ensure_future(w.channel.close(grace=30.0))
+        await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
+        self._changed.set()
+
+    async def _probe(self, w: WorkerHandle) -> None:
+        try:
+            load = await w.worker.GetLoad(wpb.GetLoadRequest(), timeout=PROBE_TIMEOUT_S)
+            if w.info is None or not w.healthy or load.num_total_blocks == 0:  # new, loading or back
+                info = await w.worker.GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=PROBE_TIMEOUT_S)
+                if load.num_total_blocks == 0:  # still loading its model
+                    return
+                if w.info is not None and info.identity.epoch != w.info.identity.epoch:
+                    logger.info("worker %s restarted (epoch %d)", w.endpoint, info.identity.epoch)
+                    w.prefix = PrefixIndex()
+                w.info = info
+        except grpc.aio.AioRpcError as e:
+            self.mark_unhealthy(w, f"probe failed: {e.code().name}")
+            return
+        if not w.healthy:
+            logger.info("worker %s (%s) healthy", w.endpoint, w.role)
+        w.load, w.healthy, w.last_seen = load, True, time.monotonic()

@@ -1,0 +1,99 @@
+"""The router process: public gRPC `Inference` and the OpenAI-compatible HTTP API on one loop.
+
+Readiness is SERVING once a decode-capable worker is healthy (and NOT_SERVING again when none is).
+SIGTERM/SIGINT stops both servers after in-flight streams had a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from services.grpc_utils import add_health_and_reflection, bind, new_server, set_health
+from services.metrics import Metrics
+from services.openai.server import build_app, start_http
+from services.registry import make_registry
+from services.router.core import RouterCore, RouterSettings
+from services.router.grpc_service import InferenceService
+from services.router.pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterServerConfig:
+    model: str
+    """Model folder (the router needs its tokenizer and chat template)."""
+    settings: RouterSettings
+    host: str = "127.0.0.1"
+    """Address both servers bind to; only this one."""
+    grpc_port: int = 50051
+    http_port: int | None = 8000
+    """OpenAI-compatible HTTP API (and /metrics, /health); None: off."""
+    registry: str | None = None
+    """redis://host:port/db to discover workers in; None: `workers`."""
+    workers: list[str] = field(default_factory=list)
+    """Static worker endpoints (host:port) when there is no registry."""
+    grace_s: float = 30.0
+
+
+async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
+    metrics = Metrics("router")
+    pool = WorkerPool(make_registry(cfg.registry, cfg.workers))
+    core = RouterCore(cfg.settings, Tokenizer(Path(cfg.model)), pool, metrics)
+    metrics.gauge(
+        "pdserve_num_requests_running",
+        "Requests in flight through the router",
+        lambda: sum(w.in_flight for w in pool.workers.values()),
+    )
+    metrics.gauge(
+        "pdserve_healthy_workers",
+        "Workers that answered their last probe",
+        lambda: sum(w.healthy for w in pool.workers.values()),
+    )
+
+    server = new_server()
+    pb_grpc.add_InferenceServicer_to_server(InferenceService(core), server)
+    health = add_health_and_reflection(server, ["pdserve.v1.Inference"])
+    await set_health(health, live=True, ready=False)
+    grpc_port = bind(server, cfg.host, cfg.grpc_port)
+    await server.start()
+    http_runner = None
+    http_port = None
+    if cfg.http_port is not None:
+        http_runner = await start_http(build_app(core, metrics.registry), cfg.host, cfg.http_port)
+        http_port = http_runner.addresses[0][1]
+    if on_bound is not None:
+        on_bound(grpc_port, http_port)
+    logger.info("router: gRPC on %s:%d, HTTP on %s", cfg.host, grpc_port, http_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await pool.start()
+
+    async def track_readiness() -> None:
+        ready = None
+        while True:
+            now_ready = bool(pool.healthy("decode"))
+            if now_ready != ready:
+                await set_health(health, live=True, ready=now_ready)
+                logger.info("router readiness: %s", "SERVING" if now_ready else "NOT_SERVING")
+                ready = now_ready
+            await asyncio.sleep(0.2)
+
+    tracker = asyncio.ensure_future(track_readiness())
+    await stop.wait()
+    tracker.cancel()
+    await set_health(health, live=True, ready=False)
+    await server.stop(cfg.grace_s)
+    if http_runner is not None:
+        await http_runner.cleanup()
+    await pool.close()
+    return 0

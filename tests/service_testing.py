@@ -1,0 +1,65 @@
+"""Helpers for the end-to-end service tests: stacks of real processes on loopback ports."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wgrpc
+from services.launcher import Stack, StackConfig
+
+# Each process gets one thread: several share the CI machine's two cores.
+ENGINE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16"]
+
+
+def stack_config(model: str, tmp_path, **kw) -> StackConfig:
+    kw.setdefault("engine_args", ENGINE_ARGS)
+    kw.setdefault("threads_per_worker", 1)
+    return StackConfig(model=model, log_dir=str(tmp_path / "logs"), **kw)
+
+
+def start_stack(model: str, tmp_path, **kw) -> Stack:
+    return Stack(stack_config(model, tmp_path, **kw)).start()
+
+
+def inference(stack: Stack) -> pb_grpc.InferenceStub:
+    return pb_grpc.InferenceStub(grpc.insecure_channel(stack.grpc_endpoint))
+
+
+def worker(endpoint: str) -> wgrpc.WorkerStub:
+    return wgrpc.WorkerStub(grpc.insecure_channel(endpoint))
+
+
+def load(endpoint: str) -> wpb.Load:
+    return worker(endpoint).GetLoad(wpb.GetLoadRequest(), timeout=5)
+
+
+def generate(stub: pb_grpc.InferenceStub, **kw) -> tuple[list[int], list[pb.GenerateResponse]]:
+    """Run one Generate to the end -> (all token ids, the messages)."""
+    msgs = list(stub.Generate(pb.GenerateRequest(**kw), timeout=60))
+    return [t for m in msgs for t in m.token_ids], msgs
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of a Prometheus metric (text format) whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
