@@ -267,7 +267,8 @@ class EngineCore:
                 status = RequestStatus.FINISHED_EXPORTED
             new_text = detok.text
             if status is not None:
-                if detok.stop_matched is None:
+                # An exported request's text goes on at the decode side: hold back what is held back.
+                if detok.stop_matched is None and status is not RequestStatus.FINISHED_EXPORTED:
                     new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
                     if detokenizer.stop_matched is not None:
                         req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED

@@ -212,6 +212,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if stop.is_set() and not any(codes.values()) else 1
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Run benchmarks/serving.py (not installed with pdserve: found next to services/ in a checkout)."""
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not (bench_dir / "serving.py").is_file():
+        raise ValueError(f"bench-serve needs a pdserve source checkout: {bench_dir / 'serving.py'} not found")
+    sys.path.insert(0, str(bench_dir))
+    from serving import main as serving_main
+
+    return serving_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -274,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--registry", default=None, help="redis://host:port/db (default: static, no Redis)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "bench-serve",
+        help="serving benchmark, disaggregated vs colocated (benchmarks/serving.py; its flags: bench-serve --help)",
+        prefix_chars="+",  # every flag after bench-serve goes to the benchmark's own parser
+        add_help=False,
+    )
+    p.add_argument("bench_args", nargs="*")
+    p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
     p.add_argument("--model-dir", default=env.model_cache_dir())

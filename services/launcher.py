@@ -58,6 +58,7 @@ class Proc:
     endpoint: str
     popen: subprocess.Popen
     log_path: Path | None = None
+    metrics_url: str | None = None
 
 
 @dataclass
@@ -80,6 +81,8 @@ class StackConfig:
     log_dir: str | None = None
     """Write each process's output to <log_dir>/<name>.log (else inherit the terminal)."""
     threads_per_worker: int | None = None
+    worker_metrics: bool = False
+    """Give every worker a Prometheus /metrics port (Proc.metrics_url)."""
     ready_timeout_s: float = 180.0
 
 
@@ -143,8 +146,15 @@ class Stack:
         if cfg.threads_per_worker:
             args += ["--num-threads", str(cfg.threads_per_worker)]
             env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)
+        metrics_url = None
+        if cfg.worker_metrics:
+            metrics_port = free_port(cfg.host)
+            args += ["--metrics-port", str(metrics_port)]
+            metrics_url = f"http://{cfg.host}:{metrics_port}/metrics"
         args += cfg.engine_args + cfg.worker_args.get(role, [])
-        return self._spawn(f"{role}-{index}", args, f"{cfg.host}:{port}", env)
+        proc = self._spawn(f"{role}-{index}", args, f"{cfg.host}:{port}", env)
+        proc.metrics_url = metrics_url
+        return proc
 
     def start(self) -> Stack:
         cfg = self.cfg

@@ -349,9 +349,9 @@ class WorkerService(wgrpc.WorkerServicer):
             )
         except ServiceError as e:
             self.metrics.labels(self.metrics.kv_transfer_failures, e.code.name).inc()
-            self.background(self._release_producer(handle, done=False))
             if request.kv_failure_policy != pb.KV_FAILURE_POLICY_RECOMPUTE:
-                raise
+                raise  # Decode aborts the request and releases the producer
+            self.background(self._release_producer(handle, done=False))
             logger.warning("request %s: KV transfer failed (%s); recomputing the prompt", rid, e)
             await self.engine.call(lambda core: core.recompute_import(rid))
             return 0, time.monotonic() - start, False

@@ -1,0 +1,474 @@
+"""The disaggregated stack end to end: a router, a prefill and a decode worker as real processes.
+
+Outputs are compared with the offline engine (the reference the parity tests tie to HF), through
+gRPC and through the `openai` client; KV really moves; cancellation, lease expiry and a corrupt
+KV chunk leave no block behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from concurrent import futures
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine import LLM, SamplingParams
+from engine.kv_cache.hashing import hash_blocks
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.v1 import worker_pb2 as wpb
+from services.launcher import free_port
+from tests.service_testing import generate, inference, load, metric, start_stack, wait_until, worker
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n        self.values = {}\n",
+    "The quick brown fox",
+    "for i in range(10):\n    print(i * i)\n# and now the squares of the odd numbers only, in reverse order, one per line\n",
+    "x = [1, 2, 3]\ny = {'a': 1}\n",
+    "while True:\n    line = input()\n    if not line:\n        break\n    total += int(line)\nprint(total)\n",
+]
+MODES = {"disaggregated": pb.SERVING_MODE_DISAGGREGATED, "colocated": pb.SERVING_MODE_COLOCATED}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    st = start_stack(tiny_model, tmp_path_factory.mktemp("stack"), router_args=["--colocate-max-tokens", "0"])
+    yield st
+    codes = st.stop()
+    assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model) -> LLM:
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def prefill_ep(stack) -> str:
+    return stack.workers("prefill")[0].endpoint
+
+
+@pytest.fixture(scope="module")
+def decode_ep(stack) -> str:
+    return stack.workers("decode")[0].endpoint
+
+
+def _reference(offline: LLM, prompts: list[str], **params):
+    return offline.generate(prompts, SamplingParams(**params))
+
+
+def _parallel(fn, items):
+    with futures.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grpc_batch_matches_the_offline_engine(stack, offline, mode):
+    """Different prompts at once: every greedy token and top-3 logprob equals the offline engine's."""
+    stub = inference(stack)
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
+    results = _parallel(lambda p: generate(stub, text=p, sampling=sampling, mode=MODES[mode]), PROMPTS)
+    refs = _reference(offline, PROMPTS, temperature=0.0, max_tokens=12, logprobs=3)
+    for (tokens, msgs), ref in zip(results, refs, strict=True):
+        assert tokens == ref.token_ids
+        assert "".join(m.text for m in msgs) == ref.text
+        got = [dict(zip(lp.token_ids, lp.logprobs, strict=True)) for m in msgs for lp in m.logprobs]
+        assert [list(g) for g in got] == [list(r) for r in ref.logprobs]  # same tokens, same order
+        for g, r in zip(got, ref.logprobs, strict=True):
+            assert g == pytest.approx(r, abs=1e-4)
+        last = msgs[-1]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert last.usage.completion_tokens == 12
+        assert last.disaggregated == (mode == "disaggregated")
+        assert (last.usage.kv_transfer_bytes > 0) == (
+            mode == "disaggregated"
+        )  # fresh prompts: all of their KV moves
+
+
+def test_seeded_sampling_is_the_same_disaggregated_colocated_and_offline(stack, offline):
+    """The prefill rank's generator state travels with the KV, so the random stream continues."""
+    stub = inference(stack)
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
+    ref = _reference(offline, [PROMPTS[1]], **kw)[0].token_ids
+    for mode in MODES.values():
+        tokens, _ = generate(stub, text=PROMPTS[1], sampling=pb.SamplingParams(**kw), mode=mode)
+        assert tokens == ref
+
+
+def test_stop_string_and_first_token_finish(stack, offline):
+    stub = inference(stack)
+    ref = _reference(offline, [PROMPTS[0]], temperature=0.0, max_tokens=12)[0]
+    stop = ref.text[4:7]
+    want = _reference(offline, [PROMPTS[0]], temperature=0.0, max_tokens=12, stop=[stop])[0]
+    tokens, msgs = generate(
+        stub,
+        text=PROMPTS[0],
+        sampling=pb.SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+        mode=MODES["disaggregated"],
+    )
+    assert "".join(m.text for m in msgs) == want.text and msgs[-1].stop_string == stop
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP and tokens == want.token_ids
+    # max_tokens=1 ends at the prefill rank: no KV moves, no decode.
+    tokens, msgs = generate(
+        stub,
+        text=PROMPTS[1],
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1),
+        mode=MODES["disaggregated"],
+    )
+    assert (
+        len(tokens) == 1
+        and msgs[-1].usage.kv_transfer_bytes == 0
+        and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    )
+
+
+def test_openai_client_matches_the_offline_engine(stack, offline):
+    client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused")
+    refs = _reference(offline, PROMPTS[:3], temperature=0.0, max_tokens=10, logprobs=2)
+    extra = {"mode": "disaggregated"}
+    for prompt, ref in zip(PROMPTS[:3], refs, strict=True):
+        r = client.completions.create(
+            model="pdserve-tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2, extra_body=extra
+        )
+        choice = r.choices[0]
+        assert choice.text == ref.text and choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [lp[t] for lp, t in zip(ref.logprobs, ref.token_ids, strict=True)], abs=1e-4
+        )
+        assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        stream = client.completions.create(
+            model="pdserve-tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body=extra
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == ref.text
+
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    ref = offline.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=12)
+    )[0]
+    chat = client.chat.completions.create(
+        model="pdserve-tiny", messages=messages, max_tokens=12, temperature=0, extra_body=extra
+    )
+    assert chat.choices[0].message.content == ref.text
+    chunks = client.chat.completions.create(
+        model="pdserve-tiny", messages=messages, max_tokens=12, temperature=0, stream=True, extra_body=extra
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+
+
+def test_kv_bytes_moved_are_reported_and_counted(stack, tiny_model):
+    """A fresh 40-token prompt: 3 blocks of 16 tokens x layers x (kv_lora_rank + rope) x fp32 move,
+    the usage says so and the router's counter grows by as much."""
+    cfg = json.load(open(f"{tiny_model}/config.json"))
+    width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    before = metric(
+        urllib.request.urlopen(stack.http_url + "/metrics").read().decode(), "pdserve_kv_transfer_bytes_total"
+    )
+    prompt = [7 + (i * 31) % 3000 for i in range(40)]
+    _, msgs = generate(
+        inference(stack),
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=3),
+        mode=MODES["disaggregated"],
+    )
+    expected = 3 * cfg["num_hidden_layers"] * 16 * width * 4
+    assert msgs[-1].usage.kv_transfer_bytes == expected
+    assert msgs[-1].timings.kv_transfer_ns > 0 and msgs[-1].timings.prefill_ns > 0
+    after = metric(
+        urllib.request.urlopen(stack.http_url + "/metrics").read().decode(), "pdserve_kv_transfer_bytes_total"
+    )
+    assert after - before == expected
+    # The same prompt again: the decode rank holds its 2 full blocks, only the partial one moves.
+    _, msgs = generate(
+        inference(stack),
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=3),
+        mode=MODES["disaggregated"],
+    )
+    assert msgs[-1].usage.kv_transfer_bytes == expected // 3
+    assert msgs[-1].usage.cached_tokens == 32  # the prefill rank's prefix cache
+
+
+def test_cancel_after_three_tokens_frees_blocks_on_both_workers(stack, prefill_ep, decode_ep):
+    base_p, base_d = load(prefill_ep).num_free_blocks, load(decode_ep).num_free_blocks
+    prompt = [11 + (i * 17) % 3000 for i in range(50)]
+    call = inference(stack).Generate(
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+            mode=MODES["disaggregated"],
+        ),
+        timeout=60,
+    )
+    seen = 0
+    for msg in call:
+        seen += len(msg.token_ids)
+        if seen >= 3:
+            break
+    assert load(decode_ep).num_free_blocks < base_d  # the request is running there
+    call.cancel()
+    t0 = time.monotonic()
+    assert wait_until(
+        lambda: load(decode_ep).num_free_blocks == base_d and load(prefill_ep).num_free_blocks == base_p, 1.0
+    ), (load(prefill_ep), load(decode_ep), base_p, base_d)
+    assert time.monotonic() - t0 <= 1.0
+    assert load(prefill_ep).num_pinned_transfers == 0 and load(decode_ep).num_running == 0
+
+
+def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep):
+    """The decode rank never pulls (it died): the prefill rank frees the blocks when the lease
+    runs out, and a late Pull gets NOT_FOUND."""
+    base = load(prefill_ep).num_free_blocks
+    prompt = [5 + (i * 13) % 3000 for i in range(45)]
+    resp = worker(prefill_ep).Prefill(
+        wpb.PrefillRequest(
+            request_id="lease-test",
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0, max_tokens=8),
+            lease_ms=600,
+        ),
+        timeout=30,
+    )
+    handle = resp.kv_handle
+    assert handle.num_blocks == 3 and handle.num_tokens == 45
+    assert load(prefill_ep).num_pinned_transfers == 1 and load(prefill_ep).num_free_blocks == base - 3
+    assert wait_until(lambda: load(prefill_ep).num_pinned_transfers == 0, 3.0)
+    assert load(prefill_ep).num_free_blocks == base
+    kv = kv_grpc.KvTransferStub(grpc.insecure_channel(prefill_ep))
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            kv.Pull(kv_pb.PullRequest(transfer_id=handle.transfer_id, epoch=handle.producer.epoch), timeout=5)
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
+    for bad in ("no-such-transfer", ""):
+        with pytest.raises(grpc.RpcError) as err:
+            kv.Release(kv_pb.ReleaseRequest(transfer_id=bad), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:  # a handle from another epoch
+        list(
+            kv.Pull(
+                kv_pb.PullRequest(transfer_id=handle.transfer_id, epoch=handle.producer.epoch - 1), timeout=5
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CorruptProducer(kv_grpc.KvTransferServicer):
+    """An in-process KvTransfer that serves well-formed chunks with one flipped byte."""
+
+    def __init__(self, info: wpb.EngineInfo):
+        self.geo = info.kv_cache
+        self.releases: list[kv_pb.ReleaseRequest] = []
+
+    def Pull(self, request, context):
+        g = self.geo
+        data = bytearray(b"\x00" * (g.num_layers * g.block_size * g.width * 4))
+        crc = zlib.crc32(bytes(data))
+        data[len(data) // 2] ^= 0x40
+        yield kv_pb.KvChunk(
+            layer_start=0,
+            num_layers=g.num_layers,
+            block_start=request.first_block,
+            num_blocks=1,
+            dtype=g.dtype,
+            shape=[g.num_layers, 1, g.block_size, g.width],
+            data=bytes(data),
+            crc32=crc,
+        )
+
+    def Release(self, request, context):
+        self.releases.append(request)
+        return kv_pb.ReleaseResponse()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy):
+    info = worker(decode_ep).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+    producer = CorruptProducer(info)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    kv_grpc.add_KvTransferServicer_to_server(producer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        prompt = [9 + (i * 29) % 3000 for i in range(20)]
+        ref = offline.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+        )[0]
+        handle = kv_pb.KvHandle(
+            transfer_id="corrupt-1",
+            producer=kv_pb.KvProducer(engine_id="fake", epoch=1, endpoint=f"127.0.0.1:{port}"),
+            block_hashes=hash_blocks(prompt, 16),
+            num_tokens=20,
+            num_blocks=2,
+            block_size=16,
+            compat_hash=info.compat_hash,
+        )
+        policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
+        base = load(decode_ep).num_free_blocks
+        request = wpb.DecodeRequest(
+            request_id=f"corrupt-{policy}",
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+            output_token_ids=ref.token_ids[:1],
+            kv_handle=handle,
+            kv_failure_policy=policy_pb,
+        )
+        stream = worker(decode_ep).Decode(request, timeout=30)
+        if policy == "fail":
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+        else:
+            tokens = [t for m in stream for t in m.token_ids]
+            assert ref.token_ids[:1] + tokens == ref.token_ids
+        assert wait_until(lambda: load(decode_ep).num_free_blocks == base, 1.0)
+        assert wait_until(lambda: len(producer.releases) == 1, 2.0)
+        assert producer.releases[0].reason == kv_pb.RELEASE_REASON_ABORT
+    finally:
+        server.stop(0)
+
+
+def test_decode_rejects_an_incompatible_handle(decode_ep):
+    prompt = list(range(100, 120))
+    handle = kv_pb.KvHandle(
+        transfer_id="x",
+        producer=kv_pb.KvProducer(endpoint="127.0.0.1:1"),
+        block_hashes=hash_blocks(prompt, 16),
+        num_tokens=20,
+        num_blocks=2,
+        block_size=16,
+        compat_hash="not-the-same",
+    )
+    request = wpb.DecodeRequest(
+        request_id="incompatible",
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(max_tokens=4),
+        output_token_ids=[5],
+        kv_handle=handle,
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(worker(decode_ep).Decode(request, timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_bad_requests_are_invalid_argument_and_the_stack_keeps_serving(stack):
+    stub = inference(stack)
+    cases = {
+        "temperature": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+        "prompt_token_ids[1]": pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[1, 999999]), sampling=pb.SamplingParams()
+        ),
+        "max_model_len": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=10**6)),
+        "prompt": pb.GenerateRequest(sampling=pb.SamplingParams()),
+        "top_k": pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_k=0)),
+    }
+    for field, request in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), (
+            err.value.details()
+        )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(text="hi", model="other-model"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    tokens, _ = generate(stub, text="still here", sampling=pb.SamplingParams(temperature=0, max_tokens=3))
+    assert len(tokens) == 3
+
+
+def test_tokenize_models_and_server_info(stack, offline):
+    stub = inference(stack)
+    resp = stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[0]), timeout=5)
+    assert list(resp.token_ids) == offline.tokenizer.encode(PROMPTS[0]) and resp.max_model_len > 0
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=5).models
+    assert [m.id for m in models] == ["pdserve-tiny"]
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert sorted(w.role for w in info.workers) == ["decode", "prefill"] and all(
+        w.healthy for w in info.workers
+    )
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack.grpc_endpoint))
+    for service in ("liveness", "readiness"):
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+
+
+def test_worker_readiness_is_not_serving_until_the_model_is_loaded(tiny_model):
+    """The health service answers at once; readiness turns SERVING only after the engine loaded
+    (the default 1 GiB KV cache is written in full at start-up, which takes a moment)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "worker",
+            "--role",
+            "decode",
+            "--model",
+            tiny_model,
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    statuses = []
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 60
+        unavailable_before_ready = False
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1).status
+            except grpc.RpcError:
+                time.sleep(0.02)
+                continue
+            statuses.append(status)
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            if not unavailable_before_ready:
+                try:
+                    list(
+                        worker(f"127.0.0.1:{port}").Decode(
+                            wpb.DecodeRequest(prompt_token_ids=[1, 2]), timeout=5
+                        )
+                    )
+                except grpc.RpcError as e:
+                    unavailable_before_ready = e.code() == grpc.StatusCode.UNAVAILABLE
+        assert statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert statuses[-1] == health_pb2.HealthCheckResponse.SERVING
+        assert unavailable_before_ready
+        live = health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1).status
+        assert live == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_reflection_lists_the_services(stack, prefill_ep):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def services(endpoint):
+        stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(endpoint))
+        responses = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        return {s.name for r in responses for s in r.list_services_response.service}
+
+    assert {"pdserve.v1.Inference", "grpc.health.v1.Health"} <= services(stack.grpc_endpoint)
+    assert {"pdserve.v1.Worker", "pdserve.v1.KvTransfer", "grpc.health.v1.Health"} <= services(prefill_ep)
