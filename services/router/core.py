@@ -113,8 +113,6 @@ class RouterCore(Frontend):
         hashes = hash_blocks(prompt, bs)
         route = choose(self.pool, self.settings.routing, inp.mode, hashes, len(prompt), bs)
         route.decode.in_flight += 1
-        if route.prefill is not None:
-            route.prefill.in_flight += 1
         m = self.metrics
         first_token_time = last_token_time = None
         usage = Usage(prompt_tokens=len(prompt))
@@ -145,8 +143,6 @@ class RouterCore(Frontend):
                 yield delta
         finally:
             route.decode.in_flight -= 1
-            if route.prefill is not None:
-                route.prefill.in_flight -= 1
             m.labels(m.requests, finish).inc()
 
     async def _run(
@@ -163,6 +159,7 @@ class RouterCore(Frontend):
         if route.prefill is not None:
             p = route.prefill
             t0 = time.monotonic()
+            p.in_flight += 1
             try:
                 resp = await p.worker.Prefill(
                     wpb.PrefillRequest(
@@ -175,6 +172,8 @@ class RouterCore(Frontend):
                 )
             except grpc.aio.AioRpcError as e:
                 raise self._check_rpc_error(p, e) from None
+            finally:
+                p.in_flight -= 1
             timings.prefill = time.monotonic() - t0
             p.prefix.add(hashes)
             first = convert.delta_from_proto(resp.output)

@@ -1,0 +1,96 @@
+"""Routing decisions on a pool of fake worker handles: load, prefix affinity, colocation."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache.hashing import hash_blocks
+from pdserve.v1 import worker_pb2 as wpb
+from services.errors import Unavailable
+from services.router.api import ServingMode
+from services.router.policy import RoutingConfig, choose
+from services.router.pool import PrefixIndex, WorkerHandle, WorkerPool
+from services.registry import StaticRegistry
+
+BS = 16
+ROLES = {
+    "prefill": wpb.WORKER_ROLE_PREFILL,
+    "decode": wpb.WORKER_ROLE_DECODE,
+    "colocated": wpb.WORKER_ROLE_COLOCATED,
+}
+
+
+def _pool(*workers: tuple[str, str, int]) -> WorkerPool:
+    pool = WorkerPool(StaticRegistry([]))
+    for endpoint, role, in_flight in workers:
+        w = WorkerHandle(
+            endpoint,
+            None,
+            None,
+            None,
+            info=wpb.EngineInfo(role=ROLES[role]),
+            healthy=True,
+            in_flight=in_flight,
+        )
+        pool.workers[endpoint] = w
+    return pool
+
+
+PROMPT = list(range(100, 100 + 96))  # 6 full blocks
+HASHES = hash_blocks(PROMPT, BS)
+
+
+def _route(pool, mode=ServingMode.AUTO, cfg=RoutingConfig(colocate_max_tokens=0), prompt=PROMPT):
+    return choose(pool, cfg, mode, hash_blocks(prompt, BS), len(prompt), BS)
+
+
+def test_least_loaded_prefill_and_decode_without_affinity():
+    pool = _pool(("p0", "prefill", 3), ("p1", "prefill", 1), ("d0", "decode", 0), ("d1", "decode", 2))
+    route = _route(pool)
+    assert (route.prefill.endpoint, route.decode.endpoint) == ("p1", "d0")
+
+
+def test_prefix_affinity_beats_load_above_the_threshold_only():
+    pool = _pool(("p0", "prefill", 5), ("p1", "prefill", 0), ("d0", "decode", 0))
+    pool.workers["p0"].prefix.add(HASHES[:2])  # 32 of 96 tokens = 1/3 >= 0.25
+    assert _route(pool).prefill.endpoint == "p0"
+    pool = _pool(("p0", "prefill", 5), ("p1", "prefill", 0), ("d0", "decode", 0))
+    pool.workers["p0"].prefix.add(HASHES[:1])  # 16 of 96 < 0.25: load wins
+    assert _route(pool).prefill.endpoint == "p1"
+
+
+def test_short_or_mostly_cached_prompts_run_colocated_on_the_decode_rank():
+    pool = _pool(("p0", "prefill", 0), ("d0", "decode", 0))
+    assert _route(pool, cfg=RoutingConfig(colocate_max_tokens=32), prompt=PROMPT[:20]).prefill is None
+    assert _route(pool, cfg=RoutingConfig(colocate_max_tokens=32)).prefill is not None
+    pool.workers["d0"].prefix.add(HASHES[:5])  # 80 / 96 >= 0.8
+    assert _route(pool).prefill is None
+    assert _route(pool, mode=ServingMode.DISAGGREGATED).prefill.endpoint == "p0"
+
+
+def test_modes_and_missing_roles():
+    pool = _pool(("d0", "decode", 0))
+    assert _route(pool).prefill is None  # AUTO without a prefill rank: colocated
+    with pytest.raises(Unavailable, match="prefill"):
+        _route(pool, mode=ServingMode.DISAGGREGATED)
+    with pytest.raises(Unavailable, match="decode"):
+        _route(_pool(("p0", "prefill", 0)))
+    pool = _pool(("c0", "colocated", 0), ("c1", "colocated", 1))
+    route = _route(pool, mode=ServingMode.DISAGGREGATED)
+    assert (route.decode.endpoint, route.prefill.endpoint) == ("c0", "c1")  # never the same rank twice
+    pool.workers["c0"].healthy = False
+    assert _route(pool).decode.endpoint == "c1" and _route(pool).prefill is None
+
+
+def test_draining_workers_get_nothing():
+    pool = _pool(("p0", "prefill", 0), ("d0", "decode", 0), ("d1", "decode", 9))
+    pool.workers["d0"].load = wpb.Load(draining=True)
+    assert _route(pool).decode.endpoint == "d1"
+
+
+def test_prefix_index_is_a_bounded_lru_matching_leading_blocks():
+    index = PrefixIndex(capacity=4)
+    index.add(HASHES[:3])
+    assert index.match(HASHES) == 3 and index.match(hash_blocks(PROMPT[::-1], BS)) == 0
+    index.add([b"x", b"y"])  # evicts the oldest
+    assert index.match(HASHES) == 0

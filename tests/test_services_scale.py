@@ -1,0 +1,125 @@
+"""Two prefill and two decode workers found through a real Redis registry: requests spread,
+prefix-cache affinity, workers dropping out and coming back, Redis restarting empty."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from concurrent import futures
+
+import pytest
+import redis
+
+from engine import LLM, SamplingParams
+from pdserve.v1 import inference_pb2 as pb
+from tests.redis_server import RedisServer
+from tests.service_testing import ENGINE_ARGS, generate, inference, metric, start_stack, wait_until
+
+TTL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory, redis_server):
+    st = start_stack(
+        tiny_model,
+        tmp_path_factory.mktemp("scale"),
+        num_prefill=2,
+        num_decode=2,
+        registry=redis_server.url,
+        engine_args=[*ENGINE_ARGS, "--heartbeat-ttl-s", str(TTL_S)],
+        worker_metrics=True,
+        router_args=["--colocate-max-tokens", "0"],
+    )
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model) -> LLM:
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+
+
+def _listed(stack) -> set[str]:
+    info = inference(stack).GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    return {w.endpoint for w in info.workers if w.healthy}
+
+
+def _requests_on(proc) -> float:
+    return metric(urllib.request.urlopen(proc.metrics_url).read().decode(), "pdserve_requests_total")
+
+
+def test_requests_spread_over_every_worker_and_stay_correct(stack, offline):
+    prompts = [[3 + (i * 7 + j * 13) % 3000 for j in range(40 + i)] for i in range(8)]
+    refs = offline.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=8)
+    )
+    stub = inference(stack)
+    sampling = pb.SamplingParams(temperature=0, max_tokens=8)
+    with futures.ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(lambda p: generate(stub, token_ids=pb.TokenIds(ids=p), sampling=sampling), prompts)
+        )
+    for (tokens, msgs), ref in zip(results, refs, strict=True):
+        assert tokens == ref.token_ids
+        assert msgs[-1].disaggregated and msgs[-1].usage.kv_transfer_bytes > 0
+    per_worker = {p.name: _requests_on(p) for p in stack.workers()}
+    assert all(n > 0 for n in per_worker.values()), per_worker
+
+
+def test_a_shared_prefix_goes_back_to_the_rank_that_cached_it(stack, offline):
+    prefix = [17 + (j * 11) % 3000 for j in range(64)]
+    stub = inference(stack)
+    cached = []
+    for i in range(4):
+        prompt = prefix + [100 + i] * 8
+        tokens, msgs = generate(
+            stub, token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(temperature=0, max_tokens=4)
+        )
+        ref = offline.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=4)
+        )[0]
+        assert tokens == ref.token_ids
+        cached.append(msgs[-1].usage.cached_tokens)
+    assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
+
+
+def test_a_worker_whose_heartbeats_stop_drops_out_within_its_ttl_and_comes_back(stack):
+    victim = stack.workers("decode")[1]
+    assert victim.endpoint in _listed(stack)
+    os.kill(victim.popen.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert wait_until(lambda: victim.endpoint not in _listed(stack), TTL_S + 2.0)
+        assert time.monotonic() - t0 <= TTL_S + 2.0
+        tokens, _ = generate(
+            inference(stack), text="still serving", sampling=pb.SamplingParams(temperature=0, max_tokens=4)
+        )
+        assert len(tokens) == 4
+    finally:
+        os.kill(victim.popen.pid, signal.SIGCONT)
+    assert wait_until(lambda: victim.endpoint in _listed(stack), TTL_S + 3.0)
+
+
+def test_redis_restarted_empty_refills_within_a_heartbeat_and_routing_never_stops(stack, redis_server):
+    everyone = {p.endpoint for p in stack.workers()}
+    assert wait_until(lambda: _listed(stack) == everyone, 5.0)
+    redis_server.stop()
+    # Last-known state: the router keeps routing while Redis is down.
+    tokens, _ = generate(
+        inference(stack), text="redis is down", sampling=pb.SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert len(tokens) == 4
+    redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    t0 = time.monotonic()
+    assert wait_until(lambda: len(client.keys("pdserve:worker:*")) == len(everyone), TTL_S / 3 + 1.5)
+    assert time.monotonic() - t0 <= TTL_S / 3 + 1.5
+    assert wait_until(lambda: _listed(stack) == everyone, 3.0)
