@@ -7,10 +7,10 @@ import pytest
 from engine.kv_cache.hashing import hash_blocks
 from pdserve.v1 import worker_pb2 as wpb
 from services.errors import Unavailable
+from services.registry import StaticRegistry
 from services.router.api import ServingMode
 from services.router.policy import RoutingConfig, choose
 from services.router.pool import PrefixIndex, WorkerHandle, WorkerPool
-from services.registry import StaticRegistry
 
 BS = 16
 ROLES = {
@@ -40,7 +40,10 @@ PROMPT = list(range(100, 100 + 96))  # 6 full blocks
 HASHES = hash_blocks(PROMPT, BS)
 
 
-def _route(pool, mode=ServingMode.AUTO, cfg=RoutingConfig(colocate_max_tokens=0), prompt=PROMPT):
+NEVER_COLOCATE = RoutingConfig(colocate_max_tokens=0, colocate_cached_fraction=0.8)
+
+
+def _route(pool, mode=ServingMode.AUTO, cfg=NEVER_COLOCATE, prompt=PROMPT):
     return choose(pool, cfg, mode, hash_blocks(prompt, BS), len(prompt), BS)
 
 
