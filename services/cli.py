@@ -91,24 +91,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job of `make run`: build the default model if needed, stream a completion."""
-    from engine import LLM, SamplingParams
+    """The main job of `make run`: build the default model if needed, start the stack (router,
+    prefill worker, decode worker) on loopback, stream a completion through it with the openai
+    client and through gRPC, then stop it."""
+    import tempfile
+
     from engine.make_model import make_model
+    from services import demo
+    from services.launcher import Stack, StackConfig
 
     model = make_model("tiny", Path(args.model_dir) / "pdserve-tiny")
-    llm = LLM(str(model), dtype="bfloat16")
-    prompt = "def fibonacci(n):"
-    print(f"model: {model}\nprompt: {prompt!r}\n")
-    sys.stdout.write(prompt)
-    _stream(llm, prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0))
-    # Batch throughput: the same engine on a batch of prompts.
-    prompts = [f"class Example{i}:" for i in range(32)]
-    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    logs = tempfile.mkdtemp(prefix="pdserve-demo-")
+    print(
+        f"model: {model}\nstarting router + prefill worker + decode worker (logs in {logs}) ...", flush=True
+    )
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    total = sum(len(o.token_ids) for o in outs)
-    print(f"batch of {len(prompts)}: {total} tokens in {elapsed:.2f} s = {total / elapsed:.0f} output tok/s")
+    cfg = StackConfig(
+        model=str(model),
+        engine_args=["--dtype", "bfloat16", "--num-kv-blocks", "2048"],
+        log_dir=logs,
+        threads_per_worker=1,
+    )
+    with Stack(cfg) as stack:
+        print(
+            f"stack ready in {time.perf_counter() - start:.1f} s: OpenAI HTTP {stack.http_url}/v1, gRPC {stack.grpc_endpoint}\n"
+        )
+        demo.openai_stream(stack.http_url, "pdserve-tiny", args.max_tokens)
+        demo.grpc_stream(stack.grpc_endpoint, args.max_tokens)
     return 0
 
 
