@@ -184,13 +184,13 @@ class EngineCore:
         for i, tok in enumerate(output_token_ids):
             if not isinstance(tok, int) or not 0 <= tok < vocab:
                 raise ValueError(f"output_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab})")
+        if generator_state is not None and params.seed is None:
+            raise ValueError("sampler_state is set but the request has no seed")
         req = self._new_request(request_id, prompt_token_ids, params, None)
         if generator_state is not None:
-            if req.generator is None:
-                raise ValueError("sampler_state is set but the request has no seed")
             try:
                 req.generator.set_state(generator_state)
-            except RuntimeError as e:
+            except (RuntimeError, TypeError) as e:
                 self._finalize(req, [], "")
                 raise ValueError(f"sampler_state is not a valid generator state: {e}") from None
         for tok in output_token_ids:

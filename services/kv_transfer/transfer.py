@@ -130,8 +130,12 @@ class TransferTable:
         return len(due)
 
     def abort_all(self) -> None:
+        """Abort every transfer (shutdown); ones being pulled end when their Pull does."""
         for t in list(self._transfers.values()):
-            self._end(t, TransferState.ABORTED)
+            if t.active_pulls:
+                t.pending_end = TransferState.ABORTED
+            else:
+                self._end(t, TransferState.ABORTED)
 
     def _end(self, t: Transfer, state: TransferState) -> None:
         assert state.ended

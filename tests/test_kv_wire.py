@@ -1,0 +1,418 @@
+"""KV transfer pieces without an engine or a network: slab planning, chunk building and checking
+(with kv_io underneath), and the producer's TransferTable state machine under a fake clock.
+
+Legend: `per` is the bytes of one block of one layer (block_size * width * itemsize); a slab is
+layers [layer_start, +num_layers) x blocks [block_start, +num_blocks) of a transfer.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+
+import pytest
+import torch
+
+import services.kv_transfer.transfer as transfer_mod
+from engine.kv_cache.kv_io import read_blocks, write_blocks
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from services.errors import DataLoss, FailedPrecondition, NotFound
+from services.kv_transfer.transfer import TransferState, TransferTable
+from services.kv_transfer.wire import MAX_CHUNK_BYTES, Geometry, Slab, check_chunk, make_chunk, plan
+
+# ---- plan ---------------------------------------------------------------------------------------
+
+DT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+GEOS = [
+    Geometry(3, 4, 80, torch.float32),  # the tiny model: per = 1280
+    Geometry(5, 3, 7, torch.float16),  # odd everything: per = 42
+    Geometry(61, 64, 576, torch.bfloat16),  # DeepSeek-V3: per = 73728, all layers > MAX_CHUNK_BYTES
+]
+# max_bytes as a function of the geometry: below one block-layer, exactly one, between, one block
+# of all layers, just over it, several blocks, and far over the gRPC cap.
+MAXES = {
+    "half-block-layer": lambda g: g.block_layer_bytes // 2,
+    "block-layer": lambda g: g.block_layer_bytes,
+    "2.5-block-layers": lambda g: g.block_layer_bytes * 5 // 2,
+    "block-all-layers": lambda g: g.num_layers * g.block_layer_bytes,
+    "block-all-layers+1": lambda g: g.num_layers * g.block_layer_bytes + 1,
+    "3.5-blocks": lambda g: g.num_layers * g.block_layer_bytes * 7 // 2,
+    "huge": lambda g: 1 << 62,
+}
+RANGES = [(0, 1), (0, 5), (2, 7), (6, 7)]
+PLAN_CASES = [(g, m(g), r) for g in GEOS for m in MAXES.values() for r in RANGES]
+
+
+def _geo_id(g: Geometry) -> str:
+    return f"L{g.num_layers}-bs{g.block_size}-w{g.width}-{DT[g.dtype]}"
+
+
+def _plan_id(case) -> str:
+    g, max_bytes, (first, num) = case
+    return f"{_geo_id(g)}-B{first}to{num}-max{max_bytes}"
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[_plan_id(c) for c in PLAN_CASES])
+def test_plan_covers_every_layer_block_once_within_the_cap(case):
+    geo, max_bytes, (first, num) = case
+    per = geo.block_layer_bytes
+    slabs = plan(geo, first, num, max_bytes)
+    cells = Counter(
+        (layer, b)
+        for s in slabs
+        for layer in range(s.layer_start, s.layer_start + s.num_layers)
+        for b in range(s.block_start, s.block_start + s.num_blocks)
+    )
+    expected = {(layer, b) for layer in range(geo.num_layers) for b in range(first, num)}
+    assert set(cells) == expected
+    assert set(cells.values()) == {1}
+    limit = min(max_bytes, MAX_CHUNK_BYTES)
+    for s in slabs:
+        assert s.num_layers >= 1 and s.num_blocks >= 1
+        size = s.num_layers * s.num_blocks * per
+        if limit >= per:
+            assert size <= limit, s
+        else:  # one block of one layer cannot be split: it is the smallest slab
+            assert size == per, s
+
+
+@pytest.mark.parametrize("geo", GEOS, ids=_geo_id)
+def test_plan_of_an_empty_range_is_empty(geo):
+    assert plan(geo, 4, 4, 1 << 20) == []
+
+
+G3 = Geometry(3, 4, 80, torch.float32)  # per = 1280, one block of all layers = 3840
+EXACT_PLANS = {
+    "below-block-layer": (100, 2, 4, [Slab(layer, 1, b, 1) for b in (2, 3) for layer in range(3)]),
+    "two-block-layers": (2560, 0, 2, [Slab(0, 2, b, 1) for b in (0, 1)] + [Slab(2, 1, b, 1) for b in (0, 1)]),
+    "one-block-all-layers": (3840, 1, 4, [Slab(0, 3, b, 1) for b in (1, 2, 3)]),
+    "two-blocks-all-layers": (7681, 0, 5, [Slab(0, 3, 0, 2), Slab(0, 3, 2, 2), Slab(0, 3, 4, 1)]),
+    "huge": (1 << 62, 1, 6, [Slab(0, 3, 1, 5)]),
+}
+
+
+@pytest.mark.parametrize("name", EXACT_PLANS)
+def test_plan_exact_slabs(name):
+    max_bytes, first, num, expected = EXACT_PLANS[name]
+    got = plan(G3, first, num, max_bytes)
+    # The order within a plan does not matter to the consumer; the set of slabs does.
+    assert sorted(got, key=lambda s: (s.block_start, s.layer_start)) == sorted(
+        expected, key=lambda s: (s.block_start, s.layer_start)
+    )
+
+
+def test_plan_caps_slabs_at_the_grpc_message_limit():
+    geo = GEOS[2]  # 61 layers of 73728 bytes: 56 block-layers fit under MAX_CHUNK_BYTES
+    assert MAX_CHUNK_BYTES // geo.block_layer_bytes == 56
+    assert plan(geo, 0, 2, 1 << 62) == [
+        Slab(0, 56, 0, 1),
+        Slab(56, 5, 0, 1),
+        Slab(0, 56, 1, 1),
+        Slab(56, 5, 1, 1),
+    ]
+
+
+# ---- make_chunk / check_chunk with kv_io --------------------------------------------------------
+
+
+def _caches(geo: Geometry, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # [num_blocks, block_size, width] per layer
+    return [
+        torch.randn(num_blocks, geo.block_size, geo.width, generator=gen).to(geo.dtype)
+        for _ in range(geo.num_layers)
+    ]
+
+
+ROUND_TRIPS = [
+    (Geometry(3, 4, 80, torch.float32), 1280),
+    (Geometry(3, 4, 80, torch.float32), 3840 * 2),
+    (Geometry(5, 3, 7, torch.bfloat16), 100),
+    (Geometry(5, 3, 7, torch.float16), 1 << 62),
+]
+
+
+@pytest.mark.parametrize("geo, max_bytes", ROUND_TRIPS, ids=[f"{_geo_id(g)}-max{m}" for g, m in ROUND_TRIPS])
+def test_chunks_round_trip_through_the_wire(geo, max_bytes):
+    """Producer blocks [7, 2, 9, 4, 0] -> consumer blocks [1, 3, 5, 6, 8]; block 0 of the
+    transfer was a consumer prefix hit (first_block = 1), so it is not sent."""
+    src, dst = _caches(geo, 10, seed=0), _caches(geo, 10, seed=1)
+    dst_before = [c.clone() for c in dst]
+    src_ids, dst_ids, first = [7, 2, 9, 4, 0], [1, 3, 5, 6, 8], 1
+    for slab in plan(geo, first, len(src_ids), max_bytes):
+        blocks = slice(slab.block_start, slab.block_start + slab.num_blocks)
+        data = read_blocks(src, src_ids[blocks], slab.layer_start, slab.num_layers)
+        wire = make_chunk(geo, slab, data).SerializeToString()
+        chunk = kv_pb.KvChunk.FromString(wire)
+        assert check_chunk(geo, chunk, first, len(src_ids)) == slab
+        write_blocks(dst, dst_ids[blocks], slab.layer_start, chunk.data)
+    for layer in range(geo.num_layers):
+        for s, d in zip(src_ids[first:], dst_ids[first:], strict=True):
+            assert torch.equal(dst[layer][d], src[layer][s]), (layer, d)
+        untouched = [b for b in range(10) if b not in dst_ids[first:]]  # incl. the hit block 1
+        assert torch.equal(dst[layer][untouched], dst_before[layer][untouched])
+
+
+def _valid_chunk() -> tuple[kv_pb.KvChunk, int, int]:
+    """Layers [1, 3) x blocks [2, 4) of G3, for a transfer of 5 blocks pulled from block 1."""
+    data = random.Random(0).randbytes(2 * 2 * G3.block_layer_bytes)
+    return make_chunk(G3, Slab(1, 2, 2, 2), data), 1, 5
+
+
+def _flip(c):
+    data = bytearray(c.data)
+    data[100] ^= 0x01
+    c.data = bytes(data)  # crc32 left as sent
+
+
+def _set(**fields):
+    def mutate(c):
+        for name, value in fields.items():
+            if name == "shape":
+                del c.shape[:]
+                c.shape.extend(value)
+            else:
+                setattr(c, name, value)
+
+    return mutate
+
+
+def _resize(n):
+    def mutate(c):
+        c.data = c.data[:n] if n < len(c.data) else c.data + bytes(n - len(c.data))
+        c.crc32 = zlib.crc32(c.data)  # a consistent checksum over the wrong length
+
+    return mutate
+
+
+REJECTED_CHUNKS = {
+    "data-byte-flipped": (_flip, r"layers 1\+2 blocks 2\+2: checksum mismatch"),
+    "dtype": (_set(dtype=kv_pb.KV_DTYPE_BFLOAT16), r"dtype KV_DTYPE_BFLOAT16 != KV_DTYPE_FLOAT32"),
+    "shape-width": (_set(shape=[2, 2, 4, 81]), r"shape \[2, 2, 4, 81\] != expected \[2, 2, 4, 80\]"),
+    "shape-block-size": (_set(shape=[2, 2, 8, 80]), r"shape \[2, 2, 8, 80\] != expected \[2, 2, 4, 80\]"),
+    "shape-disagrees-with-header": (_set(num_layers=1), r"shape \[2, 2, 4, 80\] != expected \[1, 2, 4, 80\]"),
+    "layers-past-the-end": (_set(layer_start=2), r"layers \[2, \+2\) outside \[0, 3\)"),
+    "layer-negative": (_set(layer_start=-1), r"layers \[-1, \+2\) outside \[0, 3\)"),
+    "zero-layers": (_set(num_layers=0, shape=[0, 2, 4, 80]), r"layers \[1, \+0\) outside \[0, 3\)"),
+    "blocks-before-first-block": (_set(block_start=0), r"blocks \[0, \+2\) outside \[1, 5\)"),
+    "blocks-past-the-end": (_set(block_start=4), r"blocks \[4, \+2\) outside \[1, 5\)"),
+    "zero-blocks": (_set(num_blocks=0, shape=[2, 0, 4, 80]), r"blocks \[2, \+0\) outside \[1, 5\)"),
+    "data-short": (_resize(5116), r"KV chunk has 5116 bytes, its header says \[2, 2, 4, 80\]"),
+    "data-long": (_resize(5124), r"KV chunk has 5124 bytes, its header says \[2, 2, 4, 80\]"),
+}
+
+
+def test_valid_chunk_passes():
+    chunk, first, num = _valid_chunk()
+    assert check_chunk(G3, chunk, first, num) == Slab(1, 2, 2, 2)
+
+
+@pytest.mark.parametrize("case", REJECTED_CHUNKS)
+def test_check_chunk_rejects(case):
+    mutate, message = REJECTED_CHUNKS[case]
+    chunk, first, num = _valid_chunk()
+    mutate(chunk)
+    with pytest.raises(DataLoss, match=message):
+        check_chunk(G3, chunk, first, num)
+
+
+# ---- TransferTable --------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(transfer_mod, "time", fake)  # the module's `time`, not the global one
+    return fake
+
+
+@pytest.fixture
+def freed() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def table(clock, freed) -> TransferTable:
+    return TransferTable(freed.append, max_lease_s=60.0)
+
+
+def _create(table: TransferTable, request_id: str, lease_s: float = 10.0):
+    return table.create(request_id, [4, 5, 6], [b"h0", b"h1"], 11, lease_s)
+
+
+def _counts(table: TransferTable) -> dict[str, int]:
+    return {s.value: n for s, n in table.counts.items() if n}
+
+
+def test_create_records_the_transfer(table, clock):
+    t = _create(table, "a", lease_s=2.5)
+    assert (t.request_id, t.block_ids, t.block_hashes, t.num_tokens) == ("a", [4, 5, 6], [b"h0", b"h1"], 11)
+    assert t.state is TransferState.PENDING
+    assert t.lease_expiry == 1002.5
+    assert table.get(t.transfer_id) is t
+    assert len(table) == 1
+    assert _create(table, "b").transfer_id != t.transfer_id
+
+
+def test_unknown_transfer_is_not_found(table, freed):
+    for call in (
+        lambda: table.get("nope"),
+        lambda: table.begin_pull("nope"),
+        lambda: table.release("nope", done=True),
+        lambda: table.renew("nope", 1.0),
+    ):
+        with pytest.raises(NotFound, match=r"unknown transfer 'nope'"):
+            call()
+    assert freed == []
+
+
+@pytest.mark.parametrize("done, state", [(True, TransferState.SUCCEEDED), (False, TransferState.ABORTED)])
+def test_release_frees_once_and_ends_the_transfer(table, freed, done, state):
+    t = _create(table, "a")
+    table.release(t.transfer_id, done=done)
+    assert freed == ["a"]
+    assert t.state is state
+    assert _counts(table) == {state.value: 1}
+    assert len(table) == 0
+    ended = rf"transfer '{t.transfer_id}' has ended \({state.value}\)"
+    for call in (
+        lambda: table.get(t.transfer_id),
+        lambda: table.begin_pull(t.transfer_id),
+        lambda: table.release(t.transfer_id, done=True),
+        lambda: table.renew(t.transfer_id, 1.0),
+    ):
+        with pytest.raises(NotFound, match=ended):
+            call()
+    assert freed == ["a"]
+    assert _counts(table) == {state.value: 1}
+
+
+def test_release_during_a_pull_waits_for_the_pull_to_end(table, freed):
+    t = _create(table, "a")
+    assert table.begin_pull(t.transfer_id) is t
+    assert t.state is TransferState.TRANSFERRING
+    table.release(t.transfer_id, done=True)
+    assert freed == []
+    assert t.state is TransferState.TRANSFERRING and t.pending_end is TransferState.SUCCEEDED
+    assert table.get(t.transfer_id) is t
+    with pytest.raises(NotFound, match="is being released"):
+        table.begin_pull(t.transfer_id)
+    with pytest.raises(FailedPrecondition, match="is being released"):
+        table.renew(t.transfer_id, 1.0)
+    table.end_pull(t)
+    assert freed == ["a"]
+    assert t.state is TransferState.SUCCEEDED
+    assert _counts(table) == {"succeeded": 1}
+    assert len(table) == 0
+
+
+def test_release_waits_for_every_concurrent_pull(table, freed):
+    t = _create(table, "a")
+    table.begin_pull(t.transfer_id)
+    table.begin_pull(t.transfer_id)
+    table.release(t.transfer_id, done=False)
+    table.end_pull(t)
+    assert freed == [] and t.active_pulls == 1
+    table.end_pull(t)
+    assert freed == ["a"]
+    assert _counts(table) == {"aborted": 1}
+
+
+def test_expire_due_frees_expired_transfers_not_pulled_ones(table, freed, clock):
+    a = _create(table, "a", lease_s=0.05)
+    b = _create(table, "b", lease_s=10.0)
+    c = _create(table, "c", lease_s=0.05)
+    table.begin_pull(c.transfer_id)
+    clock.now = 1000.05  # exactly at the expiry: not yet past it
+    assert table.expire_due() == 0
+    clock.now = 1001.0
+    assert table.expire_due() == 1
+    assert freed == ["a"]
+    assert a.state is TransferState.EXPIRED
+    with pytest.raises(NotFound, match=r"has ended \(expired\)"):
+        table.get(a.transfer_id)
+    assert table.get(b.transfer_id) is b
+    assert table.get(c.transfer_id) is c  # past its lease, but streaming
+    # The end of a pull leaves 5 s for the Release that follows.
+    table.end_pull(c)
+    assert c.lease_expiry == 1006.0
+    clock.now = 1006.0
+    assert table.expire_due() == 0
+    clock.now = 1006.1
+    assert table.expire_due() == 1
+    assert freed == ["a", "c"]
+    clock.now = 1010.1
+    assert table.expire_due() == 1
+    assert freed == ["a", "c", "b"]
+    assert _counts(table) == {"expired": 3}
+    assert table.expire_due() == 0 and len(table) == 0
+
+
+def test_get_of_an_expired_transfer_ends_it_once(table, freed, clock):
+    t = _create(table, "a", lease_s=1.0)
+    clock.now = 1002.0
+    with pytest.raises(NotFound, match=r"has ended \(expired\)"):
+        table.get(t.transfer_id)
+    assert freed == ["a"]
+    assert table.expire_due() == 0
+    with pytest.raises(NotFound, match=r"has ended \(expired\)"):
+        table.begin_pull(t.transfer_id)
+    assert freed == ["a"]
+    assert _counts(table) == {"expired": 1}
+
+
+def test_renew_extends_and_never_shortens(table, freed, clock):
+    t = _create(table, "a", lease_s=1.0)
+    clock.now = 1000.5
+    assert table.renew(t.transfer_id, 10.0) == 1010.5
+    assert t.lease_expiry == 1010.5
+    clock.now = 1005.0
+    assert table.expire_due() == 0
+    assert table.renew(t.transfer_id, 1.0) == 1010.5  # a shorter lease keeps the longer one
+    clock.now = 1010.6
+    assert table.expire_due() == 1
+    assert freed == ["a"]
+
+
+def test_leases_are_capped_at_max_lease_s(clock, freed):
+    table = TransferTable(freed.append, max_lease_s=2.0)
+    t = _create(table, "a", lease_s=100.0)
+    assert t.lease_expiry == 1002.0
+    clock.now = 1001.0
+    assert table.renew(t.transfer_id, 100.0) == 1003.0
+    clock.now = 1003.5
+    assert table.expire_due() == 1
+    assert freed == ["a"]
+
+
+def test_abort_all_frees_every_transfer(table, freed):
+    ts = [_create(table, rid) for rid in ("a", "b", "c")]
+    table.abort_all()
+    assert freed == ["a", "b", "c"]
+    assert [t.state for t in ts] == [TransferState.ABORTED] * 3
+    assert _counts(table) == {"aborted": 3}
+    assert len(table) == 0
+    with pytest.raises(NotFound, match=r"has ended \(aborted\)"):
+        table.get(ts[0].transfer_id)
+
+
+def test_abort_all_does_not_free_a_transfer_under_its_pull(table, freed):
+    """The module's contract: "A transfer that is being streamed is not freed under the stream"
+    (its blocks would go back to the engine while the Pull still reads them)."""
+    a, b = _create(table, "a"), _create(table, "b")
+    table.begin_pull(b.transfer_id)
+    table.abort_all()
+    assert freed == ["a"]
+    table.end_pull(b)
+    assert freed == ["a", "b"]
+    assert [a.state, b.state] == [TransferState.ABORTED, TransferState.ABORTED]
+    assert _counts(table) == {"aborted": 2}
