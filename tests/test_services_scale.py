@@ -74,6 +74,23 @@ def test_requests_spread_over_every_worker_and_stay_correct(stack, offline):
     assert all(n > 0 for n in per_worker.values()), per_worker
 
 
+def test_worker_metrics_count_what_moved(stack):
+    """Every worker serves Prometheus metrics; what prefill ranks sent is what decode ranks received."""
+    scraped = {p.name: urllib.request.urlopen(p.metrics_url).read().decode() for p in stack.workers()}
+    sent = sum(metric(t, "pdserve_kv_transfer_bytes_total", direction="sent") for t in scraped.values())
+    received = sum(
+        metric(t, "pdserve_kv_transfer_bytes_total", direction="received") for t in scraped.values()
+    )
+    assert sent > 0 and sent == received
+    for name, text in scraped.items():
+        assert metric(text, "pdserve_time_to_first_token_seconds_count") > 0, name
+        assert metric(text, "pdserve_kv_cache_usage") >= 0 and "pdserve_prefix_cache_hit_rate" in text
+        assert "pdserve_kv_transfer_expired_leases_total" in text and "pdserve_num_requests_waiting" in text
+    for name in ("decode-0", "decode-1"):
+        assert metric(scraped[name], "pdserve_kv_transfer_seconds_count") > 0
+        assert metric(scraped[name], "pdserve_inter_token_latency_seconds_count") > 0
+
+
 def test_a_shared_prefix_goes_back_to_the_rank_that_cached_it(stack, offline):
     prefix = [17 + (j * 11) % 3000 for j in range(64)]
     stub = inference(stack)
