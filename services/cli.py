@@ -10,10 +10,6 @@ from pathlib import Path
 
 from engine import env
 
-MAX_CHUNK_BYTES = (
-    4 * 2**20 - 64 * 2**10
-)  # services.kv_transfer.wire.MAX_CHUNK_BYTES (not imported: keeps start-up light)
-
 # Flags map one-to-one onto EngineConfig / SamplingParams fields (--max-num-seqs -> max_num_seqs).
 ENGINE_FLAGS: dict[str, dict] = {
     "dtype": dict(default="bfloat16", choices=["bfloat16", "float16", "float32"]),
@@ -133,12 +129,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from services.worker.server import WorkerServerConfig, model_name, serve
     from services.worker.service import WorkerSettings
 
+    chunk = {} if args.kv_chunk_bytes is None else {"kv_chunk_bytes": args.kv_chunk_bytes}
     settings = WorkerSettings(
         role=args.role,
         model_name=args.served_model_name or model_name(args.model),
         dp_rank=args.dp_rank,
         lease_s=args.lease_s,
-        kv_chunk_bytes=args.kv_chunk_bytes,
+        **chunk,
     )
     cfg = WorkerServerConfig(
         engine=_engine_config(args),
@@ -264,7 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", default=None, help="redis://host:port/db to register in")
     p.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
     p.add_argument("--lease-s", type=float, default=30.0, help="how long exported KV stays pinned")
-    p.add_argument("--kv-chunk-bytes", type=int, default=MAX_CHUNK_BYTES, help="largest KV chunk pulled")
+    p.add_argument(
+        "--kv-chunk-bytes",
+        type=int,
+        default=None,
+        help="largest KV chunk pulled (default: 4 MiB less headroom)",
+    )
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
     _add_flags(p, ENGINE_FLAGS)
     p.set_defaults(func=cmd_worker)

@@ -8,8 +8,6 @@ pass through with their own code.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -127,14 +125,3 @@ def remaining(context: grpc.aio.ServicerContext, default: float | None = None) -
     """Seconds left before the caller's deadline (None: no deadline), to pass downstream."""
     left = context.time_remaining()
     return default if left is None else max(left, 0.0)
-
-
-def deadline_after(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def time_left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
-Handler = Callable[..., Awaitable]
