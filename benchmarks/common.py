@@ -58,8 +58,11 @@ def result_path(name: str, suffix: str = "json") -> Path:
     return RESULTS / f"{name}_{hardware_slug()}_{_dt.date.today().isoformat()}.{suffix}"
 
 
-def save(name: str, payload: dict) -> Path:
-    path = result_path(name)
+def save(name: str, payload: dict, path: Path | None = None) -> Path:
+    """Write payload with the date, git revision and hardware to results/<name>_<hw>_<date>.json
+    (or to path)."""
+    path = path or result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "git": git_revision(),

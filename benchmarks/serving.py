@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import math
 import random
 import sys
@@ -38,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_revision, hardware, save  # noqa: E402
+from benchmarks.common import save  # noqa: E402
 
 MODES = ("disaggregated", "colocated")
 SALT_TOKENS = 2
@@ -279,19 +277,6 @@ def table(rate: float, by_mode: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def save_to(path: Path, payload: dict) -> Path:
-    """What common.save writes, at an explicit path (--output)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    full = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git": git_revision(),
-        "hardware": hardware(),
-        **payload,
-    }
-    path.write_text(json.dumps(full, indent=2) + "\n")
-    return path
-
-
 def parse_rates(text: str) -> list[float]:
     rates = [float(x) for x in text.split(",") if x.strip()]
     if not rates or any(r <= 0 for r in rates):
@@ -459,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     failures = sum(r[m]["failures"] for r in per_rate for m in MODES)
     if args.output:
-        print(f"saved {save_to(Path(args.output), payload)}")
+        print(f"saved {save('serving', payload, Path(args.output))}")
     elif not args.smoke:
         print(f"saved {save('serving', payload)}")
     if failures:

@@ -72,6 +72,13 @@ def logprobs_from_proto(msgs) -> list[dict[int, float] | None]:
     return [dict(zip(m.token_ids, m.logprobs, strict=True)) if m.token_ids else None for m in msgs]
 
 
+def _set_stop_reason(msg: pb.GenerateResponse, reason: int | str | None) -> None:
+    if isinstance(reason, str):
+        msg.stop_string = reason
+    elif isinstance(reason, int):
+        msg.stop_token_id = reason
+
+
 def output_to_proto(out: RequestOutput, first: bool) -> pb.GenerateResponse:
     """This step's delta of an engine output (logprobs of the new tokens; prompt logprobs on the first)."""
     n = len(out.new_token_ids)
@@ -82,10 +89,7 @@ def output_to_proto(out: RequestOutput, first: bool) -> pb.GenerateResponse:
         msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
     if out.finished and out.finish_reason in FINISH_REASONS:
         msg.finish_reason = FINISH_REASONS[out.finish_reason]
-        if isinstance(out.stop_reason, str):
-            msg.stop_string = out.stop_reason
-        elif isinstance(out.stop_reason, int):
-            msg.stop_token_id = out.stop_reason
+        _set_stop_reason(msg, out.stop_reason)
     return msg
 
 
@@ -138,10 +142,7 @@ def delta_to_proto(request_id: str, delta: Delta) -> pb.GenerateResponse:
         msg.logprobs.extend(logprobs_to_proto(delta.logprobs))
     if delta.prompt_logprobs:
         msg.prompt_logprobs.extend(logprobs_to_proto(delta.prompt_logprobs[1:]))
-    if isinstance(delta.stop_reason, str):
-        msg.stop_string = delta.stop_reason
-    elif isinstance(delta.stop_reason, int):
-        msg.stop_token_id = delta.stop_reason
+    _set_stop_reason(msg, delta.stop_reason)
     if delta.usage is not None:
         u = delta.usage
         msg.usage.CopyFrom(
