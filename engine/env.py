@@ -21,3 +21,15 @@ def available_cores() -> int:
 def model_cache_dir() -> str:
     """PDSERVE_MODEL_DIR: where `make run` and the CLI keep the models they build (default ./models)."""
     return os.environ.get("PDSERVE_MODEL_DIR", "models")
+
+
+def internal_token() -> str | None:
+    """PDSERVE_INTERNAL_TOKEN: shared secret the internal RPCs (Worker, KvTransfer) require when set.
+    An environment variable rather than a flag, so it does not show in process listings."""
+    return os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+
+
+def fault() -> str | None:
+    """PDSERVE_FAULT: fault injection for the reliability tests, e.g. "engine_crash_after_steps=3"
+    or "engine_stall_after_steps=3" (see services/worker/async_engine.py). Unset in production."""
+    return os.environ.get("PDSERVE_FAULT") or None

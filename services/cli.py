@@ -123,6 +123,18 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=str(args.model), **_pick(args, ENGINE_FLAGS))
 
 
+def _security(args: argparse.Namespace):
+    from services.security import Security
+
+    return Security.from_env(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="PEM certificate for mutual TLS on internal RPCs")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle peers must chain to")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -146,6 +158,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         registry=args.registry,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         grace_s=args.grace_s,
+        security=_security(args),
+        stall_timeout_s=args.stall_timeout_s,
+        fault=env.fault(),
     )
     return asyncio.run(serve(cfg))
 
@@ -172,6 +187,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_port=None if args.no_http else args.http_port,
         registry=args.registry,
         workers=[w for w in (args.workers or "").split(",") if w],
+        security=_security(args),
     )
     return asyncio.run(serve(cfg))
 
@@ -268,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest KV chunk pulled (default: 4 MiB less headroom)",
     )
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
+    p.add_argument("--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step")
     _add_flags(p, ENGINE_FLAGS)
+    _add_tls_flags(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("router", help="the public gRPC and OpenAI HTTP front over the workers")
@@ -282,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", default=None, help="static worker endpoints host:port,... (no Redis)")
     p.add_argument("--colocate-max-tokens", type=int, default=32, help="shorter prompts run colocated")
     p.add_argument("--colocate-cached-fraction", type=float, default=0.8)
+    _add_tls_flags(p)
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("serve", help="start a router, a prefill and a decode worker on this machine")

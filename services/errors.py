@@ -9,10 +9,12 @@ import grpc
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, endpoint: str | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.endpoint = endpoint
+        """The worker the error came from, when one did (the router retries elsewhere)."""
 
     @property
     def message(self) -> str:
@@ -41,6 +43,11 @@ class Unavailable(ServiceError):
 
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """When a retry may succeed: gRPC trailer `retry-after-ms`, HTTP header `Retry-After`."""
 
 
 class DeadlineExceeded(ServiceError):

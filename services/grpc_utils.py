@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import ServiceError
+from services.security import Security, client_interceptors, server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ READINESS = "readiness"
 
 async def _map_error(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, ServiceError):
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
         await context.abort(exc.code, exc.message)
     if isinstance(exc, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -74,9 +78,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def new_server() -> grpc.aio.Server:
+def new_server(security: Security | None = None) -> grpc.aio.Server:
+    """An aio server: the internal-token check (when configured) runs before the error mapping."""
     return grpc.aio.server(
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*server_interceptors(security), ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -103,22 +108,28 @@ async def set_health(servicer: health.aio.HealthServicer, live: bool, ready: boo
     await servicer.set("", serving if ready else not_serving)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind to host:port (port 0 picks a free one); returns the port. Never binds other addresses."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, security: Security | None = None) -> int:
+    """Bind to host:port (port 0 picks a free one), with mutual TLS when configured; returns the
+    port. Never binds other addresses."""
+    creds = security.server_credentials() if security is not None else None
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound
 
 
-def channel(endpoint: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        endpoint,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+def channel(endpoint: str, security: Security | None = None) -> grpc.aio.Channel:
+    """A channel to an internal service, carrying the internal token / client certificate if set."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    interceptors = client_interceptors(security)
+    creds = security.channel_credentials() if security is not None else None
+    if creds is not None:
+        return grpc.aio.secure_channel(endpoint, creds, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 
 def remaining(context: grpc.aio.ServicerContext, default: float | None = None) -> float | None:

@@ -77,6 +77,9 @@ class Metrics:
             ["component", "code"],
             registry=r,
         )
+        self.retries = Counter(
+            "pdserve_request_retries", "Requests retried on another worker", ["component"], registry=r
+        )
         self.kv_expired_leases = Counter(
             "pdserve_kv_transfer_expired_leases",
             "Pinned transfers freed by lease expiry",

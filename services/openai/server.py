@@ -111,12 +111,15 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        status, body = _error_of(e, request)
+        error: BaseException = e
     except ClientGone:
         return web.Response(status=499)  # nobody reads it
     except Exception as e:
-        status, body = _error_of(e, request)
-    return web.json_response(body, status=status)
+        error = e
+    status, body = _error_of(error, request)
+    retry_after = getattr(error, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _sse(data: dict) -> bytes:

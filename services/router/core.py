@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,11 +28,20 @@ from pdserve.v1 import worker_pb2 as wpb
 from services import convert
 from services.errors import ServiceError, Unavailable
 from services.metrics import Metrics
+from services.router.admission import Admission
 from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
+
+WORKER_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+}
+"""Errors that count against a worker's circuit breaker (not the client's or the request's fault)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,16 @@ class RouterSettings:
     """Deadline of a request that names none."""
     lease_ms: int = 0
     """Lease asked of prefill ranks (0: theirs)."""
+    max_in_flight: int = 256
+    """Requests routed at once; more wait in the admission queue."""
+    max_queued: int = 1024
+    """Requests waiting for a slot; beyond it RESOURCE_EXHAUSTED (HTTP 429) at once."""
+    queue_timeout_s: float = 60.0
+    """Longest wait in the admission queue."""
+    max_attempts: int = 3
+    """Tries per request when a worker is UNAVAILABLE before the first token was sent."""
+    retry_backoff_s: float = 0.05
+    """First retry's backoff (doubled each time, jittered +-50%)."""
 
 
 class RouterCore(Frontend):
@@ -51,6 +71,7 @@ class RouterCore(Frontend):
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = metrics
+        self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
         self._tasks: set[asyncio.Task] = set()
 
     # ---- model limits, from the workers ---------------------------------------------------------
@@ -101,7 +122,7 @@ class RouterCore(Frontend):
     def _check_rpc_error(self, w: WorkerHandle, e: grpc.aio.AioRpcError) -> ServiceError:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             self.pool.mark_unhealthy(w, e.details() or "UNAVAILABLE")
-        return ServiceError(f"{w.endpoint}: {e.details()}", e.code())
+        return ServiceError(f"{w.endpoint}: {e.details()}", e.code(), endpoint=w.endpoint)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         params, prompt = inp.params, inp.prompt_token_ids
@@ -109,15 +130,54 @@ class RouterCore(Frontend):
         start = time.monotonic()
         deadline = start + (inp.timeout if inp.timeout is not None else self.settings.default_timeout_s)
         rid = inp.request_id or uuid.uuid4().hex
-        bs = self.block_size
-        hashes = hash_blocks(prompt, bs)
-        route = choose(self.pool, self.settings.routing, inp.mode, hashes, len(prompt), bs)
-        route.decode.in_flight += 1
+        hashes = hash_blocks(prompt, self.block_size)
+        m = self.metrics
+        finish = "abort"
+        try:
+            async with self.admission.slot(timeout=deadline - start) as queued:
+                m.labels(m.queue_time).observe(queued)
+                failed: set[str] = set()
+                for attempt in range(self.settings.max_attempts):
+                    delivered = False
+                    try:
+                        async for delta in self._attempt(rid, inp, hashes, start, deadline, queued, failed):
+                            delivered = delivered or bool(delta.token_ids or delta.text)
+                            finish = delta.finish_reason or finish
+                            yield delta
+                        return
+                    except ServiceError as e:
+                        # Retry only what cannot have reached the client: a worker that was
+                        # unavailable before the first token, on another worker, with backoff.
+                        last = attempt + 1 == self.settings.max_attempts
+                        backoff = self.settings.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5)
+                        if (
+                            e.code != grpc.StatusCode.UNAVAILABLE
+                            or delivered
+                            or last
+                            or time.monotonic() + backoff >= deadline
+                        ):
+                            raise
+                        logger.info("request %s: %s; retrying elsewhere (attempt %d)", rid, e, attempt + 2)
+                        if e.endpoint:
+                            failed.add(e.endpoint)
+                        m.labels(m.retries).inc()
+                        await asyncio.sleep(backoff)
+        finally:
+            m.labels(m.requests, finish).inc()
+
+    async def _attempt(
+        self, rid, inp: GenerateInput, hashes, start, deadline, queued: float, failed: set[str]
+    ):
+        """One try on one route; updates the workers' circuit breakers."""
+        prompt = inp.prompt_token_ids
+        route = choose(
+            self.pool, self.settings.routing, inp.mode, hashes, len(prompt), self.block_size, exclude=failed
+        )
         m = self.metrics
         first_token_time = last_token_time = None
         usage = Usage(prompt_tokens=len(prompt))
-        timings = Timings()
-        finish = "abort"
+        timings = Timings(queue=queued)
+        route.decode.in_flight += 1
         try:
             async for delta in self._run(rid, inp, route, hashes, deadline, usage, timings):
                 now = time.monotonic()
@@ -130,7 +190,7 @@ class RouterCore(Frontend):
                             m.labels(m.itl).observe(gap)
                     last_token_time = now
                 if delta.finish_reason is not None:
-                    finish = delta.finish_reason
+                    timings.queue += queued
                     timings.ttft = (first_token_time or now) - start
                     timings.e2e = now - start
                     delta.usage, delta.timings = usage, timings
@@ -140,10 +200,17 @@ class RouterCore(Frontend):
                     m.labels(m.generation_tokens).inc(usage.completion_tokens)
                     m.labels(m.cached_tokens).inc(usage.cached_tokens)
                     m.observe_request(timings.ttft, timings.e2e, None, [])
+                    for w in (route.decode, route.prefill):
+                        if w is not None:
+                            w.breaker.success()
                 yield delta
+        except ServiceError as e:
+            for w in (route.decode, route.prefill):
+                if w is not None and w.endpoint == e.endpoint and e.code in WORKER_FAULTS:
+                    w.breaker.failure()
+            raise
         finally:
             route.decode.in_flight -= 1
-            m.labels(m.requests, finish).inc()
 
     async def _run(
         self, rid, inp: GenerateInput, route: Route, hashes, deadline, usage: Usage, timings: Timings

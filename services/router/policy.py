@@ -44,14 +44,16 @@ def choose(
     hashes: list[bytes],
     num_tokens: int,
     block_size: int,
+    exclude: set[str] | frozenset[str] = frozenset(),
 ) -> Route:
-    decoders = pool.healthy("decode")
+    """exclude: endpoints that just failed this request (a retry goes elsewhere)."""
+    decoders = [w for w in pool.healthy("decode") if w.endpoint not in exclude]
     if not decoders:
         raise Unavailable("no healthy decode worker")
     decode = _least_loaded(decoders, hashes)
     if mode is ServingMode.COLOCATED:
         return Route(decode, None)
-    prefillers = [w for w in pool.healthy("prefill") if w is not decode]
+    prefillers = [w for w in pool.healthy("prefill") if w is not decode and w.endpoint not in exclude]
     if not prefillers:
         if mode is ServingMode.DISAGGREGATED:
             raise Unavailable("no healthy prefill worker for a disaggregated request")

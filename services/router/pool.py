@@ -21,6 +21,7 @@ from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.grpc_utils import channel
 from services.registry import Registry
+from services.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,37 @@ class PrefixIndex:
         return n
 
 
+class CircuitBreaker:
+    """Stops traffic to a worker that keeps failing: after `threshold` failures in a row it opens
+    for `cooldown_s`; then the next request (or a successful probe) tries it again, and one more
+    failure opens it again at once."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0):
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self.failures = 0
+        self.open_until = 0.0
+        self.trips = 0
+
+    @property
+    def open(self) -> bool:
+        return time.monotonic() < self.open_until
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            if not self.open:
+                self.trips += 1
+                logger.warning(
+                    "circuit breaker open for %.1f s after %d failures", self.cooldown_s, self.failures
+                )
+            self.open_until = time.monotonic() + self.cooldown_s
+
+    def success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     endpoint: str
@@ -69,6 +101,7 @@ class WorkerHandle:
     in_flight: int = 0
     """Requests the router has on this worker now (fresher than the polled load)."""
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     last_seen: float = 0.0
 
     @property
@@ -90,8 +123,15 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, registry: Registry, refresh_s: float = 1.0, probe_s: float = 0.5):
+    def __init__(
+        self,
+        registry: Registry,
+        refresh_s: float = 1.0,
+        probe_s: float = 0.5,
+        security: Security | None = None,
+    ):
         self.registry = registry
+        self.security = security
         self.refresh_s = refresh_s
         self.probe_s = probe_s
         self.workers: dict[str, WorkerHandle] = {}
@@ -151,7 +191,7 @@ class WorkerPool:
         if records is not None:
             listed = {r.endpoint for r in records}
             for endpoint in listed - self.workers.keys():
-                ch = channel(endpoint)
+                ch = channel(endpoint, self.security)
                 self.workers[endpoint] = WorkerHandle(
                     endpoint, ch, wgrpc.WorkerStub(ch), kv_grpc.KvTransferStub(ch)
                 )

@@ -21,6 +21,7 @@ from services.registry import make_registry
 from services.router.core import RouterCore, RouterSettings
 from services.router.grpc_service import InferenceService
 from services.router.pool import WorkerPool
+from services.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,13 @@ class RouterServerConfig:
     workers: list[str] = field(default_factory=list)
     """Static worker endpoints (host:port) when there is no registry."""
     grace_s: float = 30.0
+    security: Security = Security()
+    """Internal token / client certificate presented to the workers."""
 
 
 async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     metrics = Metrics("router")
-    pool = WorkerPool(make_registry(cfg.registry, cfg.workers))
+    pool = WorkerPool(make_registry(cfg.registry, cfg.workers), security=cfg.security)
     core = RouterCore(cfg.settings, Tokenizer(Path(cfg.model)), pool, metrics)
     metrics.gauge(
         "pdserve_num_requests_running",

@@ -30,9 +30,23 @@ class EngineDead(RuntimeError):
     """The engine thread stopped (a step failed or the engine was shut down)."""
 
 
+FAULTS = ("engine_crash_after_steps", "engine_stall_after_steps")
+
+
+def parse_fault(spec: str | None) -> tuple[str, int] | None:
+    """"engine_crash_after_steps=N" -> ("engine_crash_after_steps", N); for the reliability tests."""
+    if not spec:
+        return None
+    name, _, value = spec.partition("=")
+    if name not in FAULTS or not value.isdigit():
+        raise ValueError(f"PDSERVE_FAULT must be one of {', '.join(f + '=N' for f in FAULTS)}, got {spec!r}")
+    return name, int(value)
+
+
 class AsyncEngine:
-    def __init__(self, core_factory: Callable[[], EngineCore]):
+    def __init__(self, core_factory: Callable[[], EngineCore], fault: str | None = None):
         self._factory = core_factory
+        self._fault = parse_fault(fault)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._retrying: list[tuple[Callable[[EngineCore], Any], asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}
@@ -95,6 +109,12 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def stalled_for(self) -> float:
+        """Seconds since the last step while work is pending (0 when idle or progressing)."""
+        if self.core is None or (not self._streams and not self.core.has_unfinished_requests()):
+            return 0.0
+        return time.monotonic() - self.last_step_time
+
     # ---- the engine thread -------------------------------------------------------------------
 
     def _resolve(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -156,6 +176,13 @@ class AsyncEngine:
             self._fail_all(self.error or EngineDead("engine stopped"))
 
     def _step(self) -> None:
+        if self._fault is not None and self.step_count >= self._fault[1]:
+            if self._fault[0] == "engine_crash_after_steps":
+                raise RuntimeError(f"injected fault: engine crash after {self.step_count} steps")
+            logger.error("injected fault: engine stalls after %d steps", self.step_count)
+            while not self._stopping:  # a hung kernel, say: no progress, no error
+                time.sleep(0.1)
+            return
         outputs = self.core.step()
         self.step_count += 1
         self.last_step_time = time.monotonic()

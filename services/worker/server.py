@@ -26,6 +26,7 @@ from services.kv_transfer.producer import KvTransferService
 from services.kv_transfer.transfer import TransferTable
 from services.metrics import Metrics
 from services.registry import Heartbeat, WorkerRecord, make_registry
+from services.security import Security
 from services.worker.async_engine import AsyncEngine
 from services.worker.identity import compat_hash, geometry, new_identity
 from services.worker.service import WorkerService, WorkerSettings
@@ -50,6 +51,13 @@ class WorkerServerConfig:
     heartbeat_ttl_s: float = 10.0
     grace_s: float = 30.0
     """How long in-flight requests may run after SIGTERM."""
+    security: Security = Security()
+    """Internal token / mutual TLS required of callers and presented to peers."""
+    stall_timeout_s: float = 60.0
+    """Liveness fails (and the process exits non-zero) when work is pending and the engine has not
+    finished a step for this long."""
+    fault: str | None = None
+    """Fault injection for the reliability tests (PDSERVE_FAULT)."""
 
 
 async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner:
@@ -67,18 +75,18 @@ async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner
 async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     settings = cfg.settings
     metrics = Metrics(settings.role)
-    server = new_server()
-    port = bind(server, cfg.host, cfg.port)
+    server = new_server(cfg.security)
+    port = bind(server, cfg.host, cfg.port, cfg.security)
     endpoint = f"{cfg.host}:{port}"
     identity = new_identity(endpoint, settings.dp_rank)
-    engine = AsyncEngine(lambda: EngineCore(cfg.engine))
+    engine = AsyncEngine(lambda: EngineCore(cfg.engine), fault=cfg.fault)
     service: WorkerService | None = None
 
     def free_transfer(request_id: str) -> None:
         service.background(engine.call(lambda core: core.release_export(request_id)))
 
     table = TransferTable(free_transfer)
-    service = WorkerService(settings, engine, table, identity, metrics)
+    service = WorkerService(settings, engine, table, identity, metrics, cfg.security)
     kv_service = KvTransferService(table, identity, metrics)
     wgrpc.add_WorkerServicer_to_server(service, server)
     kv_grpc.add_KvTransferServicer_to_server(kv_service, server)
@@ -155,7 +163,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
                 logger.info("%d KV transfer lease(s) expired", n)
 
     sweeper = asyncio.ensure_future(sweep_leases())
-    engine_died = asyncio.ensure_future(_watch_engine(engine))
+    engine_died = asyncio.ensure_future(_watch_engine(engine, cfg.stall_timeout_s))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([stopped, engine_died], return_when=asyncio.FIRST_COMPLETED)
     code = 0 if stop.is_set() else 1
@@ -163,6 +171,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     # Drain: refuse new work, let in-flight streams finish, then stop.
     service.draining = True
     await set_health(health, live=code == 0, ready=False)
+    if code:
+        await asyncio.sleep(1.0)  # let probes see liveness NOT_SERVING before the process goes
     if heartbeat is not None:
         await heartbeat.stop(deregister=True)
     if registry is not None:
@@ -182,9 +192,14 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     return code
 
 
-async def _watch_engine(engine: AsyncEngine) -> None:
+async def _watch_engine(engine: AsyncEngine, stall_timeout_s: float) -> None:
+    """Returns when the engine thread died or stalled with work pending (liveness then fails)."""
     while engine.alive:
-        await asyncio.sleep(0.5)
+        stalled = engine.stalled_for()
+        if stalled > stall_timeout_s:
+            logger.error("engine made no progress for %.1f s with work pending; giving up", stalled)
+            return
+        await asyncio.sleep(min(0.5, stall_timeout_s / 4))
     logger.error("engine thread stopped: %s", engine.error)
 
 

@@ -26,6 +26,7 @@ from services.kv_transfer import consumer
 from services.kv_transfer.transfer import TransferTable
 from services.kv_transfer.wire import DTYPES, MAX_CHUNK_BYTES, Geometry
 from services.metrics import Metrics
+from services.security import Security
 from services.worker.async_engine import AsyncEngine, EngineDead
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,15 @@ class WorkerSettings:
 class PeerStubs:
     """One channel per producer endpoint, reused across transfers."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security | None = None) -> None:
+        self.security = security
         self._stubs: dict[str, kv_grpc.KvTransferStub] = {}
         self._channels = []
 
     def kv(self, endpoint: str) -> kv_grpc.KvTransferStub:
         stub = self._stubs.get(endpoint)
         if stub is None:
-            ch = channel(endpoint)
+            ch = channel(endpoint, self.security)
             self._channels.append(ch)
             stub = self._stubs[endpoint] = kv_grpc.KvTransferStub(ch)
         return stub
@@ -78,13 +80,14 @@ class WorkerService(wgrpc.WorkerServicer):
         table: TransferTable,
         identity: kv_pb.KvProducer,
         metrics: Metrics,
+        security: Security | None = None,
     ):
         self.settings = settings
         self.engine = engine
         self.table = table
         self.identity = identity
         self.metrics = metrics
-        self.peers = PeerStubs()
+        self.peers = PeerStubs(security)
         self.draining = False
         self.geo: Geometry | None = None
         self.compat_hash = ""
