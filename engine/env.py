@@ -33,3 +33,8 @@ def fault() -> str | None:
     """PDSERVE_FAULT: fault injection for the reliability tests, e.g. "engine_crash_after_steps=3"
     or "engine_stall_after_steps=3" (see services/worker/async_engine.py). Unset in production."""
     return os.environ.get("PDSERVE_FAULT") or None
+
+
+def log_level() -> str:
+    """PDSERVE_LOG_LEVEL: log level of the processes a stack launcher starts (default INFO)."""
+    return os.environ.get("PDSERVE_LOG_LEVEL", "INFO")

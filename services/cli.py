@@ -179,9 +179,18 @@ def cmd_router(args: argparse.Namespace) -> int:
         colocate_max_tokens=args.colocate_max_tokens,
         colocate_cached_fraction=args.colocate_cached_fraction,
     )
+    settings = RouterSettings(
+        model_name=args.served_model_name or model_name(args.model),
+        routing=routing,
+        max_in_flight=args.max_in_flight,
+        max_queued=args.max_queued,
+        queue_timeout_s=args.queue_timeout_s,
+        max_attempts=args.max_attempts,
+    )
     cfg = RouterServerConfig(
         model=args.model,
-        settings=RouterSettings(model_name=args.served_model_name or model_name(args.model), routing=routing),
+        settings=settings,
+        probe_interval_s=args.probe_interval_s,
         host=args.host,
         grpc_port=args.grpc_port,
         http_port=None if args.no_http else args.http_port,
@@ -284,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest KV chunk pulled (default: 4 MiB less headroom)",
     )
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
-    p.add_argument("--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step")
+    p.add_argument(
+        "--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step"
+    )
     _add_flags(p, ENGINE_FLAGS)
     _add_tls_flags(p)
     p.set_defaults(func=cmd_worker)
@@ -300,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", default=None, help="static worker endpoints host:port,... (no Redis)")
     p.add_argument("--colocate-max-tokens", type=int, default=32, help="shorter prompts run colocated")
     p.add_argument("--colocate-cached-fraction", type=float, default=0.8)
+    p.add_argument("--max-in-flight", type=int, default=256, help="requests routed at once")
+    p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond those (then 429)")
+    p.add_argument("--queue-timeout-s", type=float, default=60.0)
+    p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")
+    p.add_argument(
+        "--probe-interval-s", type=float, default=0.5, help="how often workers' load and health are read"
+    )
     _add_tls_flags(p)
     p.set_defaults(func=cmd_router)
 

@@ -124,6 +124,10 @@ def channel(endpoint: str, security: Security | None = None) -> grpc.aio.Channel
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        # A restarted peer is back within seconds: do not let reconnect backoff grow to minutes.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     interceptors = client_interceptors(security)
     creds = security.channel_credentials() if security is not None else None

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine import env as env_vars
+
 logger = logging.getLogger(__name__)
 
 
@@ -78,6 +80,8 @@ class StackConfig:
     """Extra flags per role."""
     router_args: list[str] = field(default_factory=list)
     registry: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every process (PDSERVE_INTERNAL_TOKEN, say)."""
     log_dir: str | None = None
     """Write each process's output to <log_dir>/<name>.log (else inherit the terminal)."""
     threads_per_worker: int | None = None
@@ -111,14 +115,8 @@ class Stack:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             log_path = Path(self.cfg.log_dir) / f"{name}.log"
             out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        cmd = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "--log-level",
-            os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-            *args,
-        ]
+        cmd = [sys.executable, "-m", "services.cli", "--log-level", env_vars.log_level(), *args]
+        env = {**(env or os.environ), **self.cfg.env}
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
         proc = Proc(name, endpoint, popen, log_path)
         self.procs.append(proc)

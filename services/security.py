@@ -100,7 +100,7 @@ def _refusing(handler, code: grpc.StatusCode, message: str):
     )
 
 
-class _TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _TokenMetadata:
     def __init__(self, token: str):
         self._pair = ("authorization", f"Bearer {token}")
 
@@ -110,15 +110,22 @@ class _TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Una
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# grpc.aio files an interceptor under the first call kind it implements, so one class per kind.
+class _UnaryTokenInterceptor(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
+
+class _StreamTokenInterceptor(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
 
 def client_interceptors(security: Security | None) -> list:
-    return [_TokenClientInterceptor(security.token)] if security is not None and security.token else []
+    if security is None or not security.token:
+        return []
+    return [_UnaryTokenInterceptor(security.token), _StreamTokenInterceptor(security.token)]
 
 
 def server_interceptors(security: Security | None) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import grpc
@@ -30,12 +31,46 @@ def inference(stack: Stack) -> pb_grpc.InferenceStub:
     return pb_grpc.InferenceStub(grpc.insecure_channel(stack.grpc_endpoint))
 
 
-def worker(endpoint: str) -> wgrpc.WorkerStub:
-    return wgrpc.WorkerStub(grpc.insecure_channel(endpoint))
+def worker(endpoint: str, token: str | None = None) -> wgrpc.WorkerStub:
+    """A Worker stub; with a token, every call carries it (as the router's do)."""
+    ch = grpc.insecure_channel(endpoint)
+    if token:
+        ch = grpc.intercept_channel(ch, _TokenInterceptor(token))
+    return wgrpc.WorkerStub(ch)
 
 
-def load(endpoint: str) -> wpb.Load:
-    return worker(endpoint).GetLoad(wpb.GetLoadRequest(), timeout=5)
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.pair = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return _Details(
+            d.method,
+            d.timeout,
+            [*(d.metadata or ()), self.pair],
+            d.credentials,
+            d.wait_for_ready,
+            d.compression,
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+def load(endpoint: str, token: str | None = None) -> wpb.Load:
+    return worker(endpoint, token).GetLoad(wpb.GetLoadRequest(), timeout=5)
 
 
 def generate(stub: pb_grpc.InferenceStub, **kw) -> tuple[list[int], list[pb.GenerateResponse]]:

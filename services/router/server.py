@@ -41,13 +41,17 @@ class RouterServerConfig:
     workers: list[str] = field(default_factory=list)
     """Static worker endpoints (host:port) when there is no registry."""
     grace_s: float = 30.0
+    probe_interval_s: float = 0.5
+    """How often the router reads every worker's load and health."""
     security: Security = Security()
     """Internal token / client certificate presented to the workers."""
 
 
 async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     metrics = Metrics("router")
-    pool = WorkerPool(make_registry(cfg.registry, cfg.workers), security=cfg.security)
+    pool = WorkerPool(
+        make_registry(cfg.registry, cfg.workers), probe_s=cfg.probe_interval_s, security=cfg.security
+    )
     core = RouterCore(cfg.settings, Tokenizer(Path(cfg.model)), pool, metrics)
     metrics.gauge(
         "pdserve_num_requests_running",

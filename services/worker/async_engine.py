@@ -34,7 +34,7 @@ FAULTS = ("engine_crash_after_steps", "engine_stall_after_steps")
 
 
 def parse_fault(spec: str | None) -> tuple[str, int] | None:
-    """"engine_crash_after_steps=N" -> ("engine_crash_after_steps", N); for the reliability tests."""
+    """ "engine_crash_after_steps=N" -> ("engine_crash_after_steps", N); for the reliability tests."""
     if not spec:
         return None
     name, _, value = spec.partition("=")

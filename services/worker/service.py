@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from engine.kv_cache.hashing import hash_blocks
@@ -66,6 +67,11 @@ class PeerStubs:
             self._channels.append(ch)
             stub = self._stubs[endpoint] = kv_grpc.KvTransferStub(ch)
         return stub
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the channel to a peer that failed (it may have restarted: the next call reconnects
+        at once instead of waiting out the old channel's backoff)."""
+        self._stubs.pop(endpoint, None)
 
     async def close(self) -> None:
         for ch in self._channels:
@@ -339,8 +345,9 @@ class WorkerService(wgrpc.WorkerServicer):
 
         first_block, block_ids = await self.engine.call(allocate, retry_until_set=True)
         start = time.monotonic()
-        try:
-            received = await consumer.pull(
+
+        async def pull() -> int:
+            return await consumer.pull(
                 self.peers.kv(handle.producer.endpoint),
                 handle,
                 geo,
@@ -350,6 +357,15 @@ class WorkerService(wgrpc.WorkerServicer):
                 self.settings.kv_chunk_bytes,
                 timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S,
             )
+
+        try:
+            try:
+                received = await pull()
+            except ServiceError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.peers.forget(handle.producer.endpoint)  # one more try on a fresh connection
+                received = await pull()
         except ServiceError as e:
             self.metrics.labels(self.metrics.kv_transfer_failures, e.code.name).inc()
             if request.kv_failure_policy != pb.KV_FAILURE_POLICY_RECOMPUTE:

@@ -1,0 +1,346 @@
+"""Faults and overload against a real stack (a prefill and two decode workers behind a router,
+internal RPCs token-protected): admission control, worker death on either side, retries,
+engine crash and stall, graceful drain. After every test, every live worker's blocks are all free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine import LLM, SamplingParams
+from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.launcher import free_port, wait_ready
+from tests.service_testing import (
+    ENGINE_ARGS,
+    generate,
+    inference,
+    load,
+    metric,
+    start_stack,
+    wait_until,
+    worker,
+)
+
+TOKEN = "reliability-test-token"
+MAX_IN_FLIGHT = 4
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    st = start_stack(
+        tiny_model,
+        tmp_path_factory.mktemp("reliability"),
+        num_prefill=1,
+        num_decode=2,
+        env={"PDSERVE_INTERNAL_TOKEN": TOKEN},
+        engine_args=[*ENGINE_ARGS, "--lease-s", "2", "--grace-s", "5"],
+        router_args=[
+            "--colocate-max-tokens",
+            "0",
+            "--max-in-flight",
+            str(MAX_IN_FLIGHT),
+            "--max-queued",
+            "0",
+            "--probe-interval-s",
+            "2",
+        ],
+    )
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model) -> LLM:
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+
+
+def _live_workers(stack):
+    return [p for p in stack.workers() if p.popen.poll() is None]
+
+
+def _idle(endpoint: str) -> bool:
+    load_ = load(endpoint, TOKEN)
+    return load_.num_free_blocks == load_.num_total_blocks and load_.num_pinned_transfers == 0
+
+
+@pytest.fixture(autouse=True)
+def blocks_return_to_baseline(stack):
+    yield
+    for proc in _live_workers(stack):
+        assert wait_until(lambda p=proc: _idle(p.endpoint), 5.0), (proc.name, load(proc.endpoint, TOKEN))
+
+
+def _restart(stack, proc):
+    """Start a killed worker again on its endpoint and wait until the router routes to it."""
+    port = int(proc.endpoint.rsplit(":", 1)[1])
+    role, index = proc.name.split("-")
+    stack.procs.remove(proc)
+    new = stack.start_worker(role, int(index), port=port)
+    wait_ready(new.endpoint, 60, new.popen)
+    stack.wait_routable(time.monotonic() + 30)
+    return new
+
+
+# ---- overload -----------------------------------------------------------------------------------
+
+
+def test_overload_refuses_fast_over_grpc_and_the_admitted_complete(stack, offline):
+    stub = inference(stack)
+    prompt = [3 + (i * 5) % 3000 for i in range(24)]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = offline.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    )[0]
+
+    def one(_):
+        start = time.monotonic()
+        call = stub.Generate(
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling), timeout=60
+        )
+        try:
+            tokens = [t for m in call for t in m.token_ids]
+            return "ok", tokens, time.monotonic() - start, None
+        except grpc.RpcError as e:
+            hint = dict(e.trailing_metadata() or ()).get("retry-after-ms")
+            return e.code(), None, time.monotonic() - start, hint
+
+    with futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one, range(20)))
+    refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    done = [r for r in results if r[0] == "ok"]
+    assert len(done) == MAX_IN_FLIGHT and len(refused) == 20 - MAX_IN_FLIGHT, [r[0] for r in results]
+    assert all(r[1] == ref.token_ids for r in done)
+    assert all(r[2] < 1.0 and int(r[3]) > 0 for r in refused)  # refused at once, with a retry hint
+
+
+def test_overload_is_429_with_retry_after_over_http(stack):
+    body = json.dumps(
+        {"model": "pdserve-tiny", "prompt": "hello " * 10, "max_tokens": 40, "ignore_eos": True}
+    ).encode()
+
+    def one(_):
+        req = urllib.request.Request(
+            stack.http_url + "/v1/completions", body, {"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.load(r), None
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e), e.headers.get("Retry-After")
+
+    with futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    statuses = sorted(r[0] for r in results)
+    assert statuses == [200] * MAX_IN_FLIGHT + [429] * (12 - MAX_IN_FLIGHT)
+    for status, payload, retry_after in results:
+        if status == 429:
+            assert payload["error"]["code"] == "resource_exhausted" and int(retry_after) >= 1
+        else:
+            assert payload["usage"]["completion_tokens"] == 40
+
+
+# ---- worker death ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_worker_death_before_the_pull(stack, offline, policy):
+    """The decode side frees its blocks and fails (UNAVAILABLE) or recomputes the prompt."""
+    prefill = stack.workers("prefill")[0]
+    decode = stack.workers("decode")[0]
+    prompt = [7 + (i * 3) % 3000 for i in range(40)]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=6)
+    first = worker(prefill.endpoint, TOKEN).Prefill(
+        wpb.PrefillRequest(request_id=f"pd-{policy}", prompt_token_ids=prompt, sampling=sampling), timeout=30
+    )
+    stack.kill(prefill)
+    policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
+    request = wpb.DecodeRequest(
+        request_id=f"pd-{policy}",
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        output_token_ids=first.output.token_ids,
+        kv_handle=first.kv_handle,
+        kv_failure_policy=policy_pb,
+    )
+    try:
+        stream = worker(decode.endpoint, TOKEN).Decode(request, timeout=30)
+        if policy == "fail":
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        else:
+            tokens = list(first.output.token_ids) + [t for m in stream for t in m.token_ids]
+            ref = offline.generate(
+                prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+            )[0]
+            assert tokens == ref.token_ids
+    finally:
+        _restart(stack, prefill)
+
+
+def test_decode_worker_killed_mid_stream(stack):
+    """The client stream ends within 5 s with UNAVAILABLE, the router marks the worker unhealthy
+    and routes around it, the prefill side holds nothing."""
+    stub = inference(stack)
+    prompt = [11 + (i * 9) % 3000 for i in range(40)]
+    call = stub.Generate(
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),
+            mode=pb.SERVING_MODE_DISAGGREGATED,
+        ),
+        timeout=120,
+    )
+    it = iter(call)
+    seen = 0
+    while seen < 3:
+        seen += len(next(it).token_ids)
+    victim = next(p for p in stack.workers("decode") if load(p.endpoint, TOKEN).num_running > 0)
+    stack.kill(victim)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in it:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert [w.healthy for w in info.workers if w.endpoint == victim.endpoint] == [False]
+    tokens, msgs = generate(
+        stub,
+        text="after the crash",
+        sampling=pb.SamplingParams(temperature=0, max_tokens=5),
+        mode=pb.SERVING_MODE_DISAGGREGATED,
+    )
+    assert len(tokens) == 5
+    _restart(stack, victim)
+
+
+def test_unavailable_before_the_first_token_is_retried_on_another_worker(stack, offline):
+    """With both decode workers idle the router picks the first by endpoint; kill it and the next
+    colocated request fails there (UNAVAILABLE, nothing sent yet) and completes on the other."""
+    stub = inference(stack)
+    first = min(stack.workers("decode"), key=lambda p: p.endpoint)
+    metrics_text = lambda: urllib.request.urlopen(stack.http_url + "/metrics").read().decode()
+    retries_before = metric(metrics_text(), "pdserve_request_retries_total")
+    stack.kill(first)
+    prompt = [13 + (i * 11) % 3000 for i in range(20)]
+    tokens, _ = generate(
+        stub,
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=5),
+        mode=pb.SERVING_MODE_COLOCATED,
+    )
+    ref = offline.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=5)
+    )[0]
+    assert tokens == ref.token_ids
+    assert metric(metrics_text(), "pdserve_request_retries_total") == retries_before + 1
+    _restart(stack, first)
+
+
+# ---- the engine thread dying or stalling, drain --------------------------------------------------------
+
+
+def _standalone(tiny_model, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "worker",
+        "--role",
+        "colocated",
+        "--model",
+        tiny_model,
+        "--port",
+        str(port),
+    ]
+    cmd += [*ENGINE_ARGS, "--num-threads", "1", *extra]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    endpoint = f"127.0.0.1:{port}"
+    wait_ready(endpoint, 60, proc)
+    return proc, endpoint
+
+
+def _liveness(endpoint: str):
+    try:
+        with grpc.insecure_channel(endpoint) as ch:
+            request = health_pb2.HealthCheckRequest(service="liveness")
+            return health_pb2_grpc.HealthStub(ch).Check(request, timeout=1).status
+    except grpc.RpcError:
+        return None  # gone
+
+
+@pytest.mark.parametrize("fault", ["engine_crash_after_steps=3", "engine_stall_after_steps=3"])
+def test_engine_crash_or_stall_fails_liveness_and_exits_nonzero(tiny_model, fault):
+    """The request in flight ends with an error status, liveness turns NOT_SERVING (while the
+    process still answers), and the process exits non-zero."""
+    proc, endpoint = _standalone(tiny_model, "--stall-timeout-s", "1", env={"PDSERVE_FAULT": fault})
+    try:
+        assert _liveness(endpoint) == health_pb2.HealthCheckResponse.SERVING
+        sampling = pb.SamplingParams(max_tokens=50, ignore_eos=True)
+        request = wpb.DecodeRequest(
+            request_id="doomed", prompt_token_ids=list(range(5, 25)), sampling=sampling
+        )
+        with futures.ThreadPoolExecutor(1) as pool:
+            outcome = pool.submit(lambda: list(worker(endpoint).Decode(request, timeout=30)))
+            seen = wait_until(
+                lambda: _liveness(endpoint) == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, 0.02
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                outcome.result(timeout=30)
+        assert seen
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tiny_model, offline):
+    proc, endpoint = _standalone(tiny_model, "--grace-s", "30")
+    stub = worker(endpoint)
+    prompt = list(range(40, 60))
+    sampling = pb.SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    call = stub.Decode(
+        wpb.DecodeRequest(request_id="in-flight", prompt_token_ids=prompt, sampling=sampling), timeout=60
+    )
+    it = iter(call)
+    tokens = list(next(it).token_ids)
+    proc.send_signal(signal.SIGTERM)
+    with grpc.insecure_channel(endpoint) as ch:
+        ready = lambda: (
+            health_pb2_grpc.HealthStub(ch)
+            .Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+            .status
+        )
+        assert wait_until(lambda: ready() == health_pb2.HealthCheckResponse.NOT_SERVING, 2.0)
+    with pytest.raises(grpc.RpcError) as err:
+        list(
+            stub.Decode(
+                wpb.DecodeRequest(request_id="late", prompt_token_ids=prompt, sampling=sampling), timeout=10
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+    tokens += [t for m in it for t in m.token_ids]
+    ref = offline.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=0, max_tokens=120, ignore_eos=True),
+    )[0]
+    assert tokens == ref.token_ids  # the in-flight stream finished in full
+    assert proc.wait(timeout=30) == 0
