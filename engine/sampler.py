@@ -1,6 +1,6 @@
 """Turn one step's logits into one token per running request.
 
-Order per row (vLLM's): min_tokens mask -> repetition penalty -> frequency/presence penalties
+Order per row (vLLM's): min_tokens mask -> logit_bias -> repetition penalty -> frequency/presence penalties
 -> temperature (0: greedy argmax of the penalised logits) -> min_p -> top_k -> top_p -> sample.
 Logprobs are those of the raw model distribution (log_softmax before any of the above), which
 is vLLM's default ("raw_logprobs").
@@ -73,7 +73,8 @@ class Sampler:
         masks = self._min_tokens_masks(rows)
         uses_penalties = any(_has_penalties(p) for p in params)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not masks and not uses_penalties and not wants_logprobs and all(p.greedy for p in params):
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if not masks and not biased and not uses_penalties and not wants_logprobs and all(p.greedy for p in params):
             # The common greedy-decode step: one argmax, nothing else built.
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
 
@@ -85,6 +86,8 @@ class Sampler:
         if masks:
             mask_rows, mask_tokens = zip(*masks, strict=True)
             logits[list(mask_rows), list(mask_tokens)] = float("-inf")
+        if biased:
+            _apply_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
         if uses_penalties:
             _apply_penalties(logits, rows)
 
@@ -120,6 +123,14 @@ class Sampler:
                 stops.update(self.eos_token_ids)
             masks.extend((i, t) for t in sorted(stops) if 0 <= t < self.vocab_size)
         return masks
+
+
+def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, float]]]) -> None:
+    """In place on logits [B, V]: add each row's bias to its listed tokens (one scatter for all)."""
+    rows = [i for i, bias in biases for _ in bias]
+    cols = [tok for _, bias in biases for tok in bias]
+    values = torch.tensor([v for _, bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device)
+    logits[rows, cols] += values
 
 
 def _has_penalties(p: SamplingParams) -> bool:

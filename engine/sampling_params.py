@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy: dividing logits by ~1e-30 overflows to inf and nan (vLLM's eps)."""
 SEED_RANGE = (-(2**63), 2**64)
@@ -59,12 +60,17 @@ class SamplingParams:
     """Return, per prompt position after the first, the prompt token's logprob and the top-N alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +121,12 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"stop_token_ids entries must be integers >= 0, got {tok!r}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not _is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"logit_bias key {tok!r} must be a token id in {limit}")
+            if not _is_number(bias) or math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{tok}] must be a number in [-100, 100], got {bias!r}")
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if tok >= vocab_size:

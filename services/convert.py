@@ -46,7 +46,11 @@ KV_FAILURE_POLICY_TO_PROTO = {v: k for k, v in KV_FAILURE_POLICIES.items()}
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
     return SamplingParams(
-        **kwargs, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos
+        **kwargs,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias) or None,
     )
 
 
@@ -58,6 +62,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.logit_bias:
+        msg.logit_bias.update(params.logit_bias)
     return msg
 
 

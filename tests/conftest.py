@@ -19,3 +19,15 @@ def tiny_model(tmp_path_factory) -> str:
     from engine.make_model import make_model
 
     return str(make_model("tiny", tmp_path_factory.mktemp("models") / "pdserve-tiny"))
+
+
+@pytest.fixture(scope="session")
+def serving_stack(tiny_model, tmp_path_factory):
+    """One disaggregated stack (router, a prefill and a decode worker as processes) shared by the
+    service tests that leave it as they found it. Disaggregation is never skipped for short prompts."""
+    from tests.service_testing import start_stack
+
+    st = start_stack(tiny_model, tmp_path_factory.mktemp("stack"), router_args=["--colocate-max-tokens", "0"])
+    yield st
+    codes = st.stop()
+    assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"

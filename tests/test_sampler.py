@@ -440,3 +440,30 @@ def test_prompt_logprobs_rejects_mismatched_shapes():
 
 def test_empty_batch():
     assert sample(torch.zeros(0, 5), []) == SamplerOutput(token_ids=[], logprobs=[])
+
+
+# --- logit_bias -----------------------------------------------------------------------------------
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows_but_not_logprobs():
+    logits = random_logits(3, 50, seed=4)
+    top = logits.argmax(dim=-1).tolist()
+    rows = [
+        row(temperature=0.0, logit_bias={17: 100.0}, logprobs=1),  # forced
+        row(temperature=0.0, logit_bias={top[1]: -100.0}),  # the argmax is pushed away
+        row(temperature=0.7, seed=3, logit_bias={23: 100.0}),  # sampling follows the bias too
+    ]
+    out = sample(logits, rows)
+    assert out.token_ids[0] == 17 and out.token_ids[2] == 23
+    second = logits[1].clone()
+    second[top[1]] -= 100.0
+    assert out.token_ids[1] == int(second.argmax())
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs[0][17] == pytest.approx(float(raw[17]), abs=1e-5)  # raw model logprobs
+
+
+def test_logit_bias_of_one_row_leaves_the_others_alone():
+    logits = random_logits(4, 30, seed=5)
+    plain = sample(logits, [row(temperature=0.0) for _ in range(4)]).token_ids
+    mixed = sample(logits, [row(temperature=0.0, logit_bias={0: 100.0})] + [row(temperature=0.0) for _ in range(3)])
+    assert mixed.token_ids[0] == 0 and mixed.token_ids[1:] == plain[1:]

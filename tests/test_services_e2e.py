@@ -27,7 +27,7 @@ from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from services.launcher import free_port
-from tests.service_testing import generate, inference, load, metric, start_stack, wait_until, worker
+from tests.service_testing import generate, inference, load, metric, wait_until, worker
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -41,11 +41,8 @@ MODES = {"disaggregated": pb.SERVING_MODE_DISAGGREGATED, "colocated": pb.SERVING
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
-    st = start_stack(tiny_model, tmp_path_factory.mktemp("stack"), router_args=["--colocate-max-tokens", "0"])
-    yield st
-    codes = st.stop()
-    assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"
+def stack(serving_stack):
+    return serving_stack
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,11 @@ BAD_PARAMS = [
     pytest.param(dict(presence_penalty=3.0), "presence_penalty", id="presence_penalty-above-2"),
     pytest.param(dict(frequency_penalty=-2.5), "frequency_penalty", id="frequency_penalty-below-minus-2"),
     pytest.param(dict(stop_token_ids=[10**6]), "stop_token_ids", id="stop_token_id-outside-vocab"),
+    pytest.param(dict(logit_bias={10**6: 1.0}), "logit_bias", id="logit_bias-key-outside-vocab"),
+    pytest.param(dict(logit_bias={-1: 1.0}), "logit_bias", id="logit_bias-key-negative"),
+    pytest.param(dict(logit_bias={"7": 1.0}), "logit_bias", id="logit_bias-key-not-an-int"),
+    pytest.param(dict(logit_bias={7: 101.0}), "logit_bias", id="logit_bias-value-above-100"),
+    pytest.param(dict(logit_bias={7: math.nan}), "logit_bias", id="logit_bias-value-nan"),
 ]
 
 

@@ -3,7 +3,7 @@
 Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
 types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
 lenient about fields it does not know, as OpenAI's API is. Fields that would silently change the
-meaning of a request if ignored (`echo`, `suffix`, `best_of`, `logit_bias`, `tools`, a non-text
+meaning of a request if ignored (`echo`, `suffix`, `best_of`, `tools`, a non-text
 `response_format`) are rejected instead.
 """
 
@@ -20,16 +20,19 @@ import jinja2
 
 from engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from engine.tokenizer import Tokenizer
-from services.router.api import Frontend, GenerateInput, KvFailurePolicy, ServingMode
+from services.router.api import (
+    MAX_STOP,
+    MAX_TEMPERATURE,
+    Frontend,
+    GenerateInput,
+    KvFailurePolicy,
+    ServingMode,
+)
 
 MAX_N = 16
 """Most samples per prompt (`n`)."""
 MAX_PROMPTS = 64
 """Most prompts in one batched /v1/completions request."""
-MAX_STOP = 16
-"""Most stop strings per request."""
-MAX_TEMPERATURE = 2.0
-"""Highest temperature accepted (OpenAI's limit)."""
 DEFAULT_MAX_TOKENS = 16
 """/v1/completions' max_tokens when none is given (OpenAI's default). Chat defaults to the rest of
 the context window instead."""
@@ -87,6 +90,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _show(value: object) -> str:
@@ -166,12 +173,34 @@ def _token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token id (as a string key) -> bias in [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ApiError("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    bias = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias key {_show(key)} is not a token id", "logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise ApiError(f"logit_bias key {tok} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise ApiError(
+                f"logit_bias[{key}] must be a number in [-100, 100], got {_show(value)}", "logit_bias"
+            )
+        bias[tok] = float(value)
+    return bias or None
+
+
 def _reject_unsupported(body: dict) -> None:
     unsupported = {
         "echo": body.get("echo") not in (None, False),
         "suffix": body.get("suffix") not in (None, ""),
         "best_of": body.get("best_of") not in (None, 1),
-        "logit_bias": bool(body.get("logit_bias")),
         "tools": bool(body.get("tools")),
         "response_format": body.get("response_format") not in (None, {"type": "text"}),
     }
@@ -328,6 +357,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int
         logprobs=logprobs,
         prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        logit_bias=_logit_bias(body, vocab_size),
     )
     try:  # the engine's own checks (min_tokens <= max_tokens, ...) as a backstop
         params.validate(vocab_size)

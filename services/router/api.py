@@ -15,6 +15,19 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
+MAX_TEMPERATURE = 2.0
+"""API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
+MAX_STOP = 16
+"""API limit on the number of stop strings per request."""
+
+
+def check_api_limits(params: SamplingParams) -> None:
+    """The public API's limits beyond the engine's own checks; ValueError naming the field."""
+    if params.temperature > MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
+    if len(params.stop) > MAX_STOP:
+        raise ValueError(f"stop has {len(params.stop)} strings, more than the limit of {MAX_STOP}")
+
 
 class ServingMode(enum.Enum):
     AUTO = "auto"

@@ -29,7 +29,7 @@ from services import convert
 from services.errors import ServiceError, Unavailable
 from services.metrics import Metrics
 from services.router.admission import Admission
-from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage
+from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage, check_api_limits
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
 
@@ -95,6 +95,7 @@ class RouterCore(Frontend):
         return self._infos()[0].kv_cache.block_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_api_limits(params)
         infos = self._infos()
         validate_request(
             prompt_token_ids,

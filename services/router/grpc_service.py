@@ -46,6 +46,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         self._check_model(request.model)
         rid = request.request_id or uuid.uuid4().hex
+        if request.WhichOneof("prompt") == "text" and not request.text:
+            raise InvalidArgument("prompt text must not be empty")
         inp = GenerateInput(
             request_id=rid,
             prompt_token_ids=self._encode(request.WhichOneof("prompt"), request),
