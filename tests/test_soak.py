@@ -1,0 +1,176 @@
+"""A bounded soak: a few hundred mixed requests against a stack registered in Redis, with ~10%
+cancelled, some deadlines too short to meet and a decode worker killed and restarted midway.
+Every request must end with its result or a clear status, and blocks, Redis keys, streams,
+threads and file descriptors must come back to their baseline. Prints what was injected and
+what happened."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from engine import LLM, SamplingParams
+from pdserve.v1 import inference_pb2 as pb
+from tests.redis_server import RedisServer
+from tests.service_testing import ENGINE_ARGS, inference, load, start_stack, wait_until
+
+NUM_REQUESTS = 1000
+CLIENTS = 8
+MAX_TOKENS = 16
+ALLOWED = {"ok", "cancelled", "DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+MODES = [pb.SERVING_MODE_AUTO, pb.SERVING_MODE_DISAGGREGATED, pb.SERVING_MODE_COLOCATED]
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+def test_soak_with_cancellations_deadlines_and_a_worker_restart(tiny_model, tmp_path, redis_server, capsys):
+    stack = start_stack(
+        tiny_model,
+        tmp_path,
+        num_prefill=1,
+        num_decode=2,
+        registry=redis_server.url,
+        engine_args=[*ENGINE_ARGS, "--heartbeat-ttl-s", "2", "--lease-s", "3"],
+        router_args=["--colocate-max-tokens", "16", "--max-in-flight", "64"],
+    )
+    try:
+        _soak(stack, tiny_model, redis_server, capsys)
+    finally:
+        stack.stop()
+
+
+def _soak(stack, tiny_model, redis_server, capsys):
+    rng = random.Random(1)
+    prompts = [[3 + (i * 37 + j * 11) % 3000 for j in range(8 + 9 * i)] for i in range(8)]
+    refs = LLM(tiny_model, dtype="float32", num_kv_blocks=256).generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    stub = inference(stack)
+    client = redis.Redis.from_url(redis_server.url)
+
+    def run(i: int, kind: str) -> tuple[str, str]:
+        p = i % len(prompts)
+        n = 1 + (i * 7) % MAX_TOKENS
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompts[p]),
+            sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+            mode=MODES[i % 3],
+        )
+        timeout = 0.02 if kind == "short deadline" else 60
+        call = stub.Generate(request, timeout=timeout)
+        tokens = []
+        try:
+            for msg in call:
+                tokens += msg.token_ids
+                if kind == "cancel" and tokens:
+                    call.cancel()
+                    return kind, "cancelled"
+        except grpc.RpcError as e:
+            return (
+                kind,
+                "cancelled" if e.code() == grpc.StatusCode.CANCELLED and kind == "cancel" else e.code().name,
+            )
+        assert tokens == refs[p].token_ids[:n], f"request {i}: wrong tokens"
+        return kind, "ok"
+
+    # Warm up every path (thread pools, channels) before taking the baseline.
+    with futures.ThreadPoolExecutor(CLIENTS) as pool:
+        assert all(r[1] == "ok" for r in pool.map(lambda i: run(i, "normal"), range(3 * CLIENTS)))
+    time.sleep(1.0)
+    pids = {p.name: p.popen.pid for p in stack.procs}
+    keep = {name: pid for name, pid in pids.items() if name != "decode-1"}  # decode-1 gets restarted
+    base_threads = {name: _threads(pid) for name, pid in keep.items()}
+    base_fds = {name: _fds(pid) for name, pid in keep.items()}
+    base_keys = len(client.keys("pdserve:worker:*"))
+    assert base_keys == 3
+
+    kinds = [
+        "cancel" if rng.random() < 0.1 else "short deadline" if rng.random() < 0.04 else "normal"
+        for _ in range(NUM_REQUESTS)
+    ]
+    victim = stack.workers("decode")[1]
+    injected = collections.Counter(kinds)
+    done = threading.Event()
+
+    def chaos() -> None:
+        nonlocal victim
+        time.sleep(5.0)
+        os.kill(victim.popen.pid, signal.SIGKILL)
+        victim.popen.wait()
+        injected["decode worker killed (kill -9)"] += 1
+        time.sleep(5.0)
+        port = int(victim.endpoint.rsplit(":", 1)[1])
+        stack.procs.remove(victim)
+        victim = stack.start_worker("decode", 1, port=port)
+        injected["decode worker restarted"] += 1
+        done.set()
+
+    chaos_thread = threading.Thread(target=chaos)
+    start = time.monotonic()
+    chaos_thread.start()
+    with futures.ThreadPoolExecutor(CLIENTS) as pool:
+        results = list(pool.map(lambda ik: run(*ik), enumerate(kinds)))
+    chaos_thread.join()
+    elapsed = time.monotonic() - start
+    assert done.is_set()
+
+    outcomes = collections.Counter(results)
+    with capsys.disabled():
+        print(f"\nsoak: {NUM_REQUESTS} requests by {CLIENTS} clients in {elapsed:.1f} s")
+        print("  injected:", ", ".join(f"{k} x{v}" for k, v in sorted(injected.items())))
+        for (kind, outcome), count in sorted(outcomes.items()):
+            print(f"  {kind:<15} -> {outcome:<20} {count:>4}")
+    assert {outcome for _, outcome in results} <= ALLOWED, outcomes
+    assert (
+        outcomes[("normal", "ok")] >= 0.8 * injected["normal"]
+    )  # the kill costs only requests in flight there
+
+    # Everything back to baseline: the restarted worker is routed to again and every block is free.
+    stack.wait_routable(time.monotonic() + 30)
+    for proc in stack.workers():
+        assert wait_until(
+            lambda p=proc: (
+                lambda x: (
+                    x.num_free_blocks == x.num_total_blocks
+                    and x.num_pinned_transfers == 0
+                    and x.num_running == 0
+                )
+            )(load(p.endpoint)),
+            10.0,
+        ), proc.name
+    assert wait_until(lambda: len(client.keys("pdserve:worker:*")) == base_keys, 5.0)
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert len(info.workers) == 3 and all(w.healthy for w in info.workers)
+    time.sleep(1.0)
+    for name, pid in keep.items():
+        assert _threads(pid) <= base_threads[name] + 2, (name, base_threads[name], _threads(pid))
+        assert _fds(pid) <= base_fds[name] + 4, (
+            name,
+            base_fds[name],
+            _fds(pid),
+            sorted(os.listdir(f"/proc/{pid}/fd")),
+        )
+    assert Path(f"/proc/{keep['router']}").exists()
