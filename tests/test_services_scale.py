@@ -140,3 +140,17 @@ def test_redis_restarted_empty_refills_within_a_heartbeat_and_routing_never_stop
     assert wait_until(lambda: len(client.keys("pdserve:worker:*")) == len(everyone), TTL_S / 3 + 1.5)
     assert time.monotonic() - t0 <= TTL_S / 3 + 1.5
     assert wait_until(lambda: _listed(stack) == everyone, 3.0)
+
+
+def test_sigterm_deregisters_at_once_and_exits_zero(stack, redis_server):
+    """Graceful drain: the worker leaves the registry right away (not when its TTL runs out)."""
+    client = redis.Redis.from_url(redis_server.url)
+    victim = stack.workers("decode")[1]
+    key = f"pdserve:worker:{victim.endpoint}"
+    assert client.exists(key)
+    victim.popen.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert wait_until(lambda: not client.exists(key), TTL_S / 2)
+    assert time.monotonic() - t0 < TTL_S / 2
+    assert victim.popen.wait(timeout=30) == 0
+    assert wait_until(lambda: victim.endpoint not in _listed(stack), 3.0)
