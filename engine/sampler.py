@@ -74,7 +74,13 @@ class Sampler:
         uses_penalties = any(_has_penalties(p) for p in params)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        if not masks and not biased and not uses_penalties and not wants_logprobs and all(p.greedy for p in params):
+        if (
+            not masks
+            and not biased
+            and not uses_penalties
+            and not wants_logprobs
+            and all(p.greedy for p in params)
+        ):
             # The common greedy-decode step: one argmax, nothing else built.
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
 
@@ -129,7 +135,9 @@ def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, fl
     """In place on logits [B, V]: add each row's bias to its listed tokens (one scatter for all)."""
     rows = [i for i, bias in biases for _ in bias]
     cols = [tok for _, bias in biases for tok in bias]
-    values = torch.tensor([v for _, bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device)
+    values = torch.tensor(
+        [v for _, bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device
+    )
     logits[rows, cols] += values
 
 

@@ -69,7 +69,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
+            raise ValueError(
+                f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}"
+            )
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
 
     @property

@@ -465,5 +465,7 @@ def test_logit_bias_steers_greedy_and_sampled_rows_but_not_logprobs():
 def test_logit_bias_of_one_row_leaves_the_others_alone():
     logits = random_logits(4, 30, seed=5)
     plain = sample(logits, [row(temperature=0.0) for _ in range(4)]).token_ids
-    mixed = sample(logits, [row(temperature=0.0, logit_bias={0: 100.0})] + [row(temperature=0.0) for _ in range(3)])
+    mixed = sample(
+        logits, [row(temperature=0.0, logit_bias={0: 100.0})] + [row(temperature=0.0) for _ in range(3)]
+    )
     assert mixed.token_ids[0] == 0 and mixed.token_ids[1:] == plain[1:]
