@@ -247,6 +247,24 @@ class EngineConfig:
     """Seed of the generator used by unseeded sampled requests."""
     num_threads: int | None = None
     """CPU threads for torch; None uses the PDSERVE_NUM_THREADS environment variable or the core count."""
+    data_parallel_size: int = 1
+    """Engine ranks (processes), each with its own scheduler, batch and KV cache (DP attention)."""
+    enable_expert_parallel: bool = False
+    """Spread the routed experts over the data-parallel ranks (EP size = DP size, "DEP")."""
+    num_redundant_experts: int = 0
+    """Extra physical expert slots (replicas of hot experts) over the EP group."""
+    expert_placement_file: str | None = None
+    """JSON {"phy2log": [[...] per MoE layer]}: a static expert placement instead of round-robin."""
+    eplb_interval: int = 0
+    """Rebalance the expert placement every this many steps from the observed load (0: never)."""
+    eplb_window: int = 0
+    """Steps of load history a rebalance looks at (0: since the previous rebalance)."""
+    dist_master_addr: str = "127.0.0.1"
+    """Address of rank 0 for torch.distributed."""
+    dist_master_port: int = 0
+    """Port of rank 0 for torch.distributed (0: a free one, single machine only)."""
+    dist_timeout_s: float = 60.0
+    """A collective waiting longer (a rank died or hangs) fails instead of hanging the group."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -259,6 +277,17 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        for name in ("num_redundant_experts", "eplb_interval", "eplb_window"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not self.enable_expert_parallel and (
+            self.num_redundant_experts or self.eplb_interval or self.expert_placement_file
+        ):
+            raise ValueError(
+                "num_redundant_experts, eplb_interval and expert_placement_file need enable_expert_parallel"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

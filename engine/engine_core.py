@@ -24,6 +24,8 @@ from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.hashing import hash_blocks
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
+from engine.parallel.groups import ParallelGroup
+from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams, validate_request
@@ -55,7 +57,9 @@ class ExportedKv:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, group: ParallelGroup | None = None):
+        """group: this rank's DP/EP group (expert parallelism); every rank of it must call step()
+        the same number of times."""
         torch.set_num_threads(cfg.num_threads or env.num_threads() or env.available_cores())
         folder = check_model_folder(cfg.model)
         self.cfg = cfg
@@ -77,9 +81,16 @@ class EngineCore:
         self.num_kv_blocks = cfg.num_kv_blocks or max(
             1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block))
         )
+        self.group = group
+        self.ep = make_expert_parallel(cfg, self.model_cfg, group) if group is not None else None
         self.runner = ModelRunner(
-            self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids
+            self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids, ep=self.ep
         )
+        self.rebalancer = (
+            Rebalancer(self.ep, self.runner.model, cfg) if self.ep is not None and cfg.eplb_interval else None
+        )
+        self.stop_requested = False
+        """Set on every rank of a group when any rank asked to stop (see step)."""
         self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -231,9 +242,19 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stop: bool = False) -> list[RequestOutput]:
+        """One schedule -> execute -> update. In a group, every rank calls it in lockstep: ranks
+        first agree whether any has work (a rank without runs a dummy batch) or asked to stop."""
         sched = self.scheduler.schedule()
-        if sched.empty:
+        if self.group is not None:
+            busy, self.stop_requested = self.group.sync(not sched.empty, stop)
+            if not busy or self.stop_requested:
+                return []
+            if sched.empty:
+                self.runner.execute_dummy()
+                self._after_forward()
+                return []
+        elif sched.empty:
             return []
         try:
             result = self.runner.execute(sched)
@@ -245,6 +266,7 @@ class EngineCore:
             )
             raise
         self.step_count += 1
+        self._after_forward()
         now = time.monotonic()
         outputs = []
         for item in sched.scheduled:
@@ -288,6 +310,21 @@ class EngineCore:
             else:
                 outputs.append(self._output(req, [token], new_text))
         return outputs
+
+    def parallel_stats(self) -> dict:
+        """Expert-parallel state of this rank: placement and EPLB results (empty without EP)."""
+        if self.ep is None:
+            return {}
+        stats = {"rank": self.group.rank, "phy2log": self.ep.placement.phy2log.tolist(), "eplb_rebalances": 0}
+        if self.rebalancer is not None:
+            stats["eplb_rebalances"] = self.rebalancer.num_rebalances
+            stats["balance_ratio"] = self.rebalancer.last_ratio
+            stats["rank_load"] = self.rebalancer.last_rank_load
+        return stats
+
+    def _after_forward(self) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
 
     def _check_stop(self, req: Request, token: int, stop_string: str | None) -> RequestStatus | None:
         params = req.params

@@ -16,7 +16,13 @@ class LLM:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = EngineCore(EngineConfig(model=str(model), **engine_args))
+        cfg = EngineConfig(model=str(model), **engine_args)
+        if cfg.data_parallel_size > 1:
+            from engine.parallel.dp_engine import DPEngineClient
+
+            self.engine = DPEngineClient(cfg)  # rank processes behind the EngineCore interface
+        else:
+            self.engine = EngineCore(cfg)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,8 @@ class Target:
 
     param: str
     region: tuple | None = None
+    rows: tuple[int, ...] | None = None
+    """Take these rows of the checkpoint tensor (its local experts) instead of all of it."""
 
 
 def check_model_folder(path: str | Path) -> Path:
@@ -64,43 +66,74 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
-def expected_tensors(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, Target]:
-    """HF tensor name -> Target, in the per-expert layout of DeepSeek's own checkpoints."""
-    expected: dict[str, Target] = {}
+def expected_tensors(
+    cfg: ModelConfig, params: dict[str, torch.Tensor], expert_map: ExpertMap | None = None
+) -> tuple[dict[str, list[Target]], set[str]]:
+    """HF tensor name -> Targets, in the per-expert layout of DeepSeek's own checkpoints, and the
+    names of routed experts this rank does not hold (expert parallelism: skipped, not errors).
+    A logical expert held in several local slots (redundant replicas) has one Target per slot."""
+    expected: dict[str, list[Target]] = {}
+    not_local: set[str] = set()
+
+    def add(hf_name: str, target: Target) -> None:
+        expected.setdefault(hf_name, []).append(target)
+
     for name, tensor in params.items():
         if name == "lm_head.weight":
-            expected[name] = Target(name)
+            add(name, Target(name))
             continue
         hf = f"model.{name}"
         if name.endswith("gate_up_proj.weight"):  # dense MLP or shared experts
             inter = tensor.shape[0] // 2
             base = hf.removesuffix("gate_up_proj.weight")
-            expected[base + "gate_proj.weight"] = Target(name, (slice(0, inter),))
-            expected[base + "up_proj.weight"] = Target(name, (slice(inter, 2 * inter),))
-        elif name.endswith("experts.w13"):
-            inter = tensor.shape[1] // 2
-            base = hf.removesuffix("w13")
-            for e in range(tensor.shape[0]):
-                expected[f"{base}{e}.gate_proj.weight"] = Target(name, (e, slice(0, inter)))
-                expected[f"{base}{e}.up_proj.weight"] = Target(name, (e, slice(inter, 2 * inter)))
-        elif name.endswith("experts.w2"):
-            base = hf.removesuffix("w2")
-            for e in range(tensor.shape[0]):
-                expected[f"{base}{e}.down_proj.weight"] = Target(name, (e,))
+            add(base + "gate_proj.weight", Target(name, (slice(0, inter),)))
+            add(base + "up_proj.weight", Target(name, (slice(inter, 2 * inter),)))
+        elif name.endswith(("experts.w13", "experts.w2")):
+            w13 = name.endswith("w13")
+            base = hf.removesuffix("w13" if w13 else "w2")
+            slots = _slots(name, tensor.shape[0], cfg, expert_map)
+            for slot, e in enumerate(slots):
+                if w13:
+                    inter = tensor.shape[1] // 2
+                    add(f"{base}{e}.gate_proj.weight", Target(name, (slot, slice(0, inter))))
+                    add(f"{base}{e}.up_proj.weight", Target(name, (slot, slice(inter, 2 * inter))))
+                else:
+                    add(f"{base}{e}.down_proj.weight", Target(name, (slot,)))
+            for e in sorted(set(range(cfg.n_routed_experts or 0)) - set(slots)):
+                if w13:
+                    not_local.update({f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"})
+                else:
+                    not_local.add(f"{base}{e}.down_proj.weight")
         else:
-            expected[hf] = Target(name)
-    return expected
+            add(hf, Target(name))
+    return expected, not_local
+
+
+ExpertMap = Callable[[int], list[int]]
+"""Model layer index -> the logical expert held in each local slot (expert parallelism)."""
+
+
+def _slots(param: str, num_slots: int, cfg: ModelConfig, expert_map: ExpertMap | None) -> list[int]:
+    if expert_map is None:
+        return list(range(num_slots))
+    layer = int(_LAYER.match("model." + param).group(1))
+    slots = expert_map(layer)
+    assert len(slots) == num_slots, (param, len(slots), num_slots)
+    return slots
 
 
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _fused_expert_target(name: str) -> Target | None:
+def _fused_expert_target(name: str, expert_map: ExpertMap | None) -> list[Target] | None:
+    """transformers-5 checkpoints store each layer's experts fused: [E, 2I, H] / [E, H, I]."""
     m = _FUSED_EXPERTS.match(name)
     if m is None:
         return None
-    return Target(f"layers.{m.group(1)}.mlp.experts.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}")
+    param = f"layers.{m.group(1)}.mlp.experts.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+    rows = None if expert_map is None else tuple(expert_map(int(m.group(1))))
+    return [Target(param, rows=rows)]
 
 
 def iter_checkpoint(folder: Path) -> Iterator[tuple[str, Path, object]]:
@@ -110,17 +143,24 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, Path, object]]:
                 yield name, file, f
 
 
-def load_weights(model: torch.nn.Module, cfg: ModelConfig, folder: str | Path) -> None:
+def load_weights(
+    model: torch.nn.Module, cfg: ModelConfig, folder: str | Path, expert_map: ExpertMap | None = None
+) -> None:
+    """Fill the model's parameters from the folder's safetensors; with expert_map (expert
+    parallelism) only this rank's routed experts are read."""
     folder = check_model_folder(folder)
     params = {name: p.data for name, p in model.named_parameters()}
-    expected = expected_tensors(cfg, params)
+    expected, not_local = expected_tensors(cfg, params, expert_map)
     filled: dict[str, int] = {name: 0 for name in params}
     seen: set[str] = set()
     unexpected: list[str] = []
     mtp_skipped = 0
     for name, file, handle in iter_checkpoint(folder):
-        target = expected.get(name) or _fused_expert_target(name)
-        if target is None or target.param not in params:
+        if name in not_local:
+            seen.add(name)
+            continue
+        targets = expected.get(name) or _fused_expert_target(name, expert_map)
+        if targets is None or targets[0].param not in params:
             m = _LAYER.match(name)
             if m and int(m.group(1)) >= cfg.num_hidden_layers:
                 mtp_skipped += 1  # MTP layers follow the main layers; the MTP drafter loads them
@@ -135,17 +175,21 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, folder: str | Path) -
             raise ValueError(
                 f"checkpoint tensor {name!r} has dtype {slc.get_dtype()}; supported: {sorted(_LOADABLE_DTYPES)}"
             )
-        dest = params[target.param]
-        if target.region is not None:
-            dest = dest[target.region]
-        shape = tuple(slc.get_shape())
-        if shape != tuple(dest.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {list(shape)}, expected {list(dest.shape)} "
-                f"(for parameter {target.param})"
-            )
-        dest.copy_(handle.get_tensor(name))
-        filled[target.param] += dest.numel()
+        for target in targets:
+            dest = params[target.param]
+            if target.region is not None:
+                dest = dest[target.region]
+            shape = list(slc.get_shape())
+            if target.rows is not None:
+                shape[0] = len(target.rows)
+            if tuple(shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {list(slc.get_shape())}, expected {list(dest.shape)} "
+                    f"(for parameter {target.param})"
+                )
+            tensor = handle.get_tensor(name)
+            dest.copy_(tensor if target.rows is None else tensor[list(target.rows)])
+            filled[target.param] += dest.numel()
     if unexpected:
         raise ValueError(
             f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(sorted(unexpected)[:10])}"
@@ -155,7 +199,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, folder: str | Path) -
         filled["lm_head.weight"] = params["lm_head.weight"].numel()
         seen.add("lm_head.weight")
     missing = [
-        hf for hf, t in expected.items() if hf not in seen and filled[t.param] < params[t.param].numel()
+        hf
+        for hf, targets in expected.items()
+        if hf not in seen and any(filled[t.param] < params[t.param].numel() for t in targets)
     ]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")

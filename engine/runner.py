@@ -41,7 +41,9 @@ class ModelRunner:
         max_model_len: int,
         num_kv_blocks: int,
         eos_token_ids: tuple[int, ...],
+        ep=None,
     ):
+        """ep: an engine.parallel.ep_moe.ExpertParallel; this rank then loads only its experts."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -49,8 +51,10 @@ class ModelRunner:
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         model_cls = get_model_class(model_cfg.architecture)
         with torch.device(self.device):
-            self.model = model_cls(model_cfg, dtype=self.dtype, max_positions=max_model_len)
-        load_weights(self.model, model_cfg, cfg.model)
+            self.model = model_cls(model_cfg, dtype=self.dtype, max_positions=max_model_len, ep=ep)
+        load_weights(
+            self.model, model_cfg, cfg.model, expert_map=ep.local_experts if ep is not None else None
+        )
         self.model.process_weights()
         self.model.eval()
         # Written in full up front (not lazily zero-mapped) so the kernel can back it with huge
@@ -128,6 +132,23 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )
         return batch, sample_rows, prompt_rows
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """One token through the model, writing no KV and sampling nothing: what an idle rank runs
+        so that the expert-parallel collectives of a step match on every rank."""
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.zeros(1, dtype=torch.long, device=dev),
+            positions=torch.zeros(1, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((1,), -1, dtype=torch.long, device=dev),
+            num_decodes=0,
+            decode_block_table=torch.zeros(0, 0, dtype=torch.int32, device=dev),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            prefills=[PrefillSeq(0, 1, 1, torch.zeros(1, dtype=torch.long))],
+            logits_indices=torch.zeros(0, dtype=torch.long, device=dev),
+        )
+        self.model(batch, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -20,13 +20,13 @@ from kernels.rotary import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype, ep=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = MLAttention(cfg, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = (
-            DeepseekMoE(cfg, dtype=dtype)
+            DeepseekMoE(cfg, dtype=dtype, layer_idx=layer_idx, ep=ep)
             if cfg.is_moe_layer(layer_idx)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         )
@@ -53,12 +53,15 @@ class DecoderLayer(nn.Module):
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None):
+        """ep: an engine.parallel.ep_moe.ExpertParallel when the routed experts are spread over ranks."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype=dtype, ep=ep) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         cos, sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions)

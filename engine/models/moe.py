@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -9,6 +11,9 @@ from engine.config import ModelConfig
 from engine.models.layers import GatedMLP, _param
 from kernels.gate import grouped_topk
 from kernels.moe import fused_moe
+
+if TYPE_CHECKING:
+    from engine.parallel.ep_moe import ExpertParallel
 
 
 class MoEGate(nn.Module):
@@ -31,14 +36,18 @@ class FusedExperts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: torch.dtype, layer_idx: int = 0, ep: ExpertParallel | None = None
+    ):
+        """ep: expert parallelism; this rank then holds only its slots of the routed experts."""
         super().__init__()
         assert cfg.n_routed_experts is not None
         self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.ep = ep
         self.gate = MoEGate(cfg)
-        self.experts = FusedExperts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype
-        )
+        num_local = ep.slots_per_rank if ep is not None else cfg.n_routed_experts
+        self.experts = FusedExperts(num_local, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype)
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype)
             if cfg.n_shared_experts
@@ -64,7 +73,12 @@ class DeepseekMoE(nn.Module):
             cfg.routed_scaling_factor,
             scoring=cfg.scoring_func,
         )
-        out = fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
+        if self.ep is not None:
+            out = self.ep.forward(
+                self.layer_idx, x, topk_weights, topk_ids, self.experts.w13, self.experts.w2
+            )
+        else:
+            out = fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

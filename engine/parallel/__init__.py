@@ -1,0 +1,1 @@
+"""Data-parallel attention and expert parallelism over torch.distributed, and EPLB."""

@@ -1,0 +1,239 @@
+"""The offline face of a DP/EP group: N rank processes, each an EngineCore, behind the same
+interface as one EngineCore (validate / add_request / abort_request / step), so `LLM` drives
+either.
+
+Requests go to the rank with the fewest in flight. Each rank process loops: take commands from
+its pipe, then `core.step()` in lockstep with the other ranks (an idle rank runs a dummy batch
+while another has work), and send its outputs back. Stopping is agreed through the same per-step
+all-reduce, so no rank is left waiting in a collective. A rank that fails reports why and the
+client raises; a rank killed outright makes its peers' next collective fail within the group
+timeout, and the client raises too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import check_model_folder
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, validate_request
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.002
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
+    """Entry point of one rank process."""
+    import torch
+
+    from engine.engine_core import EngineCore
+    from engine.parallel.groups import GroupConfig, ParallelGroup
+
+    core = None
+    try:
+        group = None
+        if cfg.enable_expert_parallel:
+            group = ParallelGroup(
+                GroupConfig(
+                    rank,
+                    cfg.data_parallel_size,
+                    cfg.dist_master_addr,
+                    cfg.dist_master_port,
+                    cfg.dist_timeout_s,
+                ),
+                torch.device(cfg.device),
+            )
+        core = EngineCore(cfg, group=group)
+        conn.send(("ready", {"max_model_len": core.max_model_len, "num_kv_blocks": core.num_kv_blocks}))
+        stop = False
+        while True:
+            timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
+            while conn.poll(timeout):
+                op, *args = conn.recv()
+                if op == "add":
+                    core.add_request(*args)
+                elif op == "abort":
+                    out = core.abort_request(*args)
+                    if out is not None:
+                        conn.send(("out", [out]))
+                elif op == "stop":
+                    stop = True
+                timeout = 0
+            if group is None:
+                if stop:
+                    break
+                outs = core.step()
+                if not core.has_unfinished_requests() and not outs:
+                    time.sleep(_IDLE_POLL_S)
+            else:
+                outs = core.step(stop=stop)
+                if core.stop_requested:
+                    break
+            if outs:
+                conn.send(("out", outs))
+        conn.send(("stopped", core.parallel_stats()))
+    except BaseException as e:  # noqa: BLE001 - reported to the client, then the process exits 1
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+        os._exit(1)
+    finally:
+        if core is not None and core.group is not None:
+            core.group.close()
+
+
+class DPEngineClient:
+    """Drives N rank processes; single-threaded like EngineCore."""
+
+    def __init__(self, cfg: EngineConfig):
+        folder = check_model_folder(cfg.model)
+        if cfg.enable_expert_parallel and cfg.dist_master_port == 0:
+            cfg = dataclasses.replace(cfg, dist_master_port=_free_port())
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_pretrained(folder)
+        self.tokenizer = Tokenizer(folder)
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(cfg.data_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main, args=(rank, cfg, child), name=f"pdserve-dp{rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        infos = [self._expect(rank, "ready") for rank in range(cfg.data_parallel_size)]
+        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self.num_kv_blocks = min(i["num_kv_blocks"] for i in infos)
+        self.requests: dict[str, int] = {}
+        """request_id -> the rank running it."""
+        self._in_flight = [0] * cfg.data_parallel_size
+        self.final_stats: dict[int, dict] = {}
+
+    def _fail(self, rank: int, why: str):
+        self.requests.clear()  # the group is gone: nothing left to abort
+        self.shutdown(force=True)
+        raise RuntimeError(f"data-parallel rank {rank} failed: {why}")
+
+    def _expect(self, rank: int, kind: str):
+        conn = self.conns[rank]
+        while not conn.poll(0.5):
+            if not self.procs[rank].is_alive():
+                self._fail(rank, f"exited with code {self.procs[rank].exitcode}")
+        try:
+            msg_kind, payload = conn.recv()
+        except EOFError:
+            self._fail(rank, "its pipe closed")
+        if msg_kind == "error":
+            self._fail(rank, payload)
+        assert msg_kind == kind, (msg_kind, kind)
+        return payload
+
+    # ---- the EngineCore interface -------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(
+            prompt_token_ids,
+            params,
+            self.model_cfg.vocab_size,
+            self.max_model_len,
+            self.cfg.block_size,
+            self.num_kv_blocks,
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ):
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        rank = min(range(len(self.procs)), key=lambda r: self._in_flight[r])
+        self.conns[rank].send(("add", request_id, list(prompt_token_ids), params, prompt))
+        self.requests[request_id] = rank
+        self._in_flight[rank] += 1
+
+    def abort_request(self, request_id: str) -> None:
+        rank = self.requests.get(request_id)
+        if rank is not None and self.procs[rank].is_alive():
+            self.conns[rank].send(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs from whichever ranks have some (waits until at least one output arrives)."""
+        outputs: list[RequestOutput] = []
+        while not outputs and self.requests:
+            ready = wait(self.conns, timeout=1.0)
+            if not ready:
+                for rank, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        self._fail(rank, f"exited with code {proc.exitcode}")
+                continue
+            for conn in ready:
+                rank = self.conns.index(conn)
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    self._fail(rank, f"its pipe closed (exit code {self.procs[rank].exitcode})")
+                if kind == "error":
+                    self._fail(rank, payload)
+                for out in payload or []:
+                    if out.finished and self.requests.pop(out.request_id, None) is not None:
+                        self._in_flight[rank] -= 1
+                    outputs.append(out)
+        return outputs
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every rank together; `final_stats[rank]` then holds each rank's parallel_stats()."""
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive() and not force:
+                try:
+                    conn.send(("stop",))
+                except OSError:
+                    pass
+        if not force:
+            for rank, conn in enumerate(self.conns):
+                deadline = time.monotonic() + self.cfg.dist_timeout_s
+                while self.procs[rank].is_alive() or conn.poll(0):
+                    if not conn.poll(min(0.5, max(deadline - time.monotonic(), 0))):
+                        if time.monotonic() > deadline:
+                            break
+                        continue
+                    try:
+                        kind, payload = conn.recv()
+                    except EOFError:
+                        break
+                    if kind == "stopped":
+                        self.final_stats[rank] = payload
+                        break
+        for proc in self.procs:
+            proc.join(timeout=0 if force else self.cfg.dist_timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,112 @@
+"""DP attention + expert parallelism with real rank processes joined by gloo: the same tokens as
+one process, ranks that idle while others work, live EPLB, and a rank dying mid-step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.parallel.placement import ExpertPlacement
+
+# Uneven lengths, so one rank runs out of work while the other still decodes.
+PROMPTS = [
+    [5 + (i * 13 + j * 7) % 3000 for j in range(length)] for i, length in enumerate((9, 40, 17, 3, 28, 61))
+]
+MAX_TOKENS = [20, 3, 12, 30, 6, 9]
+ENGINE = dict(dtype="float32", num_kv_blocks=128, num_threads=1)
+
+
+def _params(logprobs: int | None = 3) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=n, logprobs=logprobs, ignore_eos=True) for n in MAX_TOKENS
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return LLM(tiny_model, **ENGINE).generate(prompt_token_ids=PROMPTS, sampling_params=_params())
+
+
+def _assert_same(outs, refs):
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for got, want in zip(out.logprobs, ref.logprobs, strict=True):
+            assert list(got) == list(want)
+            assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_dp2_ep2_matches_one_process(tiny_model, reference):
+    llm = LLM(tiny_model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    try:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params())
+        _assert_same(outs, reference)
+        assert set(llm.engine.requests) == set()
+        # Streaming works too, with the other rank idle (it runs dummy batches to keep step).
+        streamed = list(llm.stream(prompt_token_ids=PROMPTS[1], sampling_params=_params()[1]))
+        assert streamed[-1].finished and streamed[-1].token_ids == reference[1].token_ids
+    finally:
+        llm.engine.shutdown()
+    assert all(p.exitcode == 0 for p in llm.engine.procs)
+
+
+def test_redundant_experts_static_placement_and_live_eplb_keep_the_tokens(tiny_model, reference, tmp_path):
+    cfg = json.load(open(f"{tiny_model}/config.json"))
+    num_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    experts = cfg["n_routed_experts"]
+    # A deliberately lopsided static layout: rank 0 holds experts 0..7 twice over, rank 1 the rest.
+    rows = [list(range(experts // 2)) * 2 + list(range(experts // 2, experts)) + [0, 1, 2, 3] * 2] * num_moe
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"phy2log": rows}))
+    llm = LLM(
+        tiny_model,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        num_redundant_experts=len(rows[0]) - experts,
+        expert_placement_file=str(placement),
+        eplb_interval=4,
+        **ENGINE,
+    )
+    try:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params())
+        _assert_same(outs, reference)
+    finally:
+        llm.engine.shutdown()
+    stats = llm.engine.final_stats
+    assert stats[0]["phy2log"] == stats[1]["phy2log"] != rows  # every rank moved to the same new placement
+    assert stats[0]["eplb_rebalances"] >= 1
+    before, after = stats[0]["balance_ratio"]
+    assert after <= before
+
+
+def test_a_rank_killed_mid_generation_fails_the_group_with_a_clear_error(tiny_model):
+    llm = LLM(tiny_model, data_parallel_size=2, enable_expert_parallel=True, dist_timeout_s=20, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    stream = llm.stream(prompt_token_ids=PROMPTS[1], sampling_params=params)
+    next(stream)
+    victim = llm.engine.procs[1 - llm.engine.requests[next(iter(llm.engine.requests))]]  # the idle rank
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="data-parallel rank"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 25
+    assert not any(p.is_alive() for p in llm.engine.procs)
+
+
+def test_placement_round_robin_and_file_validation(tmp_path):
+    p = ExpertPlacement.round_robin(num_layers=2, num_logical=6, num_redundant=2, num_ranks=2)
+    assert p.phy2log.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1]] * 2
+    assert p.local_experts(0, 1) == [4, 5, 0, 1] and p.logcnt[0].tolist() == [2, 2, 1, 1, 1, 1]
+    assert p.physical(0, torch.tensor([0, 0, 3, 0])).tolist() == [0, 6, 3, 6]  # replicas in turn
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"phy2log": [[0, 1, 2, 2]]}))
+    with pytest.raises(ValueError, match="without a replica"):
+        ExpertPlacement.from_file(bad, num_layers=1, num_logical=4, num_ranks=2)
+    with pytest.raises(ValueError, match="rows"):
+        ExpertPlacement.from_file(bad, num_layers=2, num_logical=4, num_ranks=2)
