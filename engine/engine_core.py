@@ -90,7 +90,7 @@ class EngineCore:
             Rebalancer(self.ep, self.runner.model, cfg) if self.ep is not None and cfg.eplb_interval else None
         )
         self.stop_requested = False
-        """Set on every rank of a group when any rank asked to stop (see step)."""
+        """Set on every rank of a group at the step where all ranks asked to stop (see step)."""
         self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -244,7 +244,8 @@ class EngineCore:
 
     def step(self, stop: bool = False) -> list[RequestOutput]:
         """One schedule -> execute -> update. In a group, every rank calls it in lockstep: ranks
-        first agree whether any has work (a rank without runs a dummy batch) or asked to stop."""
+        first agree whether any has work (a rank without runs a dummy batch) and whether all asked
+        to stop."""
         sched = self.scheduler.schedule()
         if self.group is not None:
             busy, self.stop_requested = self.group.sync(not sched.empty, stop)

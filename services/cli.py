@@ -19,6 +19,10 @@ ENGINE_FLAGS: dict[str, dict] = {
     "max_model_len": dict(type=int, default=None),
     "num_kv_blocks": dict(type=int, default=None),
     "num_threads": dict(type=int, default=None),
+    "num_redundant_experts": dict(type=int, default=0),
+    "expert_placement_file": dict(default=None),
+    "eplb_interval": dict(type=int, default=0),
+    "eplb_window": dict(type=int, default=0),
 }
 SAMPLING_FLAGS: dict[str, dict] = {
     "max_tokens": dict(type=int, default=64),
@@ -117,10 +121,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, **extra):
     from engine.config import EngineConfig
 
-    return EngineConfig(model=str(args.model), **_pick(args, ENGINE_FLAGS))
+    return EngineConfig(model=str(args.model), **_pick(args, ENGINE_FLAGS), **extra)
 
 
 def _security(args: argparse.Namespace):
@@ -138,19 +142,39 @@ def _add_tls_flags(p: argparse.ArgumentParser) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from engine.parallel.groups import GroupConfig
     from services.worker.server import WorkerServerConfig, model_name, serve
     from services.worker.service import WorkerSettings
 
+    if args.dp < 1 or (args.ep is not None and args.ep < 1):
+        raise ValueError("--dp and --ep must be >= 1")
+    if args.dp > 1 and args.group_rank is None:
+        from services.worker.ranks import launch_ranks
+
+        return launch_ranks(args.argv, args)
+    group_size = args.ep or 1
+    group = None
+    if group_size > 1:
+        if args.group_rank is None:
+            raise ValueError("--ep N > 1 launches ranks: give --dp (the ranks on this machine) as well")
+        group = GroupConfig(
+            args.group_rank, group_size, args.dist_master_addr, args.dist_master_port, args.dist_timeout_s
+        )
+    ep = {"enable_expert_parallel": True, "data_parallel_size": group_size} if group is not None else {}
+    engine = _engine_config(args, **ep)
     chunk = {} if args.kv_chunk_bytes is None else {"kv_chunk_bytes": args.kv_chunk_bytes}
     settings = WorkerSettings(
         role=args.role,
         model_name=args.served_model_name or model_name(args.model),
         dp_rank=args.dp_rank,
+        dp_size=max(group_size, args.dp),
+        ep_size=group_size,
         lease_s=args.lease_s,
         **chunk,
     )
     cfg = WorkerServerConfig(
-        engine=_engine_config(args),
+        group=group,
+        engine=engine,
         settings=settings,
         host=args.host,
         port=args.port,
@@ -294,6 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace-s", type=float, default=30.0, help="drain time after SIGTERM")
     p.add_argument(
+        "--dp", type=int, default=1, help="rank processes to launch on this machine (ports --port + i)"
+    )
+    p.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel group size (all ranks, all machines)"
+    )
+    p.add_argument("--dp-rank-offset", type=int, default=0, help="global rank of this machine's first rank")
+    p.add_argument("--dist-master-addr", default="127.0.0.1", help="rank 0's address for torch.distributed")
+    p.add_argument(
+        "--dist-master-port", type=int, default=0, help="rank 0's port (0: a free one, one machine)"
+    )
+    p.add_argument("--dist-timeout-s", type=float, default=60.0, help="a collective waiting longer fails")
+    p.add_argument(
+        "--group-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # set for each launched rank
+    p.add_argument(
         "--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step"
     )
     _add_flags(p, ENGINE_FLAGS)
@@ -351,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

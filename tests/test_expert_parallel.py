@@ -110,3 +110,82 @@ def test_placement_round_robin_and_file_validation(tmp_path):
         ExpertPlacement.from_file(bad, num_layers=1, num_logical=4, num_ranks=2)
     with pytest.raises(ValueError, match="rows"):
         ExpertPlacement.from_file(bad, num_layers=2, num_logical=4, num_ranks=2)
+
+
+# ---- the services: `pdserve worker --dp 2 --ep 2` ------------------------------------------------
+
+
+def _start_group(tiny_model, port: int, *extra: str):
+    import subprocess
+    import sys
+
+    from services.launcher import wait_ready
+
+    cmd = [sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--model", tiny_model]
+    cmd += ["--port", str(port), "--dp", "2", "--ep", "2", "--num-threads", "1", "--dtype", "float32"]
+    cmd += ["--num-kv-blocks", "128", "--dist-timeout-s", "20", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for i in range(2):
+        wait_ready(f"127.0.0.1:{port + i}", 90, proc)
+    return proc
+
+
+def test_worker_group_serves_each_rank_as_its_own_endpoint(tiny_model, reference):
+    import urllib.request
+
+    import grpc
+
+    from pdserve.v1 import inference_pb2 as pb
+    from pdserve.v1 import worker_pb2 as wpb
+    from services.launcher import free_port
+    from tests.service_testing import metric, worker
+
+    port, metrics_port = free_port(), free_port()
+    proc = _start_group(tiny_model, port, "--metrics-port", str(metrics_port), "--eplb-interval", "3")
+    try:
+        for rank in range(2):
+            info = worker(f"127.0.0.1:{port + rank}").GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+            assert (info.dp_rank, info.dp_size, info.ep_size) == (rank, 2, 2)
+
+        # Requests on both ranks at once, and on one rank while the other idles.
+        def run(i):
+            rank = i % 2
+            sampling = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=3, ignore_eos=True)
+            request = wpb.DecodeRequest(request_id=f"ep-{i}", prompt_token_ids=PROMPTS[i], sampling=sampling)
+            return [
+                t for m in worker(f"127.0.0.1:{port + rank}").Decode(request, timeout=60) for t in m.token_ids
+            ]
+
+        from concurrent import futures
+
+        with futures.ThreadPoolExecutor(4) as pool:
+            tokens = list(pool.map(run, range(len(PROMPTS))))
+        assert tokens == [r.token_ids for r in reference]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        before, after = (metric(text, f"pdserve_eplb_balance_ratio_{w}") for w in ("before", "after"))
+        assert before >= 1.0 and after <= before  # EPLB ran on the observed load, and did not make it worse
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    del grpc
+
+
+def test_a_killed_rank_takes_the_worker_group_down_instead_of_hanging_it(tiny_model):
+    import subprocess
+
+    import psutil
+
+    from services.launcher import free_port
+
+    port = free_port()
+    proc = _start_group(tiny_model, port)
+    try:
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2
+        ranks[1].kill()
+        assert proc.wait(timeout=45) != 0  # rank 0's next collective fails; the parent reports it
+        assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    del subprocess

@@ -55,12 +55,13 @@ class ParallelGroup:
         logger.info("rank %d/%d joined via %s (%s)", cfg.rank, cfg.world_size, backend, cfg.master_addr)
 
     def sync(self, busy: bool, stop: bool = False) -> tuple[bool, bool]:
-        """The start of every step: (does any rank have work, did any rank ask to stop), the same
-        answer on every rank, so they all run the step (or stop) together."""
-        flags = torch.tensor([int(busy), int(stop)], dtype=torch.int32, device=self.device)
+        """The start of every step: (does any rank have work, do all ranks want to stop), the same
+        answer on every rank, so they all run the step (or stop) together. A rank that wants to
+        stop keeps stepping (dummy batches) until every rank does."""
+        flags = torch.tensor([int(busy), int(not stop)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        any_busy, any_stop = flags.tolist()
-        return bool(any_busy), bool(any_stop)
+        any_busy, any_continues = flags.tolist()
+        return bool(any_busy), not any_continues
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.1
+_LOCKSTEP_IDLE_S = 0.002
+"""How long an idle rank of a group waits for commands between two (empty) synchronised steps."""
 
 
 class EngineDead(RuntimeError):
@@ -57,6 +59,8 @@ class AsyncEngine:
         self.core: EngineCore | None = None
         """Set once loaded. Read-only outside the engine thread (stable attributes only)."""
         self.error: BaseException | None = None
+        self.lockstep = False
+        """A DP/EP rank: steps in lockstep with its group (set once the engine is built)."""
         self.last_step_time = time.monotonic()
         self.step_count = 0
 
@@ -142,6 +146,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.core = self._factory()
+            self.lockstep = self.core.group is not None
         except BaseException as e:  # noqa: BLE001 - reported through wait_ready
             logger.exception("engine failed to load")
             self.error = e
@@ -149,6 +154,9 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(self._ready.set)
         try:
+            if self.lockstep:
+                self._run_lockstep()
+                return
             while not self._stopping:
                 busy = self.core.has_unfinished_requests()
                 try:
@@ -175,7 +183,29 @@ class AsyncEngine:
         finally:
             self._fail_all(self.error or EngineDead("engine stopped"))
 
-    def _step(self) -> None:
+    def _run_lockstep(self) -> None:
+        """A rank of a DP/EP group: step every iteration (the step itself syncs with the other
+        ranks; idle ranks run dummy batches while any rank has work), and stop only when every
+        rank asked to."""
+        while True:
+            idle = not self.core.has_unfinished_requests()
+            try:
+                item = self._commands.get(timeout=_LOCKSTEP_IDLE_S) if idle and not self._stopping else None
+                while True:
+                    if item is not None:
+                        self._run_command(*item)
+                    item = self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            self._step(stop=self._stopping)
+            if self.core.stop_requested:
+                return
+            if self._retrying:
+                retrying, self._retrying = self._retrying, []
+                for fn, fut in retrying:
+                    self._run_command(fn, fut, True)
+
+    def _step(self, stop: bool = False) -> None:
         if self._fault is not None and self.step_count >= self._fault[1]:
             if self._fault[0] == "engine_crash_after_steps":
                 raise RuntimeError(f"injected fault: engine crash after {self.step_count} steps")
@@ -183,7 +213,7 @@ class AsyncEngine:
             while not self._stopping:  # a hung kernel, say: no progress, no error
                 time.sleep(0.1)
             return
-        outputs = self.core.step()
+        outputs = self.core.step(stop=stop) if self.lockstep else self.core.step()
         self.step_count += 1
         self.last_step_time = time.monotonic()
         for out in outputs:

@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.parallel.groups import GroupConfig, ParallelGroup
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.grpc_utils import add_health_and_reflection, bind, new_server, set_health
@@ -58,6 +60,8 @@ class WorkerServerConfig:
     finished a step for this long."""
     fault: str | None = None
     """Fault injection for the reliability tests (PDSERVE_FAULT)."""
+    group: GroupConfig | None = None
+    """This rank's place in its DP/EP group (expert parallelism); None: a lone engine."""
 
 
 async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner:
@@ -79,7 +83,12 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     port = bind(server, cfg.host, cfg.port, cfg.security)
     endpoint = f"{cfg.host}:{port}"
     identity = new_identity(endpoint, settings.dp_rank)
-    engine = AsyncEngine(lambda: EngineCore(cfg.engine), fault=cfg.fault)
+
+    def build_engine() -> EngineCore:
+        group = ParallelGroup(cfg.group, torch.device(cfg.engine.device)) if cfg.group is not None else None
+        return EngineCore(cfg.engine, group=group)
+
+    engine = AsyncEngine(build_engine, fault=cfg.fault)
     service: WorkerService | None = None
 
     def free_transfer(request_id: str) -> None:
@@ -124,6 +133,28 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
+    if core.rebalancer is not None:
+        eplb = core.rebalancer
+        metrics.gauge(
+            "pdserve_eplb_balance_ratio_before",
+            "Max/mean tokens per EP rank of the last EPLB window, old placement",
+            lambda: eplb.last_ratio[0] if eplb.last_ratio else 0.0,
+        )
+        metrics.gauge(
+            "pdserve_eplb_balance_ratio_after",
+            "The same under the placement EPLB chose",
+            lambda: eplb.last_ratio[1] if eplb.last_ratio else 0.0,
+        )
+        metrics.gauge(
+            "pdserve_eplb_rebalances", "Expert placements applied live", lambda: eplb.num_rebalances
+        )
+        metrics.gauge(
+            "pdserve_expert_load_this_rank",
+            "Tokens this rank's experts got in the last EPLB window (new placement)",
+            lambda: (
+                eplb.last_rank_load[settings.dp_rank] if len(eplb.last_rank_load) > settings.dp_rank else 0.0
+            ),
+        )
     metrics_runner = (
         await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
     )

@@ -46,6 +46,10 @@ class WorkerSettings:
     """"prefill", "decode" or "colocated" (answers both Prefill and Decode)."""
     model_name: str
     dp_rank: int = 0
+    dp_size: int = 1
+    """Ranks in this worker's data-parallel group."""
+    ep_size: int = 1
+    """Expert-parallel ranks (the group, when experts are spread; else 1)."""
     lease_s: float = 30.0
     """How long a prefill worker keeps exported KV pinned waiting for the decode side."""
     kv_chunk_bytes: int = MAX_CHUNK_BYTES
@@ -166,6 +170,8 @@ class WorkerService(wgrpc.WorkerServicer):
             compat_hash=self.compat_hash,
             max_model_len=core.max_model_len,
             vocab_size=core.model_cfg.vocab_size,
+            dp_size=self.settings.dp_size,
+            ep_size=self.settings.ep_size,
         )
 
     async def GetLoad(self, request, context) -> wpb.Load:
