@@ -154,11 +154,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return launch_ranks(args.argv, args)
     group_size = args.ep or 1
     group = None
+    rank = args.group_rank if args.group_rank is not None else args.dp_rank_offset
     if group_size > 1:
-        if args.group_rank is None:
-            raise ValueError("--ep N > 1 launches ranks: give --dp (the ranks on this machine) as well")
+        if args.dist_master_port == 0:
+            raise ValueError("a rank started on its own (--dp 1 --ep N) needs --dist-master-port")
         group = GroupConfig(
-            args.group_rank, group_size, args.dist_master_addr, args.dist_master_port, args.dist_timeout_s
+            rank, group_size, args.dist_master_addr, args.dist_master_port, args.dist_timeout_s
         )
     ep = {"enable_expert_parallel": True, "data_parallel_size": group_size} if group is not None else {}
     engine = _engine_config(args, **ep)
@@ -166,7 +167,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = WorkerSettings(
         role=args.role,
         model_name=args.served_model_name or model_name(args.model),
-        dp_rank=args.dp_rank,
+        dp_rank=rank if group is not None else args.dp_rank,
         dp_size=max(group_size, args.dp),
         ep_size=group_size,
         lease_s=args.lease_s,

@@ -189,3 +189,46 @@ def test_a_killed_rank_takes_the_worker_group_down_instead_of_hanging_it(tiny_mo
         if proc.poll() is None:
             proc.kill()
     del subprocess
+
+
+def test_ranks_started_separately_join_by_rank_offset(tiny_model, reference):
+    """How a multi-node group starts: one command per machine with its --dp-rank-offset and the
+    shared master address; here two one-rank "machines" on loopback."""
+    import subprocess
+    import sys
+
+    from pdserve.v1 import inference_pb2 as pb
+    from pdserve.v1 import worker_pb2 as wpb
+    from services.launcher import free_port, wait_ready
+    from tests.service_testing import worker
+
+    master, ports = free_port(), [free_port(), free_port()]
+    procs = []
+    for offset, port in enumerate(ports):
+        cmd = [sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--model", tiny_model]
+        cmd += [
+            "--port",
+            str(port),
+            "--ep",
+            "2",
+            "--dp-rank-offset",
+            str(offset),
+            "--dist-master-port",
+            str(master),
+        ]
+        cmd += ["--num-threads", "1", "--dtype", "float32", "--num-kv-blocks", "128"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            wait_ready(f"127.0.0.1:{port}", 90, proc)
+        sampling = pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS[2], logprobs=3, ignore_eos=True)
+        request = wpb.DecodeRequest(request_id="offset", prompt_token_ids=PROMPTS[2], sampling=sampling)
+        tokens = [t for m in worker(f"127.0.0.1:{ports[1]}").Decode(request, timeout=60) for t in m.token_ids]
+        assert tokens == reference[2].token_ids
+        assert (
+            worker(f"127.0.0.1:{ports[1]}").GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5).dp_rank == 1
+        )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        assert [proc.wait(timeout=60) for proc in procs] == [0, 0]
