@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from engine.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -265,6 +267,9 @@ class EngineConfig:
     """Port of rank 0 for torch.distributed (0: a free one, single machine only)."""
     dist_timeout_s: float = 60.0
     """A collective waiting longer (a rank died or hangs) fails instead of hanging the group."""
+    speculative_config: dict | None = None
+    """{"method": "mtp", "num_speculative_tokens": k}: draft k tokens per step with the checkpoint's
+    MTP layer and verify them in one forward (None: off)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -277,6 +282,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         for name in ("num_redundant_experts", "eplb_interval", "eplb_window"):
@@ -288,6 +294,10 @@ class EngineConfig:
             raise ValueError(
                 "num_redundant_experts, eplb_interval and expert_placement_file need enable_expert_parallel"
             )
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -29,7 +29,8 @@ from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams, validate_request
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
+from engine.spec_decode.stats import SpecStats, speculation_allowed
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,14 @@ class EngineCore:
         self.stop_requested = False
         """Set on every rank of a group at the step where all ranks asked to stop (see step)."""
         self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.spec = cfg.spec
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            num_speculative=self.spec.num_speculative_tokens if self.spec else 0,
+        )
+        self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.exported: dict[str, ExportedKv] = {}
@@ -145,6 +153,7 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
+        req.spec_enabled = self.spec is not None and speculation_allowed(params)
         self.requests[request_id] = req
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.tokenizer,
@@ -271,45 +280,9 @@ class EngineCore:
         now = time.monotonic()
         outputs = []
         for item in sched.scheduled:
-            req = item.request
-            req.num_computed_tokens += item.num_new_tokens
-            if req.request_id in result.prompt_logprobs:
-                req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
-            token = result.sampled.get(req.request_id)
-            if token is None:
-                continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.append_token(token)
-            if req.request_id in result.logprobs:
-                req.logprobs.append(result.logprobs[req.request_id])
-            detokenizer = self.detokenizers[req.request_id]
-            detok = detokenizer.step([token])
-            status = self._check_stop(req, token, detok.stop_matched)
-            if status is None and req.kv_export:
-                status = RequestStatus.FINISHED_EXPORTED
-            new_text = detok.text
-            if status is not None:
-                # An exported request's text goes on at the decode side: hold back what is held back.
-                if detok.stop_matched is None and status is not RequestStatus.FINISHED_EXPORTED:
-                    new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
-                    if detokenizer.stop_matched is not None:
-                        req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
-                exported = status is RequestStatus.FINISHED_EXPORTED
-                self.scheduler.finish(req, status, free_blocks=not exported)
-                if exported:
-                    n = req.num_prompt_tokens
-                    hashes = req.block_hashes[: n // self.cfg.block_size]
-                    if len(hashes) < n // self.cfg.block_size:  # prefix caching off: not kept on the way
-                        hashes = hash_blocks(req.prompt_token_ids, self.cfg.block_size)
-                    state = req.generator.get_state() if req.generator is not None else None
-                    self.exported[req.request_id] = ExportedKv(req.block_ids, hashes, n, state)
-                    req.block_ids = []
-                out = self._finalize(req, [token], new_text)
-                out.exported_kv = self.exported.get(req.request_id) if exported else None
+            out = self._update(item, result, now)
+            if out is not None:
                 outputs.append(out)
-            else:
-                outputs.append(self._output(req, [token], new_text))
         return outputs
 
     def parallel_stats(self) -> dict:
@@ -322,6 +295,63 @@ class EngineCore:
             stats["balance_ratio"] = self.rebalancer.last_ratio
             stats["rank_load"] = self.rebalancer.last_rank_load
         return stats
+
+    def _update(self, item: ScheduledRequest, result, now: float) -> RequestOutput | None:
+        """Apply one request's step result: computed tokens, new tokens (with speculation, the
+        accepted drafts and the target's token), stop checks, drafts for the next step."""
+        req = item.request
+        req.num_computed_tokens += item.num_new_tokens
+        if req.request_id in result.prompt_logprobs:
+            req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+        tokens = result.sampled.get(req.request_id)
+        req.draft_token_ids = []
+        if not tokens:
+            return None
+        if item.draft_token_ids:  # the accepted drafts' KV is valid now
+            self.spec_stats.record(len(item.draft_token_ids), len(tokens) - 1)
+            req.num_computed_tokens += len(tokens) - 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        detokenizer = self.detokenizers[req.request_id]
+        new_ids, new_text, status, detok = [], "", None, None
+        for token in tokens:
+            req.append_token(token)
+            new_ids.append(token)
+            if req.request_id in result.logprobs:
+                req.logprobs.append(result.logprobs[req.request_id])
+            detok = detokenizer.step([token])
+            new_text += detok.text
+            status = self._check_stop(req, token, detok.stop_matched)
+            if status is not None:
+                break
+        if item.draft_token_ids:
+            self.block_manager.cache_blocks(req, req.num_computed_tokens, start=item.num_computed_tokens)
+        if status is None and req.kv_export:
+            status = RequestStatus.FINISHED_EXPORTED
+        if status is None:
+            req.draft_token_ids = result.drafts.get(req.request_id, [])
+            return self._output(req, new_ids, new_text)
+        # An exported request's text goes on at the decode side: hold back what is held back.
+        if detok.stop_matched is None and status is not RequestStatus.FINISHED_EXPORTED:
+            new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
+            if detokenizer.stop_matched is not None:
+                req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
+        exported = status is RequestStatus.FINISHED_EXPORTED
+        self.scheduler.finish(req, status, free_blocks=not exported)
+        if exported:
+            n = req.num_prompt_tokens
+            keep = -(-n // self.cfg.block_size)  # speculation may hold lookahead blocks past the prompt
+            self.block_manager.free_blocks(req.block_ids[keep:])
+            req.block_ids = req.block_ids[:keep]
+            hashes = req.block_hashes[: n // self.cfg.block_size]
+            if len(hashes) < n // self.cfg.block_size:  # prefix caching off: not kept on the way
+                hashes = hash_blocks(req.prompt_token_ids, self.cfg.block_size)
+            state = req.generator.get_state() if req.generator is not None else None
+            self.exported[req.request_id] = ExportedKv(req.block_ids, hashes, n, state)
+            req.block_ids = []
+        out = self._finalize(req, new_ids, new_text)
+        out.exported_kv = self.exported.get(req.request_id) if exported else None
+        return out
 
     def _after_forward(self) -> None:
         if self.rebalancer is not None:

@@ -82,7 +82,7 @@ def expected_tensors(
         if name == "lm_head.weight":
             add(name, Target(name))
             continue
-        hf = f"model.{name}"
+        hf = _hf_name(name, cfg)
         if name.endswith("gate_up_proj.weight"):  # dense MLP or shared experts
             inter = tensor.shape[0] // 2
             base = hf.removesuffix("gate_up_proj.weight")
@@ -108,6 +108,17 @@ def expected_tensors(
             add(hf, Target(name))
     return expected, not_local
 
+
+def _hf_name(param: str, cfg: ModelConfig) -> str:
+    """Our parameter name -> the checkpoint's: MTP layer j is `model.layers.{num_hidden_layers + j}`."""
+    if param.startswith("mtp."):
+        j, rest = param.removeprefix("mtp.").split(".", 1)
+        return f"model.layers.{cfg.num_hidden_layers + int(j)}.{rest}"
+    return f"model.{param}"
+
+
+# DeepSeek's MTP layers repeat the shared embedding and LM head; the model shares the main ones.
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 ExpertMap = Callable[[int], list[int]]
 """Model layer index -> the logical expert held in each local slot (expert parallelism)."""
@@ -151,6 +162,7 @@ def load_weights(
     folder = check_model_folder(folder)
     params = {name: p.data for name, p in model.named_parameters()}
     expected, not_local = expected_tensors(cfg, params, expert_map)
+    has_mtp = any(name.startswith("mtp.") for name in params)
     filled: dict[str, int] = {name: 0 for name in params}
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -162,8 +174,8 @@ def load_weights(
         targets = expected.get(name) or _fused_expert_target(name, expert_map)
         if targets is None or targets[0].param not in params:
             m = _LAYER.match(name)
-            if m and int(m.group(1)) >= cfg.num_hidden_layers:
-                mtp_skipped += 1  # MTP layers follow the main layers; the MTP drafter loads them
+            if m and int(m.group(1)) >= cfg.num_hidden_layers and (not has_mtp or name.endswith(_MTP_SHARED)):
+                mtp_skipped += 1  # MTP layers follow the main layers; loaded only for speculative decoding
                 continue
             unexpected.append(name)
             continue

@@ -10,6 +10,7 @@ config.json carries a fingerprint, and a folder whose fingerprint matches is ret
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -103,6 +104,8 @@ class ModelPreset:
     """Storage dtype of every tensor except e_score_correction_bias (float32, as in V3)."""
     seed: int = 0
     """Seed of the torch.Generator that draws all weights."""
+    num_nextn_predict_layers: int = 0
+    """MTP layers after the main layers (DeepSeek-V3 has 1), drawn after all main weights."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -156,6 +159,8 @@ PRESETS: dict[str, ModelPreset] = {
         seed=1,
     ),
 }
+# The tiny model plus one MTP layer (same main weights): tests of MTP speculative decoding.
+PRESETS["tiny-mtp"] = dataclasses.replace(PRESETS["tiny"], num_nextn_predict_layers=1)
 
 
 def hf_config(p: ModelPreset, fingerprint: str, preset_name: str) -> dict[str, Any]:
@@ -206,7 +211,7 @@ def hf_config(p: ModelPreset, fingerprint: str, preset_name: str) -> dict[str, A
         "attention_dropout": 0.0,
         "pretraining_tp": 1,
         "use_cache": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": p.num_nextn_predict_layers,
         "bos_token_id": 0,
         "eos_token_id": 1,
         "tie_word_embeddings": False,
@@ -250,11 +255,9 @@ def weight_specs(p: ModelPreset) -> list[tuple[str, tuple[int, ...], float | Non
             lin(f"{prefix}.down_proj.weight", h, inter, out_scale),
         ]
 
-    specs: list[tuple[str, tuple[int, ...], float | None]] = [
-        ("model.embed_tokens.weight", (p.vocab_size, h), 1.0)
-    ]
-    for i in range(p.num_hidden_layers):
+    def layer(i: int) -> list[tuple[str, tuple[int, ...], float | None]]:
         pre = f"model.layers.{i}"
+        specs: list[tuple[str, tuple[int, ...], float | None]] = []
         specs += [norm(f"{pre}.input_layernorm.weight", h), norm(f"{pre}.post_attention_layernorm.weight", h)]
         a = f"{pre}.self_attn"
         if p.q_lora_rank is None:
@@ -272,16 +275,30 @@ def weight_specs(p: ModelPreset) -> list[tuple[str, tuple[int, ...], float | Non
             lin(f"{a}.o_proj.weight", h, heads * p.v_head_dim, out_scale),
         ]
         if i < p.first_k_dense_replace:
-            specs += mlp(f"{pre}.mlp", p.intermediate_size)
-            continue
+            return specs + mlp(f"{pre}.mlp", p.intermediate_size)
         specs += [
             lin(f"{pre}.mlp.gate.weight", p.n_routed_experts, h),
             (f"{pre}.mlp.gate.e_score_correction_bias", (p.n_routed_experts,), 0.02),
         ]
         for e in range(p.n_routed_experts):
             specs += mlp(f"{pre}.mlp.experts.{e}", p.moe_intermediate_size)
-        specs += mlp(f"{pre}.mlp.shared_experts", p.moe_intermediate_size * p.n_shared_experts)
+        return specs + mlp(f"{pre}.mlp.shared_experts", p.moe_intermediate_size * p.n_shared_experts)
+
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [
+        ("model.embed_tokens.weight", (p.vocab_size, h), 1.0)
+    ]
+    for i in range(p.num_hidden_layers):
+        specs += layer(i)
     specs += [norm("model.norm.weight", h), lin("lm_head.weight", p.vocab_size, h)]
+    # MTP layers come last, so a preset with them draws the same main-model weights as one without.
+    for j in range(p.num_nextn_predict_layers):
+        pre = f"model.layers.{p.num_hidden_layers + j}"
+        specs += [
+            norm(f"{pre}.enorm.weight", h),
+            norm(f"{pre}.hnorm.weight", h),
+            lin(f"{pre}.eh_proj.weight", h, 2 * h),
+        ]
+        specs += layer(p.num_hidden_layers + j) + [norm(f"{pre}.shared_head.norm.weight", h)]
     return specs
 
 

@@ -74,6 +74,10 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Tokens the MTP layer proposed to follow token_ids; verified in the next step."""
+    spec_enabled: bool = False
+    """The request drafts and verifies (speculative decoding on, and its sampling allows it)."""
     kv_export: bool = False
     """Prefill-only (disaggregated prefill): after the first token the request ends with its prompt's
     KV blocks pinned for a transfer instead of freed."""

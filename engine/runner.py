@@ -19,14 +19,19 @@ from engine.models.registry import get_model_class
 from engine.platform import compute_dtype
 from engine.sampler import Sampler, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.drafter import draft_with_mtp
+from engine.spec_decode.verify import verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    """request_id -> next token, for requests whose chunk reached their last token."""
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    """request_id -> the tokens to append, for requests whose chunk reached their last token: one,
+    or with speculative drafts the accepted drafts plus the target's next token."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """request_id -> draft tokens proposed by the MTP layer to follow the appended ones."""
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     """request_id -> logprobs of the sampled token and the top-N, when requested."""
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
@@ -49,9 +54,18 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = cfg.block_size
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
+        self.spec = cfg.spec
+        self.num_mtp_layers = self.mtp_layers(model_cfg, cfg)
+        self.max_model_len = max_model_len
         model_cls = get_model_class(model_cfg.architecture)
         with torch.device(self.device):
-            self.model = model_cls(model_cfg, dtype=self.dtype, max_positions=max_model_len, ep=ep)
+            self.model = model_cls(
+                model_cfg,
+                dtype=self.dtype,
+                max_positions=max_model_len,
+                ep=ep,
+                num_mtp_layers=self.num_mtp_layers,
+            )
         load_weights(
             self.model, model_cfg, cfg.model, expert_map=ep.local_experts if ep is not None else None
         )
@@ -64,14 +78,25 @@ class ModelRunner:
             torch.empty(
                 num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=self.dtype, device=self.device
             ).zero_()
-            for _ in range(model_cfg.num_hidden_layers)
+            for _ in range(model_cfg.num_hidden_layers + self.num_mtp_layers)  # the MTP layer's cache last
         ]
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
 
     @staticmethod
+    def mtp_layers(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
+        if cfg.spec is None:
+            return 0
+        if model_cfg.num_nextn_predict_layers < 1:
+            raise ValueError(
+                "speculative_config method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers >= 1)"
+            )
+        return 1
+
+    @staticmethod
     def kv_bytes_per_block(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
         itemsize = compute_dtype(cfg.torch_dtype, torch.device(cfg.device)).itemsize
-        return cfg.block_size * model_cfg.kv_cache_width * model_cfg.num_hidden_layers * itemsize
+        layers = model_cfg.num_hidden_layers + ModelRunner.mtp_layers(model_cfg, cfg)
+        return cfg.block_size * model_cfg.kv_cache_width * layers * itemsize
 
     def _build_batch(
         self, items: list[ScheduledRequest]
@@ -93,6 +118,9 @@ class ModelRunner:
             req, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
             q_start = len(input_ids)
             input_ids.extend(req.token_ids[start : start + n])
+            if item.draft_token_ids:  # verified in this forward: they run like a prefill chunk
+                input_ids.extend(item.draft_token_ids)
+                n += len(item.draft_token_ids)
             positions.extend(range(start, start + n))
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -114,7 +142,8 @@ class ModelRunner:
                 prompt_rows.append((-1, 0, 0))
             if item.samples:
                 sample_rows.append(len(logits_indices))
-                logits_indices.append(q_start + n - 1)
+                first = q_start + n - 1 - len(item.draft_token_ids)  # the last known token, then each draft
+                logits_indices.extend(range(first, q_start + n))
             else:
                 sample_rows.append(-1)
         max_blocks = max((len(t) for t in decode_tables), default=0)
@@ -132,6 +161,15 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )
         return batch, sample_rows, prompt_rows
+
+    def _draft(
+        self, items: list[ScheduledRequest], batch: ForwardBatch, hidden: torch.Tensor, out: RunnerOutput
+    ) -> None:
+        q_starts, q = [], 0
+        for it in items:
+            q_starts.append(q)
+            q += it.num_new_tokens + len(it.draft_token_ids)
+        draft_with_mtp(self, items, q_starts, hidden, out)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -159,18 +197,34 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
         out = RunnerOutput()
 
-        samplers = [(it, row) for it, row in zip(items, sample_rows, strict=True) if row >= 0]
+        samplers = [
+            (it, row)
+            for it, row in zip(items, sample_rows, strict=True)
+            if row >= 0 and not it.draft_token_ids
+        ]
         if samplers:
             rows = torch.tensor([row for _, row in samplers], dtype=torch.long, device=logits.device)
             result = self.sampler(logits[rows], [it.request for it, _ in samplers])
             for (it, _), token, lps in zip(samplers, result.token_ids, result.logprobs, strict=True):
-                out.sampled[it.request.request_id] = token
+                out.sampled[it.request.request_id] = [token]
                 if lps is not None:
                     out.logprobs[it.request.request_id] = lps
+        for it, row in zip(items, sample_rows, strict=True):
+            if it.draft_token_ids:
+                req = it.request
+                target = logits[row : row + len(it.draft_token_ids) + 1]  # [k+1, V]
+                if req.params.greedy:
+                    out.sampled[req.request_id] = verify_greedy(target, it.draft_token_ids)
+                else:
+                    out.sampled[req.request_id] = verify_sampled(
+                        target, it.draft_token_ids, req.params, req.generator
+                    )
+        if self.spec is not None:
+            self._draft(items, batch, hidden, out)
 
         for it, (first, first_target, count) in zip(items, prompt_rows, strict=True):
             if count:
-                req = it.request
+                req = it.request  # (speculation is off for prompt-logprob requests)
                 targets = torch.tensor(
                     req.token_ids[first_target : first_target + count], device=logits.device
                 )

@@ -183,7 +183,17 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
     Every filter's decision for a row depends on that row alone (never on which path or width
     the rest of the batch asked for), so a seeded request samples the same in any batch."""
-    params = [row.params for row in rows]
+    probs = target_probs(logits, [row.params for row in rows])  # [R, V]
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (the
+    # trick torch.multinomial uses for one sample), and takes exactly V draws per row whatever
+    # the distribution, so a seeded row's stream of draws never depends on the batch.
+    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then min_p / top_k / top_p.
+    logits [R, V] (may be edited in place) -> probs [R, V] float32. Speculative verification
+    accepts drafts against exactly these."""
     device = logits.device
     logits = logits.float()
     logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
@@ -202,11 +212,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     elif any(k < vocab for k in top_k):
         _top_k_only(logits, top_k)
 
-    probs = logits.softmax(dim=-1)  # [R, V]
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (the
-    # trick torch.multinomial uses for one sample), and takes exactly V draws per row whatever
-    # the distribution, so a seeded row's stream of draws never depends on the batch.
-    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    return logits.softmax(dim=-1)  # [R, V]
 
 
 def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

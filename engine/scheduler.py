@@ -28,7 +28,9 @@ class ScheduledRequest:
     num_computed_tokens: int
     """Tokens already in the cache when the step starts (prefix hits included)."""
     num_new_tokens: int
-    """Tokens this step runs through the model."""
+    """Known tokens this step runs through the model."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative drafts run after them, to be verified (the runner returns what was accepted)."""
 
     @property
     def samples(self) -> bool:
@@ -37,7 +39,7 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.num_computed_tokens > 0
+        return self.num_new_tokens == 1 and self.num_computed_tokens > 0 and not self.draft_token_ids
 
 
 @dataclass
@@ -57,8 +59,17 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues. Not thread-safe: only the engine's step loop calls it."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_speculative: int = 0,
+    ):
         self.block_manager = block_manager
+        self.num_speculative = num_speculative
+        """k of speculative decoding (0: off): a step that samples reserves slots for the verify
+        of k drafts and for drafting the next k."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -71,7 +82,13 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _lookahead(self, req: Request, num_new: int) -> int:
+        if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
+            return 0
+        return 2 * self.num_speculative
+
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -88,15 +105,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate_slots(req, num_new):
+            drafts = req.draft_token_ids if num_new == 1 and len(req.draft_token_ids) < budget else []
+            while not bm.allocate_slots(req, num_new, lookahead=self._lookahead(req, num_new)):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                budget -= num_new
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, list(drafts)))
+                budget -= num_new + len(drafts)
                 i += 1
                 continue
             break
@@ -105,7 +123,9 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit_tokens = bm.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if not bm.allocate_slots(req, num_new, hits):
+            samples = req.spec_enabled and num_hit_tokens + num_new == req.num_tokens
+            lookahead = 2 * self.num_speculative if samples else 0
+            if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens

@@ -161,8 +161,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         group = GroupConfig(
             rank, group_size, args.dist_master_addr, args.dist_master_port, args.dist_timeout_s
         )
-    ep = {"enable_expert_parallel": True, "data_parallel_size": group_size} if group is not None else {}
-    engine = _engine_config(args, **ep)
+    extra = {"enable_expert_parallel": True, "data_parallel_size": group_size} if group is not None else {}
+    if args.speculative:
+        extra["speculative_config"] = {
+            "method": args.speculative,
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+    engine = _engine_config(args, **extra)
     chunk = {} if args.kv_chunk_bytes is None else {"kv_chunk_bytes": args.kv_chunk_bytes}
     settings = WorkerSettings(
         role=args.role,
@@ -330,8 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dist-master-port", type=int, default=0, help="rank 0's port (0: a free one, one machine)"
     )
     p.add_argument("--dist-timeout-s", type=float, default=60.0, help="a collective waiting longer fails")
+    p.add_argument("--group-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
-        "--group-rank", type=int, default=None, help=argparse.SUPPRESS
+        "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)"
     )  # set for each launched rank
     p.add_argument(
         "--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step"

@@ -62,15 +62,18 @@ class BlockManager:
         num_new_tokens: int,
         computed: list[Block] | None = None,
         cache_blocks: bool = True,
+        lookahead: int = 0,
     ) -> bool:
         """Make room for num_new_tokens more tokens (after any prefix hits). False, and nothing
         changed, when the free blocks don't suffice. With cache_blocks=False the new full blocks
-        are not registered in the prefix cache (their contents arrive later: see cache_blocks)."""
+        are not registered in the prefix cache (their contents arrive later: see cache_blocks).
+        lookahead: room for that many more slots whose tokens are not known yet (speculative
+        drafts); they are never registered in the prefix cache."""
         computed = computed or []
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
         assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
-        needed = self.blocks_needed(total) - len(req.block_ids) - len(computed)
+        needed = self.blocks_needed(total + lookahead) - len(req.block_ids) - len(computed)
         reusable_free = sum(1 for b in computed if b.ref_count == 0)  # hits sitting in the free queue
         if needed > self.pool.num_free_blocks - reusable_free:
             return False

@@ -15,6 +15,7 @@ from engine.forward_batch import ForwardBatch
 from engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from engine.models.mla import MLAttention
 from engine.models.moe import DeepseekMoE
+from engine.models.mtp import make_mtp_layer
 from engine.models.registry import register_model
 from kernels.rotary import rope_cos_sin_cache
 
@@ -53,8 +54,11 @@ class DecoderLayer(nn.Module):
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None):
-        """ep: an engine.parallel.ep_moe.ExpertParallel when the routed experts are spread over ranks."""
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
+    ):
+        """ep: an engine.parallel.ep_moe.ExpertParallel when the routed experts are spread over ranks.
+        num_mtp_layers: build (and load) the checkpoint's MTP layers, for speculative decoding."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -64,19 +68,32 @@ class DeepseekV2ForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        if num_mtp_layers and ep is not None:
+            raise ValueError("MTP speculative decoding with expert parallelism is not supported yet")
+        self.mtp = nn.ModuleList(
+            make_mtp_layer(DecoderLayer, cfg, cfg.num_hidden_layers + j, dtype) for j in range(num_mtp_layers)
+        )
         cos, sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def process_weights(self) -> None:
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             layer.self_attn.process_weights()
+
+    def mtp_forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The first MTP layer over the batch: next_ids [N] (t_{i+1}), hidden [N, H] (h_i, after
+        the final norm) -> g [N, H]; compute_logits(g) predicts t_{i+2}."""
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        return self.mtp[0].draft(self.embed_tokens(next_ids), hidden, cos, sin, batch, kv_cache)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
         x, residual = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers, kv_caches[: len(self.layers)], strict=True):
             x, residual = layer(x, residual, cos, sin, batch, kv_cache)
         return self.norm(x, residual)[0]
 

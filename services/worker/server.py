@@ -133,6 +133,30 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
+    if core.spec is not None:
+        spec = core.spec_stats
+        metrics.gauge(
+            "pdserve_spec_draft_tokens",
+            "Draft tokens proposed by the MTP layer",
+            lambda: spec.num_draft_tokens,
+        )
+        metrics.gauge(
+            "pdserve_spec_accepted_tokens", "Draft tokens accepted", lambda: spec.num_accepted_tokens
+        )
+        metrics.gauge(
+            "pdserve_spec_acceptance_rate", "Accepted / proposed draft tokens", lambda: spec.acceptance_rate
+        )
+        metrics.gauge(
+            "pdserve_spec_mean_accept_length",
+            "Tokens emitted per verification",
+            lambda: spec.mean_accept_length,
+        )
+        for i in range(core.spec.num_speculative_tokens):
+            metrics.gauge(
+                f"pdserve_spec_acceptance_rate_pos{i}",
+                f"Share of verifications accepting draft {i}",
+                lambda i=i: spec.per_position()[i],
+            )
     if core.rebalancer is not None:
         eplb = core.rebalancer
         metrics.gauge(

@@ -1,0 +1,182 @@
+"""MTP speculative decoding: exact under greedy, distribution-preserving under sampling, and
+exact block accounting with rejections and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.spec_decode.drafter as drafter_module
+from engine import LLM, SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.verify import accept_from_probs, verify_greedy
+
+PROMPTS = [
+    [5 + (i * 13 + j * 7) % 3000 for j in range(length)] for i, length in enumerate((9, 40, 17, 3, 28, 61))
+]
+MAX_TOKENS = (20, 3, 12, 30, 6, 9)
+ENGINE = dict(dtype="float32", num_kv_blocks=256, block_size=4, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    from engine.make_model import make_model
+
+    return str(make_model("tiny-mtp", tmp_path_factory.mktemp("models") / "tiny-mtp"))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model):
+    return LLM(mtp_model, **ENGINE).generate(
+        prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS]
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_mtp_equals_greedy_without(mtp_model, reference, k):
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **ENGINE)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+class Oracle:
+    """Replaces the MTP layer's drafts with the reference continuation, wrong at one position, so
+    acceptance is known exactly."""
+
+    def __init__(self, monkeypatch, truth: dict[tuple[int, ...], list[int]], wrong_at: int | None):
+        self.truth, self.wrong_at = truth, wrong_at
+        real = drafter_module.draft_with_mtp
+
+        def fake(runner, items, q_starts, hidden, out):
+            real(runner, items, q_starts, hidden, out)  # keeps the MTP cache filled as usual
+            for it in items:
+                req = it.request
+                if req.request_id not in out.drafts:
+                    continue
+                full = self.truth[tuple(req.prompt_token_ids)]
+                done = req.num_output_tokens + len(out.sampled.get(req.request_id, []))
+                drafts = list(full[done : done + len(out.drafts[req.request_id])])
+                if self.wrong_at is not None and len(drafts) > self.wrong_at:
+                    drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % 4096
+                out.drafts[req.request_id] = drafts
+
+        monkeypatch.setattr("engine.runner.draft_with_mtp", fake)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_accepted_and_rejected_drafts_keep_tokens_and_blocks_exact(
+    mtp_model, reference, monkeypatch, wrong_at
+):
+    Oracle(monkeypatch, {tuple(r.prompt_token_ids): r.token_ids for r in reference}, wrong_at)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **ENGINE)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    stats = llm.engine.spec_stats
+    if wrong_at is None:
+        assert stats.acceptance_rate == 1.0 and stats.mean_accept_length > 3.0
+    else:  # exactly the draft before the wrong one is accepted, whenever there was room for it
+        assert 0 < stats.acceptance_rate < 0.5 and stats.per_position()[1] == 0.0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_preemption_during_speculation_stays_exact(mtp_model, reference, monkeypatch):
+    Oracle(monkeypatch, {tuple(r.prompt_token_ids): r.token_ids for r in reference}, 2)
+    # A cache this small forces preemptions while requests hold lookahead blocks.
+    llm = LLM(
+        mtp_model,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        **{**ENGINE, "num_kv_blocks": 24},
+    )
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_sampled_requests_speculate_and_finish(mtp_model):
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params)
+    assert all(len(o.token_ids) == 12 for o in outs) and llm.engine.spec_stats.num_drafts > 0
+
+
+# ---- the rejection sampler keeps the target distribution -------------------------------------------
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit; p-value from the chi-square survival function
+    (the regularised upper incomplete gamma function)."""
+    expected = (probs * counts.sum()).double()
+    keep = expected > 0
+    if (counts[~keep] > 0).any():
+        return 0.0  # a token the target never produces
+    stat = (((counts[keep].double() - expected[keep]) ** 2) / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def _empirical(sampler, probs: torch.Tensor, draft: int, n: int = 20000) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(probs.shape[1])
+    for _ in range(n):
+        counts[sampler(probs, [draft], gen)[0]] += 1
+    return counts
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    p = torch.tensor(
+        [[0.05, 0.4, 0.25, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]]
+    )  # target at the draft, then bonus
+    for draft in (1, 3, 0):  # a likely, a middling and an unlikely draft
+        counts = _empirical(accept_from_probs, p, draft)
+        assert _chi2_pvalue(counts, p[0]) > 0.001
+
+
+def test_the_chi_square_test_rejects_a_wrong_sampler():
+    def always_accept(probs, drafts, gen):  # the classic bug: accepting with probability 1
+        return accept_from_probs(
+            torch.stack(
+                [torch.nn.functional.one_hot(torch.tensor(drafts[0]), probs.shape[1]).float(), probs[1]]
+            ),
+            drafts,
+            gen,
+        )
+
+    def forget_the_residual(probs, drafts, gen):  # resampling from p instead of p without the draft
+        u = torch.rand(1, generator=gen).item()
+        if u < probs[0, drafts[0]]:
+            return [drafts[0]]
+        return [int(torch.multinomial(probs[0], 1, generator=gen))]
+
+    p = torch.tensor([[0.05, 0.4, 0.25, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    for wrong in (always_accept, forget_the_residual):
+        assert _chi2_pvalue(_empirical(wrong, p, 1), p[0]) < 0.001
+
+
+def test_greedy_verification_rule():
+    logits = torch.full((4, 10), -5.0)
+    for i, best in enumerate([3, 7, 2, 9]):
+        logits[i, best] = 5.0
+    assert verify_greedy(logits, [3, 7, 2]) == [3, 7, 2, 9]  # all accepted + bonus
+    assert verify_greedy(logits, [3, 1, 2]) == [3, 7]  # stops at the first mismatch, emits the target's
+    assert verify_greedy(logits, [0, 7, 2]) == [3]
+
+
+def test_speculative_config_validation(tiny_model):
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).num_speculative_tokens == 2
+    for bad, msg in (
+        ({"method": "ngram"}, "method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"k": 1}, "unknown"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError, match="MTP layers"):  # the plain tiny model has none
+        LLM(tiny_model, speculative_config={"method": "mtp"}, **ENGINE)
