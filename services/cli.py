@@ -339,9 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
     )
-    p.add_argument(
-        "--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)"
-    )  # set for each launched rank
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)")
     p.add_argument(
         "--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step"
     )

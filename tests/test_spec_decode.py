@@ -180,3 +180,33 @@ def test_speculative_config_validation(tiny_model):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError, match="MTP layers"):  # the plain tiny model has none
         LLM(tiny_model, speculative_config={"method": "mtp"}, **ENGINE)
+
+
+def test_disaggregated_and_colocated_serving_with_mtp_keep_greedy_tokens(mtp_model, reference, tmp_path):
+    """Both workers speculate; the MTP layer's KV moves with the prompt's, so the decode worker
+    drafts from the first token on."""
+    import urllib.request
+
+    from pdserve.v1 import inference_pb2 as pb
+    from tests.service_testing import ENGINE_ARGS, generate, inference, metric, start_stack
+
+    stack = start_stack(
+        mtp_model,
+        tmp_path,
+        engine_args=[*ENGINE_ARGS, "--speculative", "mtp", "--num-speculative-tokens", "2"],
+        worker_metrics=True,
+    )
+    try:
+        for mode in (pb.SERVING_MODE_DISAGGREGATED, pb.SERVING_MODE_COLOCATED):
+            for prompt, n, ref in zip(PROMPTS, MAX_TOKENS, reference, strict=True):
+                sampling = pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                tokens, msgs = generate(
+                    inference(stack), token_ids=pb.TokenIds(ids=prompt), sampling=sampling, mode=mode
+                )
+                assert tokens == ref.token_ids
+        decode = stack.workers("decode")[0]
+        text = urllib.request.urlopen(decode.metrics_url).read().decode()
+        assert metric(text, "pdserve_spec_draft_tokens") > 0
+    finally:
+        codes = stack.stop()
+    assert all(c == 0 for c in codes.values()), codes
