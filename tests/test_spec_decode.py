@@ -210,3 +210,19 @@ def test_disaggregated_and_colocated_serving_with_mtp_keep_greedy_tokens(mtp_mod
     finally:
         codes = stack.stop()
     assert all(c == 0 for c in codes.values()), codes
+
+
+def test_spec_decode_benchmark_smoke(mtp_model):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "benchmarks/spec_decode.py", "--model", mtp_model, "--smoke", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [(row[0], row[1]) for row in lines] == [("1", "0"), ("1", "1")]
+    assert all(float(row[2]) > 0 for row in lines)

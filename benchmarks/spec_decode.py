@@ -1,0 +1,111 @@
+"""MTP speculative decoding: decode speed at batch 1, 8 and 32 with k = 0 (off), 1, 2, 3 drafts,
+in one run, on a model with an MTP layer (the trained default model).
+
+For each (batch, k): `batch` requests with prompts from the model's own training-style text are
+generated greedily to `--max-tokens` tokens; decode tokens/s and ms/token exclude the prefill
+(the time to the last request's first token). Acceptance per draft position and the mean
+accept length come from the engine's counters. Saves JSON under benchmarks/results/.
+
+    python benchmarks/spec_decode.py --model assets/pdserve-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import save  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "The module provides",
+    "This function returns",
+    "If the argument is",
+    "The following example shows",
+    "Return a new",
+    "This class is used",
+    "The default value is",
+    "Raise an exception if",
+]
+
+
+def run(llm: LLM, batch: int, max_tokens: int) -> dict:
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.engine
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", llm.tokenizer.encode(p), params)
+    first_all, outputs = None, 0
+    started = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs += len(out.new_token_ids)
+            started.add(out.request_id)
+            if first_all is None and len(started) == batch:
+                first_all = time.perf_counter()
+    end = time.perf_counter()
+    decode_tokens = outputs - batch  # the first token of each request comes with its prefill
+    decode_s = end - (first_all or start)
+    return {
+        "batch": batch,
+        "decode_tok_per_s": decode_tokens / decode_s,
+        "ms_per_token": 1000 * decode_s / (max_tokens - 1),
+        "total_s": end - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="assets/pdserve-tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--ks", default="0,1,2,3")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--smoke", action="store_true", help="batch 1, k 0 and 1, 8 tokens; nothing saved")
+    args = p.parse_args(argv)
+    batches = [1] if args.smoke else [int(b) for b in args.batches.split(",")]
+    ks = [0, 1] if args.smoke else [int(k) for k in args.ks.split(",")]
+    max_tokens = 8 if args.smoke else args.max_tokens
+    rows = []
+    for k in ks:
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
+        run(llm, 1, 4)  # warm-up
+        for batch in batches:
+            before = (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted_tokens)
+            row = run(llm, batch, max_tokens)
+            st = llm.engine.spec_stats
+            drafts = st.num_drafts - before[0]
+            row.update(
+                k=k,
+                verifications=drafts,
+                mean_accept_length=(1 + (st.num_accepted_tokens - before[1]) / drafts) if drafts else 1.0,
+                acceptance_per_position=st.per_position(),
+            )
+            rows.append(row)
+    base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["k"] == 0}
+    print(
+        f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10}  per-position acceptance"
+    )
+    for r in rows:
+        r["speedup"] = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else None
+        pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        print(
+            f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
+            f"{(r['speedup'] or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
+        )
+    if not args.smoke:
+        print(
+            f"saved {save('spec_decode', {'model': args.model, 'dtype': args.dtype, 'max_tokens': max_tokens, 'rows': rows})}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
