@@ -40,6 +40,24 @@ SAMPLING_FLAGS: dict[str, dict] = {
 }
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)")
+
+
+def _spec_config(args: argparse.Namespace) -> dict:
+    if not args.speculative:
+        return {}
+    return {
+        "speculative_config": {
+            "method": args.speculative,
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+    }
+
+
 def _add_flags(p: argparse.ArgumentParser, flags: dict[str, dict]) -> None:
     for name, options in flags.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, **options)
@@ -79,7 +97,7 @@ def _stream(llm, prompt: str | None, params, prompt_token_ids: list[int] | None 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **_pick(args, ENGINE_FLAGS))
+    llm = LLM(args.model, **_pick(args, ENGINE_FLAGS), **_spec_config(args))
     prompt, ids = args.prompt, None
     if args.chat:
         # The template writes the BOS itself: encode without special tokens, as HF's
@@ -162,11 +180,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             rank, group_size, args.dist_master_addr, args.dist_master_port, args.dist_timeout_s
         )
     extra = {"enable_expert_parallel": True, "data_parallel_size": group_size} if group is not None else {}
-    if args.speculative:
-        extra["speculative_config"] = {
-            "method": args.speculative,
-            "num_speculative_tokens": args.num_speculative_tokens,
-        }
+    extra.update(_spec_config(args))
     engine = _engine_config(args, **extra)
     chunk = {} if args.kv_chunk_bytes is None else {"kv_chunk_bytes": args.kv_chunk_bytes}
     settings = WorkerSettings(
@@ -301,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(p, SAMPLING_FLAGS)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("worker", help="serve one engine (prefill, decode or colocated) over gRPC")
@@ -336,10 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dist-timeout-s", type=float, default=60.0, help="a collective waiting longer fails")
     p.add_argument("--group-rank", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
-    )
-    p.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)")
+    _add_spec_flags(p)
     p.add_argument(
         "--stall-timeout-s", type=float, default=60.0, help="liveness fails after this long without a step"
     )
