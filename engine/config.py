@@ -267,6 +267,14 @@ class EngineConfig:
     """Port of rank 0 for torch.distributed (0: a free one, single machine only)."""
     dist_timeout_s: float = 60.0
     """A collective waiting longer (a rank died or hangs) fails instead of hanging the group."""
+    kv_offload: str | None = None
+    """KV offload tiers for evicted prefix blocks: "host", "redis" or "host,redis" (None: off)."""
+    kv_host_blocks: int = 4096
+    """Blocks the host-memory tier keeps (LRU)."""
+    kv_redis_url: str | None = None
+    """redis://host:port/db of the shared Redis tier."""
+    kv_redis_ttl_s: int = 3600
+    """Lifetime of a block in Redis."""
     speculative_config: dict | None = None
     """{"method": "mtp", "num_speculative_tokens": k}: draft k tokens per step with the checkpoint's
     MTP layer and verify them in one forward (None: off)."""
@@ -283,6 +291,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         SpeculativeConfig.parse(self.speculative_config)
+        tiers = self.offload_tiers
+        if "redis" in tiers and not self.kv_redis_url:
+            raise ValueError("kv_offload 'redis' needs kv_redis_url")
+        if tiers and not self.enable_prefix_caching:
+            raise ValueError("kv_offload needs enable_prefix_caching (blocks are found by their prefix hash)")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         for name in ("num_redundant_experts", "eplb_interval", "eplb_window"):
@@ -294,6 +307,14 @@ class EngineConfig:
             raise ValueError(
                 "num_redundant_experts, eplb_interval and expert_placement_file need enable_expert_parallel"
             )
+
+    @property
+    def offload_tiers(self) -> list[str]:
+        tiers = [t.strip() for t in (self.kv_offload or "").split(",") if t.strip()]
+        for t in tiers:
+            if t not in ("host", "redis"):
+                raise ValueError(f"kv_offload tiers must be 'host' and/or 'redis', got {t!r}")
+        return tiers
 
     @property
     def spec(self) -> SpeculativeConfig | None:

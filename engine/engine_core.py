@@ -22,6 +22,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.offload import make_offloader
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
 from engine.parallel.groups import ParallelGroup
@@ -101,6 +102,10 @@ class EngineCore:
             num_speculative=self.spec.num_speculative_tokens if self.spec else 0,
         )
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
+        self.offloader = make_offloader(cfg, self.runner.kv_caches)
+        if self.offloader is not None:
+            self.block_manager.pool.on_evict = self.offloader.on_evict
+            self.scheduler.offloader = self.offloader
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.exported: dict[str, ExportedKv] = {}

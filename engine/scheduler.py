@@ -67,6 +67,8 @@ class Scheduler:
         num_speculative: int = 0,
     ):
         self.block_manager = block_manager
+        self.offloader = None
+        """An engine.kv_cache.offload.KVOffloader when KV offloading is on."""
         self.num_speculative = num_speculative
         """k of speculative decoding (0: off): a step that samples reserves slots for the verify
         of k drafts and for drafting the next k."""
@@ -81,6 +83,14 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def _offloaded_run(self, req: Request, num_device_hits: int) -> int:
+        """Blocks after the device-cache hits that an offload tier holds (0 when off)."""
+        if self.offloader is None or req.params.prompt_logprobs is not None:
+            return 0
+        limit = (req.num_tokens - 1) // self.block_manager.block_size  # the last token is always computed
+        candidates = req.block_hashes[num_device_hits:limit]
+        return self.offloader.find(candidates) if candidates else 0
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
@@ -122,12 +132,20 @@ class Scheduler:
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = bm.get_computed_blocks(req)
+            offloaded = self._offloaded_run(req, len(hits))
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             samples = req.spec_enabled and num_hit_tokens + num_new == req.num_tokens
             lookahead = 2 * self.num_speculative if samples else 0
             if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
                 break
             self.waiting.popleft()
+            if offloaded:  # load what the tiers hold into the blocks just allocated after the hits
+                bs = bm.block_size
+                start = len(hits)
+                ids = req.block_ids[start : start + min(offloaded, num_new // bs)]
+                loaded = self.offloader.load(req.block_hashes[start : start + len(ids)], ids)
+                num_hit_tokens += loaded * bs
+                num_new -= loaded * bs
             req.num_computed_tokens = num_hit_tokens
             if req.status == RequestStatus.WAITING:
                 req.metrics.first_scheduled_time = time.monotonic()

@@ -23,6 +23,10 @@ ENGINE_FLAGS: dict[str, dict] = {
     "expert_placement_file": dict(default=None),
     "eplb_interval": dict(type=int, default=0),
     "eplb_window": dict(type=int, default=0),
+    "kv_offload": dict(default=None, help="KV offload tiers: host, redis or host,redis"),
+    "kv_host_blocks": dict(type=int, default=4096),
+    "kv_redis_url": dict(default=None, help="redis://host:port/db for the shared KV tier"),
+    "kv_redis_ttl_s": dict(type=int, default=3600),
 }
 SAMPLING_FLAGS: dict[str, dict] = {
     "max_tokens": dict(type=int, default=64),

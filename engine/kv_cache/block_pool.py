@@ -9,6 +9,7 @@ to its tail, so the least recently freed cached block is evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -31,6 +32,9 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
         self.num_evictions = 0
+        self.on_evict: Callable[[bytes, int], None] | None = None
+        """Called with (block hash, block id) just before a cached block's contents are dropped
+        (KV offloading copies them out)."""
 
     @property
     def num_blocks(self) -> int:
@@ -56,6 +60,8 @@ class BlockPool:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash, block_id)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1

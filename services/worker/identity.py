@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.engine_core import EngineCore
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from engine.kv_cache.offload import compat_key
 from services.kv_transfer.wire import Geometry
 
 
@@ -19,20 +20,9 @@ def geometry(core: EngineCore) -> Geometry:
 
 
 def compat_hash(core: EngineCore) -> str:
-    """Same model weights layout and config, cache dtype and geometry <=> KV can move between two engines."""
-    config = json.loads((Path(core.cfg.model) / "config.json").read_text())
-    geo = geometry(core)
-    blob = json.dumps(
-        {
-            "config": config,
-            "layers": geo.num_layers,
-            "block_size": geo.block_size,
-            "width": geo.width,
-            "dtype": str(geo.dtype),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    """Same model config, cache dtype and geometry <=> KV can move between two engines (the key
+    the offload tiers use too)."""
+    return compat_key(core.cfg.model, core.runner.kv_caches)
 
 
 def new_identity(endpoint: str, dp_rank: int) -> kv_pb.KvProducer:

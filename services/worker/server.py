@@ -133,6 +133,32 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
+    if core.offloader is not None:
+        off = core.offloader.stats
+        metrics.gauge(
+            "pdserve_kv_offload_stored_bytes",
+            "KV bytes copied out of the device cache",
+            lambda: off.stored_bytes,
+        )
+        metrics.gauge(
+            "pdserve_kv_offload_loaded_bytes",
+            "KV bytes loaded back from offload tiers",
+            lambda: off.loaded_bytes,
+        )
+        metrics.gauge(
+            "pdserve_kv_offload_load_seconds", "Time spent loading offloaded blocks", lambda: off.load_seconds
+        )
+        metrics.gauge(
+            "pdserve_kv_offload_checksum_failures",
+            "Offloaded blocks rejected by checksum",
+            lambda: off.checksum_failures,
+        )
+        for tier in core.offloader.tiers:
+            metrics.gauge(
+                f"pdserve_kv_offload_hits_{tier.name}",
+                f"Blocks loaded from the {tier.name} tier",
+                lambda name=tier.name: off.loaded_blocks.get(name, 0),
+            )
     if core.spec is not None:
         spec = core.spec_stats
         metrics.gauge(

@@ -1,0 +1,310 @@
+"""KV-cache offloading: full blocks evicted from the device cache go to a host-memory tier and,
+written behind, to a Redis tier shared by every worker on the same Redis; a later request whose
+prefix misses the device cache loads the longest run of blocks found there instead of
+recomputing it.
+
+Every tier addresses a block by `<compat>:<chained block hash>` (hashing.py), where `compat`
+fingerprints the model config, cache dtype and geometry, so incompatible engines never read each
+other's blocks. A stored block is raw bytes with a typed header — magic, version, dtype, shape
+[layers, block_size, width], CRC32 — never pickle; a block whose header or checksum does not
+match is treated as missing (and its run ends there, the rest is recomputed). A tier that fails
+(Redis down) is skipped: offloading can only save work, never fail a request.
+
+Threads: the engine thread calls everything here except the Redis writer's own thread, which
+drains a bounded queue of pending writes (dropping the oldest when full).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"PDKV"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHBxIIII")  # magic, version, dtype code, pad, layers, block_size, width, crc32
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def compat_key(model_dir: str | Path, caches: list[torch.Tensor]) -> str:
+    """Model config + cache dtype and geometry fingerprint: blocks only move between equal keys."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    _, block_size, width = caches[0].shape
+    blob = json.dumps(
+        {
+            "config": config,
+            "layers": len(caches),
+            "block_size": block_size,
+            "width": width,
+            "dtype": str(caches[0].dtype),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def encode_block(caches: list[torch.Tensor], block_id: int) -> bytes:
+    """One block of every layer -> header + [layers, block_size, width] raw little-endian bytes."""
+    slab = torch.stack([c[block_id] for c in caches]).cpu().contiguous()  # [L, bs, W]
+    data = slab.view(torch.uint8).numpy().tobytes()
+    layers, block_size, width = slab.shape
+    header = _HEADER.pack(
+        _MAGIC, _VERSION, _DTYPE_CODES[slab.dtype], layers, block_size, width, zlib.crc32(data)
+    )
+    return header + data
+
+
+def decode_into(blob: bytes, caches: list[torch.Tensor], block_id: int) -> bool:
+    """Write a stored block into device block `block_id`; False (nothing written) if its header
+    does not match this cache or its checksum fails."""
+    if len(blob) < _HEADER.size:
+        return False
+    magic, version, dtype_code, layers, block_size, width, crc = _HEADER.unpack_from(blob)
+    _, bs, w = caches[0].shape
+    if (magic, version, dtype_code, layers, block_size, width) != (
+        _MAGIC,
+        _VERSION,
+        _DTYPE_CODES[caches[0].dtype],
+        len(caches),
+        bs,
+        w,
+    ):
+        return False
+    data = memoryview(blob)[_HEADER.size :]
+    if len(data) != layers * block_size * width * caches[0].element_size() or zlib.crc32(data) != crc:
+        return False
+    slab = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        .view(caches[0].dtype)
+        .view(layers, block_size, width)
+    )
+    for layer, cache in enumerate(caches):
+        cache[block_id].copy_(slab[layer])
+    return True
+
+
+class HostTier:
+    """A bounded LRU pool of encoded blocks in CPU memory."""
+
+    name = "host"
+
+    def __init__(self, capacity_blocks: int):
+        if capacity_blocks < 1:
+            raise ValueError(f"kv_host_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, key: str, blob: bytes) -> None:
+        self._blocks[key] = blob
+        self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+            self.evictions += 1
+
+    def get(self, key: str) -> bytes | None:
+        blob = self._blocks.get(key)
+        if blob is not None:
+            self._blocks.move_to_end(key)
+        return blob
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        return [k in self._blocks for k in keys]
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def close(self) -> None:
+        pass
+
+
+class RedisTier:
+    """Blocks in Redis under `pdkv:<key>` with a TTL; writes go through a background thread."""
+
+    name = "redis"
+
+    def __init__(self, url: str, ttl_s: int = 3600, max_pending: int = 1024, timeout_s: float = 0.5):
+        import redis  # a service dependency; the engine imports it only when this tier is on
+
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.ttl_s = ttl_s
+        self.errors = 0
+        self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-redis", daemon=True)
+        self._writer.start()
+
+    @staticmethod
+    def _rkey(key: str) -> str:
+        return f"pdkv:{key}"
+
+    @property
+    def pending(self) -> int:
+        return self._pending.qsize()
+
+    def put(self, key: str, blob: bytes) -> None:
+        """Queue a write-behind; when the queue is full the oldest pending write is dropped."""
+        while True:
+            try:
+                self._pending.put_nowait((key, blob))
+                return
+            except queue.Full:
+                try:
+                    self._pending.get_nowait()
+                except queue.Empty:
+                    pass
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key, blob = self._pending.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self.client.set(self._rkey(key), blob, ex=self.ttl_s, nx=False)
+            except Exception as e:  # noqa: BLE001 - Redis down: the block is simply not shared
+                self.errors += 1
+                logger.debug("KV offload write to Redis failed: %s", e)
+            finally:
+                self._pending.task_done()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until queued writes are done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._pending.unfinished_tasks
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get(self._rkey(key))
+        except Exception as e:  # noqa: BLE001
+            self.errors += 1
+            logger.debug("KV offload read from Redis failed: %s", e)
+            return None
+
+    def contains(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._rkey(k))
+            return [bool(x) for x in pipe.execute()]
+        except Exception as e:  # noqa: BLE001
+            self.errors += 1
+            logger.debug("KV offload lookup in Redis failed: %s", e)
+            return [False] * len(keys)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._writer.join(timeout=2)
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@dataclass
+class OffloadStats:
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_blocks: dict[str, int] = field(default_factory=lambda: {"host": 0, "redis": 0})
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    checksum_failures: int = 0
+    lookups: int = 0
+
+
+class KVOffloader:
+    """Owned by the engine (its thread): copies evicted blocks out, finds and loads prefixes."""
+
+    def __init__(self, caches: list[torch.Tensor], compat: str, tiers: list):
+        self.caches = caches
+        self.compat = compat
+        self.tiers = tiers
+        self.stats = OffloadStats()
+
+    def key(self, block_hash: bytes) -> str:
+        return f"{self.compat}:{block_hash.hex()}"
+
+    def on_evict(self, block_hash: bytes, block_id: int) -> None:
+        """A cached full block is about to be reused: keep its bytes in the tiers."""
+        blob = encode_block(self.caches, block_id)
+        key = self.key(block_hash)
+        for tier in self.tiers:
+            tier.put(key, blob)
+        self.stats.stored_blocks += 1
+        self.stats.stored_bytes += len(blob)
+
+    def find(self, block_hashes: list[bytes]) -> int:
+        """How many of these (consecutive) blocks some tier holds, from the first on."""
+        self.stats.lookups += 1
+        keys = [self.key(h) for h in block_hashes]
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            missing = [i for i, f in enumerate(found) if not f]
+            for i, hit in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
+                found[i] = hit
+        run = 0
+        while run < len(found) and found[run]:
+            run += 1
+        return run
+
+    def load(self, block_hashes: list[bytes], block_ids: list[int]) -> int:
+        """Load blocks into the given device blocks, in order; stops at the first block no tier
+        can give intact. Returns how many were loaded."""
+        start = time.perf_counter()
+        loaded = 0
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+            key = self.key(block_hash)
+            ok = False
+            for tier in self.tiers:
+                blob = tier.get(key)
+                if blob is None:
+                    continue
+                if decode_into(blob, self.caches, block_id):
+                    ok = True
+                    self.stats.loaded_blocks[tier.name] = self.stats.loaded_blocks.get(tier.name, 0) + 1
+                    self.stats.loaded_bytes += len(blob)
+                    if tier is not self.tiers[0]:
+                        self.tiers[0].put(key, blob)  # promote to the host tier
+                    break
+                self.stats.checksum_failures += 1
+            if not ok:
+                break
+            loaded += 1
+        self.stats.load_seconds += time.perf_counter() - start
+        return loaded
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def make_offloader(cfg, caches: list[torch.Tensor]) -> KVOffloader | None:
+    """The tiers an EngineConfig asks for (kv_offload), or None."""
+    names = cfg.offload_tiers
+    if not names:
+        return None
+    tiers = []
+    if "host" in names:
+        tiers.append(HostTier(cfg.kv_host_blocks))
+    if "redis" in names:
+        tiers.append(RedisTier(cfg.kv_redis_url, ttl_s=cfg.kv_redis_ttl_s))
+    return KVOffloader(caches, compat_key(cfg.model, caches), tiers)

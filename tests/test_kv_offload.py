@@ -1,0 +1,160 @@
+"""KV offloading: blocks evicted from a small device cache come back from the host tier or from a
+real Redis shared by processes, exactly; incompatible engines never read them; a corrupt block or
+a dead Redis only costs a recompute."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis
+
+from engine import LLM, SamplingParams
+from tests.redis_server import RedisServer
+
+PREFIX = [5 + (j * 7) % 3000 for j in range(48)]  # 12 blocks of 4
+PROMPT = PREFIX + [9]
+PARAMS = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+SMALL = dict(dtype="float32", num_kv_blocks=24, block_size=4, num_threads=1)
+FILLERS = [[100 + j for j in range(60)], [2000 + j for j in range(60)]]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1).generate(
+        prompt_token_ids=[PROMPT], sampling_params=PARAMS
+    )[0]
+
+
+def _evict(llm: LLM) -> None:
+    """Other long prompts push the prefix out of the 24-block device cache."""
+    llm.generate(prompt_token_ids=FILLERS, sampling_params=SamplingParams(max_tokens=2, temperature=0))
+
+
+def _same(out, ref) -> None:
+    assert out.token_ids == ref.token_ids
+    for got, want in zip(out.logprobs, ref.logprobs, strict=True):
+        assert list(got) == list(want) and got == pytest.approx(want, abs=1e-4)
+
+
+def _loaded(llm, tier: str) -> int:
+    return llm.engine.offloader.stats.loaded_blocks[tier]
+
+
+def test_host_then_redis_tier_give_the_prefix_back_exactly(tiny_model, reference, redis_server):
+    llm = LLM(tiny_model, kv_offload="host,redis", kv_redis_url=redis_server.url, kv_host_blocks=64, **SMALL)
+    off = llm.engine.offloader
+    _same(llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0], reference)
+    _evict(llm)
+    before = _loaded(llm, "host")
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    _same(out, reference)
+    assert out.num_cached_tokens == 48 and _loaded(llm, "host") - before == 12
+
+    _evict(llm)
+    assert off.tiers[1].flush()
+    off.tiers[0].clear()  # the host tier forgets: only Redis has them now
+    before = _loaded(llm, "redis")
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    _same(out, reference)
+    assert out.num_cached_tokens == 48 and _loaded(llm, "redis") - before == 12
+    assert off.stats.checksum_failures == 0
+    # No leaks: bounded host pool, no pending writes, every Redis key expires.
+    assert off.tiers[1].flush() and off.tiers[1].pending == 0 and len(off.tiers[0]) <= 64
+    client = redis.Redis.from_url(redis_server.url)
+    keys = client.keys("pdkv:*")
+    assert keys and all(0 < client.ttl(k) <= 3600 for k in keys)
+    off.close()
+
+
+def test_another_process_sharing_redis_reuses_the_blocks(tiny_model, redis_server, reference):
+    writer = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
+    redis.Redis.from_url(redis_server.url).flushall()
+    writer.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
+    _evict(writer)  # evictions are what get written
+    assert writer.engine.offloader.tiers[0].flush()
+    script = textwrap.dedent(f"""
+        from engine import LLM, SamplingParams
+        llm = LLM({tiny_model!r}, kv_offload="redis", kv_redis_url={redis_server.url!r}, dtype="float32",
+                  num_kv_blocks=24, block_size=4, num_threads=1)
+        out = llm.generate(prompt_token_ids=[{PROMPT!r}], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        print(out.num_cached_tokens, out.token_ids)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cached, tokens = proc.stdout.strip().split(" ", 1)
+    assert int(cached) == 48 and tokens == str(reference.token_ids)
+    writer.engine.offloader.close()
+
+
+def test_an_incompatible_model_never_reads_the_blocks(tiny_model, redis_server, tmp_path):
+    """Same tokenizer, block size and prompt (so the same block hashes), but another model config:
+    the compatibility hash differs and nothing is read."""
+    from engine.make_model import make_model
+
+    other = str(make_model("tiny-mtp", tmp_path / "other"))
+    redis.Redis.from_url(redis_server.url).flushall()
+    a = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
+    a.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
+    _evict(a)
+    assert a.engine.offloader.tiers[0].flush()
+    b = LLM(other, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
+    assert b.engine.offloader.compat != a.engine.offloader.compat
+    out = b.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    assert out.num_cached_tokens == 0 and b.engine.offloader.stats.loaded_bytes == 0
+    assert redis.Redis.from_url(redis_server.url).keys(
+        f"pdkv:{a.engine.offloader.compat}:*"
+    )  # they were there
+    for llm in (a, b):
+        llm.engine.offloader.close()
+
+
+def test_a_corrupt_block_is_recomputed_and_a_dead_redis_costs_nothing(tiny_model, redis_server, reference):
+    from engine.kv_cache.hashing import hash_blocks
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    llm = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
+    off = llm.engine.offloader
+    llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
+    _evict(llm)
+    assert off.tiers[0].flush() and len(client.keys(f"pdkv:{off.compat}:*")) >= 12
+    # Corrupt the prefix's 5th block: the loaded run ends there and the rest is recomputed.
+    fifth = f"pdkv:{off.key(hash_blocks(PREFIX, 4)[4])}"
+    blob = bytearray(client.get(fifth))
+    blob[-3] ^= 0x55
+    client.set(fifth, bytes(blob))
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    _same(out, reference)
+    assert out.num_cached_tokens == 16 and off.stats.checksum_failures == 1
+
+    redis_server.stop()  # Redis gone mid-run: requests still succeed by recomputing
+    try:
+        _evict(llm)
+        out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+        _same(out, reference)
+        assert off.tiers[0].errors > 0
+    finally:
+        redis_server.start()
+    assert off.tiers[0].flush()
+    errors = off.tiers[0].errors
+    _evict(llm)  # Redis back, empty: writes and reads work again without errors
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
+    _same(out, reference)
+    assert off.tiers[0].flush() and off.tiers[0].errors == errors
+    off.close()
+
+
+def test_offload_options_are_validated(tiny_model):
+    with pytest.raises(ValueError, match="kv_redis_url"):
+        LLM(tiny_model, kv_offload="redis", **SMALL)
+    with pytest.raises(ValueError, match="host.*redis"):
+        LLM(tiny_model, kv_offload="disk", **SMALL)
