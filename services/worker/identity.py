@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 import uuid
-from pathlib import Path
 
 from engine.engine_core import EngineCore
-from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from engine.kv_cache.offload import compat_key
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from services.kv_transfer.wire import Geometry
 
 
