@@ -76,13 +76,15 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []
+        """Requests whose offloaded prefix blocks are being fetched from a remote tier."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def _offloaded_run(self, req: Request, num_device_hits: int) -> int:
         """Blocks after the device-cache hits that an offload tier holds (0 when off)."""
@@ -106,8 +108,17 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
 
+    def _admit_loaded(self) -> None:
+        """Requests whose remote blocks arrived go back to the head of the queue, in order."""
+        done = [r for r in self.loading if self.offloader.fetch_done(r.request_id)]
+        for req in reversed(done):
+            self.loading.remove(req)
+            self.waiting.appendleft(req)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.loading:
+            self._admit_loaded()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
@@ -133,12 +144,20 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit_tokens = bm.get_computed_blocks(req)
             offloaded = self._offloaded_run(req, len(hits))
+            run = req.block_hashes[len(hits) : len(hits) + offloaded]
+            if offloaded and self.offloader.needs_fetch(req.request_id, run):
+                # Its prefix is in a remote tier: fetch it in the background, let others run.
+                self.offloader.start_fetch(req.request_id, run)
+                self.loading.append(self.waiting.popleft())
+                continue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             samples = req.spec_enabled and num_hit_tokens + num_new == req.num_tokens
             lookahead = 2 * self.num_speculative if samples else 0
             if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
                 break
             self.waiting.popleft()
+            if self.offloader is not None:
+                self.offloader.admitted(req.request_id)
             if offloaded:  # load what the tiers hold into the blocks just allocated after the hits
                 bs = bm.block_size
                 start = len(hits)
@@ -172,6 +191,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
+        if self.offloader is not None:
+            self.offloader.cancel_fetch(req.request_id)
         if free_blocks:
             self.block_manager.free(req)
         req.status = status

@@ -158,3 +158,45 @@ def test_offload_options_are_validated(tiny_model):
         LLM(tiny_model, kv_offload="redis", **SMALL)
     with pytest.raises(ValueError, match="host.*redis"):
         LLM(tiny_model, kv_offload="disk", **SMALL)
+
+
+def test_a_request_waits_for_its_remote_blocks_while_others_run(
+    tiny_model, redis_server, reference, monkeypatch
+):
+    import threading
+
+    from engine.kv_cache import offload
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    llm = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
+    off = llm.engine.offloader
+    llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
+    _evict(llm)
+    assert off.tiers[0].flush()
+    gate = threading.Event()
+    real_fetch = offload.KVOffloader._fetch
+    monkeypatch.setattr(
+        offload.KVOffloader,
+        "_fetch",
+        staticmethod(lambda tiers, keys: gate.wait(10) and real_fetch(tiers, keys)),
+    )
+    engine = llm.engine
+    engine.add_request("slow", PROMPT, PARAMS)
+    engine.add_request("other", [7, 8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished = {}
+    for _ in range(20):  # "other" finishes while "slow" waits for its blocks
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if "other" in finished:
+            break
+    assert "other" in finished and "slow" not in finished
+    assert [r.request_id for r in engine.scheduler.loading] == ["slow"]
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    _same(finished["slow"], reference)
+    assert finished["slow"].num_cached_tokens == 48 and off.num_fetching == 0
+    off.close()

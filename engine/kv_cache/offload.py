@@ -25,6 +25,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,7 @@ class HostTier:
     """A bounded LRU pool of encoded blocks in CPU memory."""
 
     name = "host"
+    local = True
 
     def __init__(self, capacity_blocks: int):
         if capacity_blocks < 1:
@@ -137,13 +139,23 @@ class RedisTier:
     """Blocks in Redis under `pdkv:<key>` with a TTL; writes go through a background thread."""
 
     name = "redis"
+    local = False
 
-    def __init__(self, url: str, ttl_s: int = 3600, max_pending: int = 1024, timeout_s: float = 0.5):
+    def __init__(
+        self,
+        url: str,
+        ttl_s: int = 3600,
+        max_pending: int = 1024,
+        timeout_s: float = 0.5,
+        backoff_s: float = 5.0,
+    ):
         import redis  # a service dependency; the engine imports it only when this tier is on
 
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.ttl_s = ttl_s
         self.errors = 0
+        self.backoff_s = backoff_s
+        self._down_until = 0.0  # after a failure reads skip Redis for a while instead of timing out each time
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-redis", daemon=True)
@@ -178,8 +190,7 @@ class RedisTier:
             try:
                 self.client.set(self._rkey(key), blob, ex=self.ttl_s, nx=False)
             except Exception as e:  # noqa: BLE001 - Redis down: the block is simply not shared
-                self.errors += 1
-                logger.debug("KV offload write to Redis failed: %s", e)
+                self._failed("write to", e)
             finally:
                 self._pending.task_done()
 
@@ -190,25 +201,43 @@ class RedisTier:
             time.sleep(0.01)
         return not self._pending.unfinished_tasks
 
+    def _failed(self, what: str, e: Exception) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + self.backoff_s
+        logger.debug("KV offload %s Redis failed: %s", what, e)
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
     def get(self, key: str) -> bytes | None:
+        if not self.available:
+            return None
         try:
             return self.client.get(self._rkey(key))
         except Exception as e:  # noqa: BLE001
-            self.errors += 1
-            logger.debug("KV offload read from Redis failed: %s", e)
+            self._failed("read from", e)
             return None
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        if not keys or not self.available:
+            return [None] * len(keys)
+        try:
+            return self.client.mget([self._rkey(k) for k in keys])
+        except Exception as e:  # noqa: BLE001
+            self._failed("read from", e)
+            return [None] * len(keys)
+
     def contains(self, keys: list[str]) -> list[bool]:
-        if not keys:
-            return []
+        if not keys or not self.available:
+            return [False] * len(keys)
         try:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self._rkey(k))
             return [bool(x) for x in pipe.execute()]
         except Exception as e:  # noqa: BLE001
-            self.errors += 1
-            logger.debug("KV offload lookup in Redis failed: %s", e)
+            self._failed("lookup in", e)
             return [False] * len(keys)
 
     def close(self) -> None:
@@ -239,6 +268,70 @@ class KVOffloader:
         self.compat = compat
         self.tiers = tiers
         self.stats = OffloadStats()
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-fetch")
+        self._fetches: dict[str, Future] = {}
+        """request_id -> background fetch of its remote blocks."""
+        self._staged: dict[str, tuple[str, bytes]] = {}
+        self._fetched: set[str] = set()
+        """Requests whose fetch finished and that are waiting to be admitted."""
+        """Fetched remote blocks waiting for their request's admission: key -> (tier name, blob)."""
+
+    # ---- remote blocks are fetched off the engine thread; the request waits meanwhile ---------
+
+    def needs_fetch(self, request_id: str, block_hashes: list[bytes]) -> bool:
+        """Some of these blocks are only in a remote tier and the request has not been fetched for
+        yet (one fetch per admission: what it did not bring is recomputed)."""
+        if request_id in self._fetched:
+            return False
+        keys = [self.key(h) for h in block_hashes if self.key(h) not in self._staged]
+        local = [t for t in self.tiers if t.local]
+        for tier in local:
+            keys = [k for k, hit in zip(keys, tier.contains(keys), strict=True) if not hit]
+        return bool(keys)
+
+    def start_fetch(self, request_id: str, block_hashes: list[bytes]) -> None:
+        if request_id in self._fetches:
+            return
+        keys = [self.key(h) for h in block_hashes]
+        remote = [t for t in self.tiers if not t.local]
+        self._fetches[request_id] = self._fetcher.submit(self._fetch, remote, keys)
+
+    @staticmethod
+    def _fetch(tiers: list, keys: list[str]) -> dict[str, tuple[str, bytes]]:
+        got: dict[str, tuple[str, bytes]] = {}
+        for tier in tiers:
+            missing = [k for k in keys if k not in got]
+            blobs = tier.get_many(missing) if hasattr(tier, "get_many") else [tier.get(k) for k in missing]
+            for k, blob in zip(missing, blobs, strict=True):
+                if blob is not None:
+                    got[k] = (tier.name, blob)
+        return got
+
+    def fetch_done(self, request_id: str) -> bool:
+        """True once the request's fetch finished; its blocks are then staged for load()."""
+        fut = self._fetches.get(request_id)
+        if fut is None or not fut.done():
+            return fut is None
+        del self._fetches[request_id]
+        self._fetched.add(request_id)
+        try:
+            self._staged.update(fut.result())
+        except Exception as e:  # noqa: BLE001 - the request just recomputes
+            logger.debug("KV offload fetch failed: %s", e)
+        return True
+
+    def cancel_fetch(self, request_id: str) -> None:
+        fut = self._fetches.pop(request_id, None)
+        if fut is not None:
+            fut.cancel()
+        self._fetched.discard(request_id)
+
+    def admitted(self, request_id: str) -> None:
+        self._fetched.discard(request_id)
+
+    @property
+    def num_fetching(self) -> int:
+        return len(self._fetches)
 
     def key(self, block_hash: bytes) -> str:
         return f"{self.compat}:{block_hash.hex()}"
@@ -271,28 +364,34 @@ class KVOffloader:
         can give intact. Returns how many were loaded."""
         start = time.perf_counter()
         loaded = 0
+        host = next((t for t in self.tiers if t.local), None)
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             key = self.key(block_hash)
             ok = False
-            for tier in self.tiers:
-                blob = tier.get(key)
+            sources = [(t.name, t.get(key)) for t in self.tiers if t.local]
+            if key in self._staged:
+                sources.append(self._staged.pop(key))
+            for name, blob in sources:
                 if blob is None:
                     continue
                 if decode_into(blob, self.caches, block_id):
                     ok = True
-                    self.stats.loaded_blocks[tier.name] = self.stats.loaded_blocks.get(tier.name, 0) + 1
+                    self.stats.loaded_blocks[name] = self.stats.loaded_blocks.get(name, 0) + 1
                     self.stats.loaded_bytes += len(blob)
-                    if tier is not self.tiers[0]:
-                        self.tiers[0].put(key, blob)  # promote to the host tier
+                    if host is not None and name != host.name:
+                        host.put(key, blob)  # promote to the host tier
                     break
                 self.stats.checksum_failures += 1
             if not ok:
                 break
             loaded += 1
+        for block_hash in block_hashes[loaded:]:
+            self._staged.pop(self.key(block_hash), None)
         self.stats.load_seconds += time.perf_counter() - start
         return loaded
 
     def close(self) -> None:
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             tier.close()
 
