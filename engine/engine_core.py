@@ -233,8 +233,15 @@ class EngineCore:
         num_prompt = req.num_prompt_tokens
         if not self.block_manager.allocate_slots(req, num_prompt - num_hit_tokens, hits, cache_blocks=False):
             return None
-        req.metrics.num_cached_tokens = num_hit_tokens
-        return len(hits)
+        loaded = 0
+        if self.offloader is not None:  # blocks an offload tier holds need not be transferred either
+            run = self.offloader.find(req.block_hashes[len(hits) : num_prompt // self.cfg.block_size])
+            if run:
+                ids = req.block_ids[len(hits) : len(hits) + run]
+                loaded = self.offloader.load(req.block_hashes[len(hits) : len(hits) + run], ids)
+            self.offloader.unstage(req.block_hashes)  # what was fetched for it and not used
+        req.metrics.num_cached_tokens = num_hit_tokens + loaded * self.cfg.block_size
+        return len(hits) + loaded
 
     def finish_import(self, request_id: str) -> None:
         """The prompt KV is in the request's blocks: cache them and join the running batch."""

@@ -200,3 +200,36 @@ def test_a_request_waits_for_its_remote_blocks_while_others_run(
     _same(finished["slow"], reference)
     assert finished["slow"].num_cached_tokens == 48 and off.num_fetching == 0
     off.close()
+
+
+def test_a_decode_worker_loads_shared_blocks_from_redis_instead_of_pulling_them(
+    tiny_model, redis_server, tmp_path, reference
+):
+    import time
+
+    from pdserve.v1 import inference_pb2 as pb
+    from tests.service_testing import generate, inference, start_stack
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    args = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "24"]
+    args += ["--kv-offload", "redis", "--kv-redis-url", redis_server.url]
+    stack = start_stack(tiny_model, tmp_path, engine_args=args)
+    try:
+        stub = inference(stack)
+        disagg = pb.SERVING_MODE_DISAGGREGATED
+        sampling = pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        tokens, msgs = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling, mode=disagg)
+        first_bytes = msgs[-1].usage.kv_transfer_bytes
+        assert tokens == reference.token_ids and first_bytes > 0
+        for filler in FILLERS:  # evicts the prompt's blocks on both workers, into Redis
+            generate(
+                stub, token_ids=pb.TokenIds(ids=filler), sampling=pb.SamplingParams(max_tokens=2), mode=disagg
+            )
+        time.sleep(0.5)  # write-behind
+        tokens, msgs = generate(stub, token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling, mode=disagg)
+        assert tokens == reference.token_ids
+        # The 12 full blocks came from Redis on both sides; only the partial last block moved.
+        assert msgs[-1].usage.cached_tokens == 48
+        assert msgs[-1].usage.kv_transfer_bytes == first_bytes // 13
+    finally:
+        stack.stop()

@@ -345,11 +345,24 @@ class KVOffloader:
         self.stats.stored_blocks += 1
         self.stats.stored_bytes += len(blob)
 
+    def stage(self, blobs: dict[str, tuple[str, bytes]]) -> None:
+        """Blocks fetched from a remote tier off the engine thread (see fetch), for load()."""
+        self._staged.update(blobs)
+
+    def unstage(self, block_hashes: list[bytes]) -> None:
+        for h in block_hashes:
+            self._staged.pop(self.key(h), None)
+
+    def fetch(self, block_hashes: list[bytes]) -> dict[str, tuple[str, bytes]]:
+        """Read these blocks from the remote tiers (any thread; blocking)."""
+        return self._fetch([t for t in self.tiers if not t.local], [self.key(h) for h in block_hashes])
+
     def find(self, block_hashes: list[bytes]) -> int:
-        """How many of these (consecutive) blocks some tier holds, from the first on."""
+        """How many of these (consecutive) blocks some tier (or the staged fetches) holds, from
+        the first on."""
         self.stats.lookups += 1
         keys = [self.key(h) for h in block_hashes]
-        found = [False] * len(keys)
+        found = [k in self._staged for k in keys]
         for tier in self.tiers:
             missing = [i for i, f in enumerate(found) if not f]
             for i, hit in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
