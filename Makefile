@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/offline_throughput.py --model $(MODEL_DIR)/pdserve-bench
 	$(PY) benchmarks/decode_curve.py --model $(MODEL_DIR)/pdserve-bench
 	$(PY) benchmarks/ep_balance.py
+	$(PY) benchmarks/prefix_offload.py --model $(MODEL_DIR)/pdserve-bench
 	$(PY) benchmarks/serving.py --model $(MODEL_DIR)/pdserve-bench --rates 1,2 --num-requests 16
 
 clean:

@@ -233,3 +233,19 @@ def test_a_decode_worker_loads_shared_blocks_from_redis_instead_of_pulling_them(
         assert msgs[-1].usage.kv_transfer_bytes == first_bytes // 13
     finally:
         stack.stop()
+
+
+def test_prefix_offload_benchmark_smoke(tiny_model):
+    out = subprocess.run(
+        [sys.executable, "benchmarks/prefix_offload.py", "--model", tiny_model, "--smoke", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.stdout.splitlines()
+        if line.split() and line.split()[0] in ("none", "host", "host+redis")
+    }
+    assert set(rows) == {"none", "host", "host+redis"} and all(float(r[1]) > 0 for r in rows.values())
