@@ -158,15 +158,7 @@ class AsyncEngine:
                 self._run_lockstep()
                 return
             while not self._stopping:
-                busy = self.core.has_unfinished_requests()
-                try:
-                    item = None if busy else self._commands.get(timeout=_IDLE_WAIT_S)
-                    while True:
-                        if item is not None:
-                            self._run_command(*item)
-                        item = self._commands.get_nowait()
-                except queue.Empty:
-                    pass
+                self._drain_commands(0.0 if self.core.has_unfinished_requests() else _IDLE_WAIT_S)
                 if self._stopping:
                     break
                 if self.core.has_unfinished_requests():
@@ -183,20 +175,24 @@ class AsyncEngine:
         finally:
             self._fail_all(self.error or EngineDead("engine stopped"))
 
+    def _drain_commands(self, wait_s: float) -> None:
+        """Run every queued command, waiting up to wait_s for the first one when there is none."""
+        try:
+            item = self._commands.get(timeout=wait_s) if wait_s > 0 else None
+            while True:
+                if item is not None:
+                    self._run_command(*item)
+                item = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
     def _run_lockstep(self) -> None:
         """A rank of a DP/EP group: step every iteration (the step itself syncs with the other
         ranks; idle ranks run dummy batches while any rank has work), and stop only when every
         rank asked to."""
         while True:
-            idle = not self.core.has_unfinished_requests()
-            try:
-                item = self._commands.get(timeout=_LOCKSTEP_IDLE_S) if idle and not self._stopping else None
-                while True:
-                    if item is not None:
-                        self._run_command(*item)
-                    item = self._commands.get_nowait()
-            except queue.Empty:
-                pass
+            idle = not self.core.has_unfinished_requests() and not self._stopping
+            self._drain_commands(_LOCKSTEP_IDLE_S if idle else 0.0)
             self._step(stop=self._stopping)
             if self.core.stop_requested:
                 return
