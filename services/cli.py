@@ -234,6 +234,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout_s,
         max_attempts=args.max_attempts,
+        kv_redis_url=args.kv_redis_url,
     )
     cfg = RouterServerConfig(
         model=args.model,
@@ -378,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond those (then 429)")
     p.add_argument("--queue-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")
+    p.add_argument(
+        "--kv-redis-url", default=None, help="the workers' shared KV tier, for prefix-aware routing"
+    )
     p.add_argument(
         "--probe-interval-s", type=float, default=0.5, help="how often workers' load and health are read"
     )

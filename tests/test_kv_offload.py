@@ -249,3 +249,32 @@ def test_prefix_offload_benchmark_smoke(tiny_model):
         if line.split() and line.split()[0] in ("none", "host", "host+redis")
     }
     assert set(rows) == {"none", "host", "host+redis"} and all(float(r[1]) > 0 for r in rows.values())
+
+
+def test_the_router_counts_blocks_in_the_shared_tier(redis_server):
+    import asyncio
+
+    from engine.kv_cache.hashing import hash_blocks
+    from pdserve.v1 import worker_pb2 as wpb
+    from services.metrics import Metrics
+    from services.registry import StaticRegistry
+    from services.router.core import RouterCore, RouterSettings
+    from services.router.pool import WorkerHandle, WorkerPool
+
+    hashes = hash_blocks(PREFIX, 4)
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    for h in hashes[:3] + hashes[4:6]:  # a gap after the third block: the run is 3
+        client.set(f"pdkv:abc123:{h.hex()}", b"x")
+
+    async def main():
+        pool = WorkerPool(StaticRegistry([]))
+        pool.workers["w"] = WorkerHandle("w", None, None, None, info=wpb.EngineInfo(compat_hash="abc123"))
+        core = RouterCore(RouterSettings("m", kv_redis_url=redis_server.url), None, pool, Metrics("router"))
+        got = await core._shared_blocks(hashes)
+        pool.workers["w"].info.compat_hash = "other"  # another model's blocks never count
+        other = await core._shared_blocks(hashes)
+        await core.kv_redis.aclose()
+        return got, other
+
+    assert asyncio.run(main()) == (3, 0)

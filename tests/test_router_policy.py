@@ -43,8 +43,8 @@ HASHES = hash_blocks(PROMPT, BS)
 NEVER_COLOCATE = RoutingConfig(colocate_max_tokens=0, colocate_cached_fraction=0.8)
 
 
-def _route(pool, mode=ServingMode.AUTO, cfg=NEVER_COLOCATE, prompt=PROMPT):
-    return choose(pool, cfg, mode, hash_blocks(prompt, BS), len(prompt), BS)
+def _route(pool, mode=ServingMode.AUTO, cfg=NEVER_COLOCATE, prompt=PROMPT, shared_blocks=0):
+    return choose(pool, cfg, mode, hash_blocks(prompt, BS), len(prompt), BS, shared_blocks=shared_blocks)
 
 
 def test_least_loaded_prefill_and_decode_without_affinity():
@@ -97,3 +97,14 @@ def test_prefix_index_is_a_bounded_lru_matching_leading_blocks():
     assert index.match(HASHES) == 3 and index.match(hash_blocks(PROMPT[::-1], BS)) == 0
     index.add([b"x", b"y"])  # evicts the oldest
     assert index.match(HASHES) == 0
+
+
+def test_blocks_in_the_shared_tier_count_as_cached_on_every_rank():
+    pool = _pool(("p0", "prefill", 3), ("p1", "prefill", 0), ("d0", "decode", 0))
+    # 5 of 6 blocks are in Redis: any decode rank can load them, so AUTO runs colocated.
+    assert _route(pool, shared_blocks=5).prefill is None
+    assert _route(pool, shared_blocks=2).prefill is not None
+    # p0 caches 3 blocks, but the shared tier already has 3: affinity gains nothing, load wins.
+    pool.workers["p0"].prefix.add(HASHES[:3])
+    assert _route(pool, mode=ServingMode.DISAGGREGATED, shared_blocks=3).prefill.endpoint == "p1"
+    assert _route(pool, mode=ServingMode.DISAGGREGATED, shared_blocks=0).prefill.endpoint == "p0"

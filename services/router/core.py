@@ -62,6 +62,8 @@ class RouterSettings:
     """Tries per request when a worker is UNAVAILABLE before the first token was sent."""
     retry_backoff_s: float = 0.05
     """First retry's backoff (doubled each time, jittered +-50%)."""
+    kv_redis_url: str | None = None
+    """The workers' shared KV offload tier: prompt blocks found there count as cached everywhere."""
 
 
 class RouterCore(Frontend):
@@ -72,6 +74,11 @@ class RouterCore(Frontend):
         self.pool = pool
         self.metrics = metrics
         self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+        self.kv_redis = None
+        if settings.kv_redis_url:
+            import redis.asyncio
+
+            self.kv_redis = redis.asyncio.Redis.from_url(settings.kv_redis_url, socket_timeout=0.2)
         self._tasks: set[asyncio.Task] = set()
 
     # ---- model limits, from the workers ---------------------------------------------------------
@@ -166,13 +173,38 @@ class RouterCore(Frontend):
         finally:
             m.labels(m.requests, finish).inc()
 
+    async def _shared_blocks(self, hashes: list[bytes]) -> int:
+        """Leading prompt blocks the shared KV tier holds for the workers' model (0 if unknown)."""
+        if self.kv_redis is None or not hashes:
+            return 0
+        compat = self._infos()[0].compat_hash
+        try:
+            pipe = self.kv_redis.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(f"pdkv:{compat}:{h.hex()}")
+            found = await pipe.execute()
+        except Exception:  # noqa: BLE001 - routing without it is still correct
+            return 0
+        run = 0
+        while run < len(found) and found[run]:
+            run += 1
+        return run
+
     async def _attempt(
         self, rid, inp: GenerateInput, hashes, start, deadline, queued: float, failed: set[str]
     ):
         """One try on one route; updates the workers' circuit breakers."""
         prompt = inp.prompt_token_ids
+        shared = await self._shared_blocks(hashes)
         route = choose(
-            self.pool, self.settings.routing, inp.mode, hashes, len(prompt), self.block_size, exclude=failed
+            self.pool,
+            self.settings.routing,
+            inp.mode,
+            hashes,
+            len(prompt),
+            self.block_size,
+            exclude=failed,
+            shared_blocks=shared,
         )
         m = self.metrics
         first_token_time = last_token_time = None

@@ -45,8 +45,11 @@ def choose(
     num_tokens: int,
     block_size: int,
     exclude: set[str] | frozenset[str] = frozenset(),
+    shared_blocks: int = 0,
 ) -> Route:
-    """exclude: endpoints that just failed this request (a retry goes elsewhere)."""
+    """exclude: endpoints that just failed this request (a retry goes elsewhere). shared_blocks:
+    leading prompt blocks the shared KV tier (Redis) holds: any worker can load those, so they
+    count as cached on every rank."""
     decoders = [w for w in pool.healthy("decode") if w.endpoint not in exclude]
     if not decoders:
         raise Unavailable("no healthy decode worker")
@@ -59,10 +62,14 @@ def choose(
             raise Unavailable("no healthy prefill worker for a disaggregated request")
         return Route(decode, None)
     if mode is ServingMode.AUTO:
-        cached = decode.prefix.match(hashes) * block_size
+        cached = max(decode.prefix.match(hashes), shared_blocks) * block_size
         if num_tokens <= cfg.colocate_max_tokens or cached >= cfg.colocate_cached_fraction * num_tokens:
             return Route(decode, None)
     best = max(prefillers, key=lambda w: (w.prefix.match(hashes), -w.score))
-    if best.prefix.match(hashes) * block_size >= cfg.affinity_min_fraction * num_tokens > 0:
+    # Affinity only pays for what the shared tier does not already give every rank.
+    if (
+        best.prefix.match(hashes) > shared_blocks
+        and best.prefix.match(hashes) * block_size >= cfg.affinity_min_fraction * num_tokens > 0
+    ):
         return Route(decode, best)
     return Route(decode, _least_loaded(prefillers, hashes))
