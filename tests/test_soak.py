@@ -24,7 +24,7 @@ from pdserve.v1 import inference_pb2 as pb
 from tests.redis_server import RedisServer
 from tests.service_testing import ENGINE_ARGS, inference, load, start_stack, wait_until
 
-NUM_REQUESTS = 1000
+NUM_REQUESTS = 600
 CLIENTS = 8
 MAX_TOKENS = 16
 ALLOWED = {"ok", "cancelled", "DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}
@@ -117,11 +117,11 @@ def _soak(stack, tiny_model, redis_server, capsys):
 
     def chaos() -> None:
         nonlocal victim
-        time.sleep(5.0)
+        time.sleep(3.0)
         os.kill(victim.popen.pid, signal.SIGKILL)
         victim.popen.wait()
         injected["decode worker killed (kill -9)"] += 1
-        time.sleep(5.0)
+        time.sleep(4.0)
         port = int(victim.endpoint.rsplit(":", 1)[1])
         stack.procs.remove(victim)
         victim = stack.start_worker("decode", 1, port=port)
