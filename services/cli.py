@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,13 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = make_model(args.name, args.out, force=args.force)
     print(f"{args.name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_train_tiny(args: argparse.Namespace) -> int:
+    from engine.training.train_tiny import run
+
+    print(f"trained: {run(args, shlex.join(['pdserve', *args.argv]))}")
     return 0
 
 
@@ -313,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("train-tiny", help="train the small DeepSeek-V3 + MTP model on the stdlib docs (CPU)")
+    from engine.training import add_arguments  # flags only: the trainer (torch) loads on use
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_train_tiny)
 
     p = sub.add_parser("generate", help="stream one completion to the terminal")
     p.add_argument("--model", required=True, help="HF-format model folder")

@@ -226,3 +226,70 @@ def test_spec_decode_benchmark_smoke(mtp_model):
     lines = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [(row[0], row[1]) for row in lines] == [("1", "0"), ("1", "1")]
     assert all(float(row[2]) > 0 for row in lines)
+
+
+# ---- the trained default model ---------------------------------------------------------------------
+
+TRAINED = "assets/pdserve-tiny"
+
+
+def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
+    """The engine's MTP layer (paged MLA, fused MoE kernels) against `mtp_reference_logits`, a plain
+    PyTorch implementation of the MTP step built from the checkpoint tensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from engine.spec_decode.drafter import _batch
+    from engine.training.mtp import mtp_reference_logits
+
+    llm = LLM(
+        TRAINED,
+        dtype="float32",
+        num_kv_blocks=16,
+        block_size=16,
+        num_threads=1,
+        speculative_config={"method": "mtp"},
+    )
+    runner = llm.engine.runner
+    ids = llm.tokenizer.encode("The module provides functions to read and write files")
+    n = len(ids)
+    blocks = list(range(-(-n // 16)))
+    with torch.inference_mode():
+        main = _batch([(ids, list(range(n)), n, blocks)], 16, runner.device)  # the target over the prompt
+        hidden = runner.model(main, runner.kv_caches)  # [T, H] after the final norm
+        mtp = _batch([(ids[1:], list(range(n - 1)), n - 1, blocks)], 16, runner.device)
+        got = runner.model.compute_logits(
+            runner.model.mtp_forward(mtp.input_ids, hidden[:-1], mtp, runner.kv_caches[-1])
+        )
+    config = json.loads(open(f"{TRAINED}/config.json").read())
+    want = mtp_reference_logits(
+        load_file(f"{TRAINED}/model.safetensors"), config, torch.tensor(ids), hidden.float()
+    )
+    assert got.shape == want.shape == (n - 1, config["vocab_size"])
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() == 1.0
+
+
+def test_trained_model_accepts_drafts_and_stays_exact():
+    prompts = [
+        "The module provides",
+        "If the argument is",
+        "This function returns a",
+        "The following example",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = LLM(TRAINED, dtype="float32", num_threads=1).generate(prompts, params)
+    llm = LLM(
+        TRAINED,
+        dtype="float32",
+        num_threads=1,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    stats = llm.engine.spec_stats
+    assert stats.acceptance_rate > 0.3 and stats.per_position()[0] > 0.4, (
+        stats.per_position(),
+        stats.acceptance_rate,
+    )

@@ -70,7 +70,7 @@ def topic_documents() -> list[Document]:
 
 
 def docstring_documents(max_files: int | None = None) -> list[list[Document]]:
-    """Per stdlib file (sorted, at most max_files), its docstrings not seen in an earlier file."""
+    """Per stdlib file with new text (sorted, of the first max_files), its docstrings not seen in an earlier file."""
     root = Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     per_file: list[list[Document]] = []
@@ -85,7 +85,8 @@ def docstring_documents(max_files: int | None = None) -> list[list[Document]]:
             if text not in seen:
                 seen.add(text)
                 docs.append(Document(rel, text))
-        per_file.append(docs)
+        if docs:
+            per_file.append(docs)
     return per_file
 
 

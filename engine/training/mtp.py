@@ -236,14 +236,20 @@ def mtp_reference_logits(
     only `model.embed_tokens.weight`, `lm_head.weight` and `model.layers.{num_hidden_layers}.*` are read.
     config: the checkpoint's config.json as a dict. input_ids [B, T] (or [T]); hidden_final [B, T, H]
     (or [T, H]): the main model's hidden states after its final norm. Returns [B, T - 1, V] (or
-    [T - 1, V]) where row i predicts token i + 2. The MTP layer is a dense MoE layer (every MTP layer
-    index is past first_k_dense_replace in DeepSeek's configs) and attends causally over u, with u_i at
-    rotary position i.
+    [T - 1, V]) where row i predicts token i + 2. The MTP layer is an MoE layer (its index,
+    num_hidden_layers, is past first_k_dense_replace) and attends causally over u, with u_i at rotary
+    position i. Every expert runs on every token (weighted 0 where not routed): clear, not fast.
     """
+    n, first_dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+    if not config.get("n_routed_experts") or n < first_dense:
+        raise ValueError(
+            f"the MTP layer must be MoE: n_routed_experts={config.get('n_routed_experts')}, "
+            f"num_hidden_layers={n} < first_k_dense_replace={first_dense}"
+        )
     squeeze = input_ids.dim() == 1
     if squeeze:
         input_ids, hidden_final = input_ids[None], hidden_final[None]
-    prefix = f"model.layers.{config['num_hidden_layers']}."
+    prefix = f"model.layers.{n}."
     w = {k.removeprefix(prefix): v.float() for k, v in tensors.items() if k.startswith(prefix)}
     eps = config.get("rms_norm_eps", 1e-6)
     b, t = input_ids.shape
@@ -259,7 +265,6 @@ def mtp_reference_logits(
     y = _rms_norm(x, w["post_attention_layernorm.weight"], eps)  # [B, T-1, H]
     x = x + _moe(y.reshape(b * (t - 1), -1), w, config).view_as(x)
 
-    logits = (
-        _rms_norm(x, w["shared_head.norm.weight"], eps) @ tensors["lm_head.weight"].float().T
-    )  # [B, T-1, V]
+    g = _rms_norm(x, w["shared_head.norm.weight"], eps)  # [B, T-1, H]
+    logits = g @ tensors["lm_head.weight"].float().T  # [B, T-1, V]
     return logits[0] if squeeze else logits
