@@ -120,17 +120,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "pdserve-tiny"
+"""The trained default model checked into the repository (`pdserve train-tiny` made it)."""
+
+
+def default_model(model_dir: str) -> Path:
+    """The shipped trained model; without it (an install without the repository), the
+    deterministic random tiny model built into model_dir."""
+    if (SHIPPED_MODEL / "model.safetensors").is_file():
+        return SHIPPED_MODEL
+    from engine.make_model import make_model
+
+    return make_model("tiny", Path(model_dir) / "pdserve-tiny")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job of `make run`: build the default model if needed, start the stack (router,
     prefill worker, decode worker) on loopback, stream a completion through it with the openai
     client and through gRPC, then stop it."""
     import tempfile
 
-    from engine.make_model import make_model
     from services import demo
     from services.launcher import Stack, StackConfig
 
-    model = make_model("tiny", Path(args.model_dir) / "pdserve-tiny")
+    model = default_model(args.model_dir)
     logs = tempfile.mkdtemp(prefix="pdserve-demo-")
     print(
         f"model: {model}\nstarting router + prefill worker + decode worker (logs in {logs}) ...", flush=True
@@ -262,10 +275,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from engine.make_model import make_model
     from services.launcher import Stack, StackConfig
 
-    model = args.model or str(make_model("tiny", Path(env.model_cache_dir()) / "pdserve-tiny"))
+    model = args.model or str(default_model(env.model_cache_dir()))
     engine_args = ["--dtype", args.dtype]
     if args.num_kv_blocks:
         engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]

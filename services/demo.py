@@ -12,10 +12,7 @@ import grpc
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
-PROMPT = (
-    'import json\nimport os\n\n\nclass Settings:\n    """Load settings from a JSON file."""\n\n'
-    "    def __init__(self, path):\n        self.path = path\n"
-)
+PROMPT = "The json module provides functions to read and write data. The function"
 
 
 def _report(
