@@ -65,7 +65,9 @@ def conversations(n: int, turns: int, system_len: int, user_len: int, vocab: int
     return system, users
 
 
-def run(model: str, cfg: dict, system, users, reply: int, blocks: int, block_size: int, threads) -> dict:
+def run(
+    model: str, cfg: dict, system, users, reply: int, blocks: int, block_size: int, threads, concurrency: int
+) -> dict:
     llm = LLM(model, dtype="float32", num_kv_blocks=blocks, block_size=block_size, num_threads=threads, **cfg)
     history = [list(system) for _ in users]
     params = SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True)
@@ -74,7 +76,9 @@ def run(model: str, cfg: dict, system, users, reply: int, blocks: int, block_siz
     start = time.perf_counter()
     for turn in range(len(users[0])):
         prompts = [history[c] + users[c][turn] for c in range(len(users))]
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = []
+        for i in range(0, len(prompts), concurrency):  # requests arrive `concurrency` at a time
+            outs += llm.generate(prompt_token_ids=prompts[i : i + concurrency], sampling_params=params)
         for c, out in enumerate(outs):
             ttfts.append(out.metrics.time_to_first_token)
             computed += len(out.prompt_token_ids) - out.num_cached_tokens
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "--device-blocks", type=int, default=0, help="device cache (0: about two conversations' worth)"
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="requests in flight at once (1: TTFT is pure prefill)"
+    )
     p.add_argument("--smoke", action="store_true", help="2 chats x 2 turns, short prompts; nothing saved")
     args = p.parse_args(argv)
     if args.smoke:
@@ -129,14 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name, cfg in configs.items():
             results[name] = run(
-                args.model, cfg, system, users, args.reply, blocks, args.block_size, args.threads
+                args.model,
+                cfg,
+                system,
+                users,
+                args.reply,
+                blocks,
+                args.block_size,
+                args.threads,
+                args.concurrency,
             )
     finally:
         redis_proc.kill()
         redis_proc.wait()
     base = results["none"]
     print(
-        f"{args.conversations} chats x {args.turns} turns, system prompt {args.system_len} tokens, device cache {blocks} blocks"
+        f"{args.conversations} chats x {args.turns} turns, system prompt {args.system_len} tokens, "
+        f"{args.concurrency} in flight, device cache {blocks} blocks"
     )
     print(
         f"{'config':<11} {'TTFT p50 ms':>11} {'p99 ms':>8} {'vs none':>8} {'prefill tok':>12} {'wall s':>7}"
