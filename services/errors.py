@@ -50,14 +50,6 @@ class ResourceExhausted(ServiceError):
         """When a retry may succeed: gRPC trailer `retry-after-ms`, HTTP header `Retry-After`."""
 
 
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
-
-
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,

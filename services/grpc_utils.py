@@ -136,7 +136,7 @@ def channel(endpoint: str, security: Security | None = None) -> grpc.aio.Channel
     return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 
-def remaining(context: grpc.aio.ServicerContext, default: float | None = None) -> float | None:
+def remaining(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds left before the caller's deadline (None: no deadline), to pass downstream."""
     left = context.time_remaining()
-    return default if left is None else max(left, 0.0)
+    return None if left is None else max(left, 0.0)

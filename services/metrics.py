@@ -94,18 +94,13 @@ class Metrics:
     def labels(self, metric, *values):
         return metric.labels(self.component, *values)
 
-    def observe_request(
-        self, ttft: float | None, e2e: float | None, queue: float | None, itls: list[float]
-    ) -> None:
+    def observe_request(self, ttft: float | None, e2e: float | None, queue: float | None) -> None:
         if ttft is not None:
             self.labels(self.ttft).observe(ttft)
         if e2e is not None:
             self.labels(self.e2e).observe(e2e)
         if queue is not None:
             self.labels(self.queue_time).observe(queue)
-        itl = self.labels(self.itl)
-        for gap in itls:
-            itl.observe(gap)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

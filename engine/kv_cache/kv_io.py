@@ -23,23 +23,21 @@ def read_blocks(caches: list[torch.Tensor], block_ids: list[int], layer_start: i
     return slab.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def slab_shape(caches: list[torch.Tensor], num_blocks: int, num_layers: int) -> tuple[int, int, int, int]:
-    _, block_size, width = caches[0].shape
-    return (num_layers, num_blocks, block_size, width)
-
-
 def write_blocks(caches: list[torch.Tensor], block_ids: list[int], layer_start: int, data: bytes) -> None:
     """Write a slab produced by read_blocks (same dtype and geometry) into the given blocks."""
-    num_layers = len(data) // (len(block_ids) * caches[0][0].numel() * caches[0].element_size())
-    shape = slab_shape(caches, len(block_ids), num_layers)
-    expected = len(block_ids) * num_layers * caches[0][0].numel() * caches[0].element_size()
-    if not block_ids or len(data) != expected:
-        raise ValueError(f"KV slab has {len(data)} bytes, expected {expected} for shape {shape}")
+    _, block_size, width = caches[0].shape
+    per_layer = len(block_ids) * block_size * width * caches[0].element_size()
+    if not block_ids or len(data) % per_layer:
+        raise ValueError(
+            f"KV slab has {len(data)} bytes, not a whole number of layers of {len(block_ids)} blocks"
+        )
+    num_layers = len(data) // per_layer
     if layer_start < 0 or layer_start + num_layers > len(caches):
         raise ValueError(
             f"KV slab layers [{layer_start}, {layer_start + num_layers}) outside [0, {len(caches)})"
         )
-    slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(caches[0].dtype).view(shape)
+    slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(caches[0].dtype)
+    slab = slab.view(num_layers, len(block_ids), block_size, width)
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     for i in range(num_layers):
         caches[layer_start + i].index_copy_(0, index, slab[i].to(caches[0].device))

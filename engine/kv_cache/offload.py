@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache.kv_io import read_blocks, write_blocks
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"PDKV"
@@ -58,11 +60,10 @@ def compat_key(model_dir: str | Path, caches: list[torch.Tensor]) -> str:
 
 def encode_block(caches: list[torch.Tensor], block_id: int) -> bytes:
     """One block of every layer -> header + [layers, block_size, width] raw little-endian bytes."""
-    slab = torch.stack([c[block_id] for c in caches]).cpu().contiguous()  # [L, bs, W]
-    data = slab.view(torch.uint8).numpy().tobytes()
-    layers, block_size, width = slab.shape
+    data = read_blocks(caches, [block_id], 0, len(caches))  # [L, 1, bs, W], the KV transfer's layout
+    _, block_size, width = caches[0].shape
     header = _HEADER.pack(
-        _MAGIC, _VERSION, _DTYPE_CODES[slab.dtype], layers, block_size, width, zlib.crc32(data)
+        _MAGIC, _VERSION, _DTYPE_CODES[caches[0].dtype], len(caches), block_size, width, zlib.crc32(data)
     )
     return header + data
 
@@ -86,13 +87,7 @@ def decode_into(blob: bytes, caches: list[torch.Tensor], block_id: int) -> bool:
     data = memoryview(blob)[_HEADER.size :]
     if len(data) != layers * block_size * width * caches[0].element_size() or zlib.crc32(data) != crc:
         return False
-    slab = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        .view(caches[0].dtype)
-        .view(layers, block_size, width)
-    )
-    for layer, cache in enumerate(caches):
-        cache[block_id].copy_(slab[layer])
+    write_blocks(caches, [block_id], 0, bytes(data))
     return True
 
 

@@ -26,7 +26,14 @@ from kernels.moe import fused_moe
 class ExpertParallel:
     """Owned by one rank's model runner; only the engine thread calls it."""
 
-    def __init__(self, group: ParallelGroup, placement: ExpertPlacement, moe_layers: list[int]):
+    def __init__(
+        self,
+        group: ParallelGroup,
+        placement: ExpertPlacement,
+        moe_layers: list[int],
+        track_load: bool = False,
+    ):
+        """track_load: count tokens per logical expert (EPLB needs them; the step skips it otherwise)."""
         if placement.num_ranks != group.size:
             raise ValueError(f"placement is for {placement.num_ranks} ranks, the group has {group.size}")
         if placement.num_layers != len(moe_layers):
@@ -37,8 +44,21 @@ class ExpertParallel:
         self.placement = placement
         self.moe_index = {layer: i for i, layer in enumerate(moe_layers)}
         """Model layer index -> MoE layer index (the placement's row)."""
-        self.load = torch.zeros(placement.num_layers, placement.num_logical, dtype=torch.int64)
-        """Tokens routed to each logical expert by this rank since the counters were last taken."""
+        self.track_load = track_load
+        self.load = torch.zeros(
+            placement.num_layers, placement.num_logical, dtype=torch.int64, device=group.device
+        )
+        """Tokens routed to each logical expert by this rank since the counters were last taken,
+        kept on the device so counting never syncs the step."""
+
+    @property
+    def placement(self) -> ExpertPlacement:
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: ExpertPlacement) -> None:
+        self._placement = placement
+        self._on_device = placement.to(self.group.device)  # what every MoE layer reads each step
 
     @property
     def slots_per_rank(self) -> int:
@@ -50,7 +70,7 @@ class ExpertParallel:
 
     def take_load(self) -> torch.Tensor:
         load, self.load = self.load, torch.zeros_like(self.load)
-        return load
+        return load.cpu()
 
     def forward(
         self,
@@ -65,8 +85,9 @@ class ExpertParallel:
         moe = self.moe_index[layer]
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*K]
-        self.load[moe] += torch.bincount(flat_ids.cpu(), minlength=self.placement.num_logical)
-        phys = self.placement.physical(moe, flat_ids)  # [T*K]
+        if self.track_load:
+            self.load[moe] += torch.bincount(flat_ids, minlength=self.placement.num_logical)
+        phys = self._on_device.physical(moe, flat_ids)  # [T*K]
         owner = phys // self.slots_per_rank
         order = torch.argsort(owner, stable=True)  # pairs grouped by owning rank
         send_counts = torch.bincount(owner, minlength=self.group.size)  # [world]

@@ -86,6 +86,11 @@ class ExpertPlacement:
             raise ValueError(f"placement file {path}: expert ids must be in [0, {num_logical})")
         return ExpertPlacement.from_phy2log(phy2log, num_logical, num_ranks)
 
+    def to(self, device: torch.device | str) -> ExpertPlacement:
+        return ExpertPlacement(
+            self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device), self.num_ranks
+        )
+
     def physical(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
         """logical_ids [P] -> one physical slot per pair [P], replicas taken round-robin."""
         cnt = self.logcnt[layer].to(logical_ids.device)[logical_ids]  # [P]

@@ -41,7 +41,7 @@ def make_expert_parallel(cfg: EngineConfig, model_cfg: ModelConfig, group: Paral
         placement = ExpertPlacement.round_robin(
             len(moe_layers), num_experts, cfg.num_redundant_experts, group.size
         )
-    return ExpertParallel(group, placement, moe_layers)
+    return ExpertParallel(group, placement, moe_layers, track_load=cfg.eplb_interval > 0)
 
 
 def rank_loads(load: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:

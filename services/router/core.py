@@ -232,7 +232,7 @@ class RouterCore(Frontend):
                     m.labels(m.prompt_tokens).inc(usage.prompt_tokens)
                     m.labels(m.generation_tokens).inc(usage.completion_tokens)
                     m.labels(m.cached_tokens).inc(usage.cached_tokens)
-                    m.observe_request(timings.ttft, timings.e2e, None, [])
+                    m.observe_request(timings.ttft, timings.e2e, None)
                     for w in (route.decode, route.prefill):
                         if w is not None:
                             w.breaker.success()

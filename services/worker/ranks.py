@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from services.launcher import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,9 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def launch_ranks(argv: list[str], args) -> int:
     """Run args.dp rank processes of this node and wait for them; returns the worst exit code."""
-    master_port = args.dist_master_port or _free_port(args.dist_master_addr)
+    master_port = args.dist_master_port or free_port(args.dist_master_addr)
     if args.dist_master_port == 0 and (args.dp_rank_offset or args.ep and args.ep > args.dp):
         raise ValueError("a group spanning machines needs --dist-master-port (and --dist-master-addr)")
     base = _without(argv, _PER_RANK)

@@ -147,7 +147,7 @@ class WorkerService(wgrpc.WorkerServicer):
         m, metrics = self.metrics, out.metrics
         m.labels(m.requests, out.finish_reason or "unknown").inc()
         if metrics is not None:
-            m.observe_request(metrics.time_to_first_token, metrics.e2e_latency, metrics.queue_time, [])
+            m.observe_request(metrics.time_to_first_token, metrics.e2e_latency, metrics.queue_time)
             m.labels(m.cached_tokens).inc(metrics.num_cached_tokens)
 
     # ---- RPCs ----------------------------------------------------------------------------------
