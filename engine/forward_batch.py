@@ -1,7 +1,8 @@
 """The flat batch one model forward consumes, built by the runner from the scheduler's output.
 
-Legend: N = tokens in the step, D = decode requests (one token each, first in the batch),
-P = prefill (or chunked-prefill) requests, after the decodes.
+Legend: N = tokens in the step, D = requests in a decode group, s = query tokens per request of
+a group (1 for a plain decode, 1 + k when k speculative drafts are verified), P = prefill (or
+chunked-prefill) requests, after the decode groups.
 """
 
 from __future__ import annotations
@@ -9,6 +10,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class DecodeGroup:
+    """D requests that each run s tokens after their cached context through the absorbed MLA
+    path (one batched attention call per group). Their D * s rows are contiguous, request-major."""
+
+    start: int
+    """Offset of the group's first token in the flat batch."""
+    num_seqs: int
+    """D."""
+    query_len: int
+    """s: the request's last known token, then its drafts; each attends causally."""
+    block_table: torch.Tensor
+    """[D, max_blocks] int32 cache blocks of each request, zero-padded."""
+    seq_lens: torch.Tensor
+    """[D] int32 context length of each request, including its s new tokens."""
+
+    @classmethod
+    def of(
+        cls, start: int, query_len: int, tables: list[list[int]], seq_lens: list[int], device
+    ) -> DecodeGroup:
+        """From each request's block ids and context length."""
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        return cls(start, len(tables), query_len, block_table(tables, device), lens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_seqs * self.query_len
 
 
 @dataclass
@@ -28,18 +58,21 @@ class PrefillSeq:
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
-    """[N] int64 token ids; decodes first, then prefill chunks."""
+    """[N] int64 token ids; decode groups first, then prefill chunks."""
     positions: torch.Tensor
     """[N] int64 position of each token in its sequence."""
     slot_mapping: torch.Tensor
     """[N] int64 cache slot (block_id * block_size + offset) each token's KV is written to."""
-    num_decodes: int
-    """D: the first D tokens are single-token decodes using the absorbed MLA form."""
-    decode_block_table: torch.Tensor
-    """[D, max_blocks] int32 block table of the decode requests."""
-    decode_seq_lens: torch.Tensor
-    """[D] int32 context length of each decode request, including its new token."""
+    decodes: list[DecodeGroup]
+    """Decode groups at the head of the batch, each attending with the absorbed MLA form."""
     prefills: list[PrefillSeq]
     """Prefill chunks after the decodes, each attending with the non-absorbed MLA form."""
     logits_indices: torch.Tensor
     """[M] int64 rows of the hidden states the LM head is applied to."""
+
+
+def block_table(tables: list[list[int]], device) -> torch.Tensor:
+    """Block-id lists of D requests -> [D, max_blocks] int32, zero-padded."""
+    width = max((len(t) for t in tables), default=0)
+    out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return out.view(len(tables), width).to(device)  # keeps the shape when there are none

@@ -2,7 +2,7 @@
 
 Owns the model, the paged KV cache (one [num_blocks, block_size, L+R] tensor per layer) and the
 sampler. Decodes are placed first in the batch so the model can run them through the absorbed
-MLA path in one batched call.
+MLA path in batched calls.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.forward_batch import ForwardBatch, PrefillSeq
+from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype
@@ -101,7 +101,8 @@ class ModelRunner:
     def _build_batch(
         self, items: list[ScheduledRequest]
     ) -> tuple[ForwardBatch, list[int], list[tuple[int, int]]]:
-        """-> (batch, sample_rows, prompt_rows): sample_rows[i] is the logits row of items[i] if it
+        """items: decodes first, those of equal query length together (see `execute`).
+        -> (batch, sample_rows, prompt_rows): sample_rows[i] is the logits row of items[i] if it
         samples (else -1); prompt_rows[i] = (first logits row, first target token index, count) of
         its prompt-logprob positions."""
         bs = self.block_size
@@ -109,24 +110,23 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSeq] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        groups: list[tuple[int, int, list[list[int]], list[int]]] = []  # (start, s, tables, seq lens)
         logits_indices: list[int] = []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []
         for item in items:
-            req, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
+            req, start, n = item.request, item.num_computed_tokens, item.query_len
             q_start = len(input_ids)
-            input_ids.extend(req.token_ids[start : start + n])
-            if item.draft_token_ids:  # verified in this forward: they run like a prefill chunk
-                input_ids.extend(item.draft_token_ids)
-                n += len(item.draft_token_ids)
+            input_ids.extend(req.token_ids[start : start + item.num_new_tokens])
+            input_ids.extend(item.draft_token_ids)  # verified in this forward
             positions.extend(range(start, start + n))
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.is_decode:
-                decode_tables.append(blocks)
-                decode_lens.append(start + 1)
+                if not groups or groups[-1][1] != n:
+                    groups.append((q_start, n, [], []))
+                groups[-1][2].append(blocks)
+                groups[-1][3].append(start + n)
             else:
                 ctx = start + n
                 prefills.append(
@@ -146,30 +146,16 @@ class ModelRunner:
                 logits_indices.extend(range(first, q_start + n))
             else:
                 sample_rows.append(-1)
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.int32)
-        table = table.view(len(decode_tables), max_blocks)  # keeps the shape when there are no decodes
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decode_tables),
-            decode_block_table=table.to(dev),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decodes=[DecodeGroup.of(start, s_q, tables, lens, dev) for start, s_q, tables, lens in groups],
             prefills=prefills,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         )
         return batch, sample_rows, prompt_rows
-
-    def _draft(
-        self, items: list[ScheduledRequest], batch: ForwardBatch, hidden: torch.Tensor, out: RunnerOutput
-    ) -> None:
-        q_starts, q = [], 0
-        for it in items:
-            q_starts.append(q)
-            q += it.num_new_tokens + len(it.draft_token_ids)
-        draft_with_mtp(self, items, q_starts, hidden, out)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -180,9 +166,7 @@ class ModelRunner:
             input_ids=torch.zeros(1, dtype=torch.long, device=dev),
             positions=torch.zeros(1, dtype=torch.long, device=dev),
             slot_mapping=torch.full((1,), -1, dtype=torch.long, device=dev),
-            num_decodes=0,
-            decode_block_table=torch.zeros(0, 0, dtype=torch.int32, device=dev),
-            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            decodes=[],
             prefills=[PrefillSeq(0, 1, 1, torch.zeros(1, dtype=torch.long))],
             logits_indices=torch.zeros(0, dtype=torch.long, device=dev),
         )
@@ -190,8 +174,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Decodes first: the model runs them as one absorbed-MLA batch.
-        items = sorted(sched.scheduled, key=lambda it: not it.is_decode)
+        # Decodes first, grouped by query length: the model runs each group as one absorbed-MLA call.
+        items = sorted(sched.scheduled, key=lambda it: (not it.is_decode, it.query_len))
         batch, sample_rows, prompt_rows = self._build_batch(items)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
@@ -209,18 +193,19 @@ class ModelRunner:
                 out.sampled[it.request.request_id] = [token]
                 if lps is not None:
                     out.logprobs[it.request.request_id] = lps
+        argmax = None  # the target's greedy token at every logits row, fetched once for the step
         for it, row in zip(items, sample_rows, strict=True):
             if it.draft_token_ids:
-                req = it.request
-                target = logits[row : row + len(it.draft_token_ids) + 1]  # [k+1, V]
+                req, end = it.request, row + len(it.draft_token_ids) + 1
                 if req.params.greedy:
-                    out.sampled[req.request_id] = verify_greedy(target, it.draft_token_ids)
+                    argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
+                    out.sampled[req.request_id] = verify_greedy(argmax[row:end], it.draft_token_ids)
                 else:
                     out.sampled[req.request_id] = verify_sampled(
-                        target, it.draft_token_ids, req.params, req.generator
+                        logits[row:end], it.draft_token_ids, req.params, req.generator
                     )
         if self.spec is not None:
-            self._draft(items, batch, hidden, out)
+            draft_with_mtp(self, items, batch, hidden, out)
 
         for it, (first, first_target, count) in zip(items, prompt_rows, strict=True):
             if count:

@@ -39,7 +39,13 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.num_computed_tokens > 0 and not self.draft_token_ids
+        """One known token after a cached context (plus any drafts): runs the absorbed MLA path."""
+        return self.num_new_tokens == 1 and self.num_computed_tokens > 0
+
+    @property
+    def query_len(self) -> int:
+        """Tokens this request puts into the forward: the known ones, then the drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 import engine.spec_decode.drafter as drafter_module
 from engine import LLM, SamplingParams
+from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.verify import accept_from_probs, verify_greedy
 
@@ -54,8 +55,8 @@ class Oracle:
         self.truth, self.wrong_at = truth, wrong_at
         real = drafter_module.draft_with_mtp
 
-        def fake(runner, items, q_starts, hidden, out):
-            real(runner, items, q_starts, hidden, out)  # keeps the MTP cache filled as usual
+        def fake(runner, items, batch, hidden, out):
+            real(runner, items, batch, hidden, out)  # keeps the MTP cache filled as usual
             for it in items:
                 req = it.request
                 if req.request_id not in out.drafts:
@@ -98,6 +99,30 @@ def test_preemption_during_speculation_stays_exact(mtp_model, reference, monkeyp
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_speculating_and_plain_requests_share_steps_exactly(mtp_model, reference):
+    """Requests that want logprobs decode one token at a time next to speculating ones, and small
+    chunks keep prefills in the same steps: decode groups of different query lengths, prefill
+    chunks and an MTP pass over only the speculating requests, in one forward."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1 if i % 2 else None)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    small = {**ENGINE, "max_num_batched_tokens": 16}
+    plain = LLM(mtp_model, **small).generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **small)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    for got, want in zip(outs, plain, strict=True):
+        assert got.token_ids == want.token_ids
+        if want.logprobs is not None:
+            assert got.logprobs is not None
+            for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                assert g.keys() == w.keys()
+                assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_sampled_requests_speculate_and_finish(mtp_model):
@@ -161,12 +186,10 @@ def test_the_chi_square_test_rejects_a_wrong_sampler():
 
 
 def test_greedy_verification_rule():
-    logits = torch.full((4, 10), -5.0)
-    for i, best in enumerate([3, 7, 2, 9]):
-        logits[i, best] = 5.0
-    assert verify_greedy(logits, [3, 7, 2]) == [3, 7, 2, 9]  # all accepted + bonus
-    assert verify_greedy(logits, [3, 1, 2]) == [3, 7]  # stops at the first mismatch, emits the target's
-    assert verify_greedy(logits, [0, 7, 2]) == [3]
+    best = [3, 7, 2, 9]  # the target's argmax at the last known token and after each draft
+    assert verify_greedy(best, [3, 7, 2]) == [3, 7, 2, 9]  # all accepted + bonus
+    assert verify_greedy(best, [3, 1, 2]) == [3, 7]  # stops at the first mismatch, emits the target's
+    assert verify_greedy(best, [0, 7, 2]) == [3]
 
 
 def test_speculative_config_validation(tiny_model):
@@ -233,14 +256,30 @@ def test_spec_decode_benchmark_smoke(mtp_model):
 TRAINED = "assets/pdserve-tiny"
 
 
+def _layout(ids: list[int], start: int, blocks: list[int], *, absorbed: bool) -> ForwardBatch:
+    """ids at positions start.. of one sequence (cache blocks `blocks`, block size 16), as a
+    prefill chunk or as one absorbed decode group of query length len(ids)."""
+    n, ctx = len(ids), start + len(ids)
+    pos = list(range(start, ctx))
+    return ForwardBatch(
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(pos),
+        slot_mapping=torch.tensor([blocks[p // 16] * 16 + p % 16 for p in pos]),
+        decodes=[DecodeGroup.of(0, n, [blocks], [ctx], "cpu")] if absorbed else [],
+        prefills=[] if absorbed else [PrefillSeq(0, n, ctx, torch.tensor(blocks[: -(-ctx // 16)]))],
+        logits_indices=torch.zeros(0, dtype=torch.long),
+    )
+
+
 def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
     """The engine's MTP layer (paged MLA, fused MoE kernels) against `mtp_reference_logits`, a plain
-    PyTorch implementation of the MTP step built from the checkpoint tensors."""
+    PyTorch implementation of the MTP step built from the checkpoint tensors: a prefill-style pass
+    over most of the prompt, then the last three positions as one causal absorbed decode group,
+    the way a verification step's rows are drafted from."""
     import json
 
     from safetensors.torch import load_file
 
-    from engine.spec_decode.drafter import _batch
     from engine.training.mtp import mtp_reference_logits
 
     llm = LLM(
@@ -251,17 +290,21 @@ def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
         num_threads=1,
         speculative_config={"method": "mtp"},
     )
-    runner = llm.engine.runner
+    runner, model = llm.engine.runner, llm.engine.runner.model
     ids = llm.tokenizer.encode("The module provides functions to read and write files")
     n = len(ids)
     blocks = list(range(-(-n // 16)))
     with torch.inference_mode():
-        main = _batch([(ids, list(range(n)), n, blocks)], 16, runner.device)  # the target over the prompt
-        hidden = runner.model(main, runner.kv_caches)  # [T, H] after the final norm
-        mtp = _batch([(ids[1:], list(range(n - 1)), n - 1, blocks)], 16, runner.device)
-        got = runner.model.compute_logits(
-            runner.model.mtp_forward(mtp.input_ids, hidden[:-1], mtp, runner.kv_caches[-1])
-        )
+        hidden = model(_layout(ids, 0, blocks, absorbed=False), runner.kv_caches)  # [T, H] final norm
+        # MTP position i reads (h_i, t_{i+1}): positions 0..n-5 as a chunk, n-4..n-2 absorbed.
+        split = n - 4
+        got = []
+        for lo, hi, absorbed in ((0, split, False), (split, n - 1, True)):
+            b = _layout(ids[lo + 1 : hi + 1], lo, blocks, absorbed=absorbed)
+            got.append(
+                model.compute_logits(model.mtp_forward(b.input_ids, hidden[lo:hi], b, runner.kv_caches[-1]))
+            )
+        got = torch.cat(got)
     config = json.loads(open(f"{TRAINED}/config.json").read())
     want = mtp_reference_logits(
         load_file(f"{TRAINED}/model.safetensors"), config, torch.tensor(ids), hidden.float()

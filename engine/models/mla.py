@@ -3,10 +3,11 @@
 Per token the cache holds c_kv (the normalised KV latent, width L = kv_lora_rank) and k_pe (the
 rotary key shared by all heads, width R = qk_rope_head_dim), side by side in one row of width
 L + R. Prefill chunks use the non-absorbed form: the latents of the whole context are
-up-projected by kv_b_proj into per-head keys and values. Decodes use the absorbed form: W_UK is
-folded into the query and W_UV applied after attention, so attention reads the latent rows
-directly (see kernels/mla.py). Both compute the same function; tests hold them to each other and
-to HF transformers.
+up-projected by kv_b_proj into per-head keys and values. Decodes, and speculative verifications
+(a decode with its drafts, attending causally), use the absorbed form: W_UK is folded into the
+query and W_UV applied after attention, so attention reads the latent rows directly (see
+kernels/mla.py). Both compute the same function; tests hold them to each other and to HF
+transformers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.models.layers import Linear, RMSNorm
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
@@ -77,9 +78,8 @@ class MLAttention(nn.Module):
         store_kv(c_kv, k_pe, kv_cache, batch.slot_mapping)
 
         out = x.new_empty(n, H, self.v_dim)
-        d = batch.num_decodes
-        if d:
-            out[:d] = self._decode(q_nope[:d], q_pe[:d], kv_cache, batch)
+        for g in batch.decodes:
+            out[g.start : g.end] = self._decode(q_nope[g.start : g.end], q_pe[g.start : g.end], kv_cache, g)
         for seq in batch.prefills:
             s, e = seq.q_start, seq.q_start + seq.q_len
             if seq.ctx_len == seq.q_len:  # nothing cached before: the chunk's own latents are the context
@@ -99,17 +99,12 @@ class MLAttention(nn.Module):
         o, _ = extend_attention(q, k, kv[..., self.nope_dim :], self.scale, return_lse=False)
         return o
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch):
-        """Absorbed: q_* [D, H, *] -> [D, H, v]."""
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, L]
-        q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [D, 1, H, L+R]
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup):
+        """Absorbed: q_* [D*s, H, *] -> [D*s, H, v]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D*s, H, L]
+        q = torch.cat((q_lat, q_pe), dim=-1).view(group.num_seqs, group.query_len, self.num_heads, -1)
         o_lat, _ = mla_decode(
-            q,
-            kv_cache,
-            batch.decode_block_table,
-            batch.decode_seq_lens,
-            self.scale,
-            self.kv_lora_rank,
-            return_lse=False,
-        )
-        return torch.bmm(o_lat[:, 0].transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D, H, v]
+            q, kv_cache, group.block_table, group.seq_lens, self.scale, self.kv_lora_rank, return_lse=False
+        )  # [D, s, H, L]
+        o_lat = o_lat.view(-1, self.num_heads, self.kv_lora_rank)
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D*s, H, v]

@@ -1,101 +1,104 @@
 """Drafting with the MTP layer after each target forward.
 
-For every speculating request, the MTP layer runs over the positions this step made valid —
-a prefill chunk, a decode, or the last known token plus the accepted drafts — with the next
-token of each (known now: prompt tokens, accepted drafts, the newly sampled token). That keeps
-its own KV cache (the last cache, same block table) complete, and for a request that sampled, the
-last position's output gives the first draft. Further drafts reuse the layer one position at a
-time: the MTP output g stands in for the target hidden state of the position after it.
+The MTP layer first runs over the target step's own layout (same positions, cache slots, decode
+groups and prefill chunks) with each position's next token as input: prompt tokens, accepted
+drafts, the newly sampled token. That keeps its KV cache (the last cache, same block tables)
+complete, and for a request that sampled, the output at its newest valid position gives the first
+draft. A verification's rows past the accepted drafts have no next token yet: they run with a
+padding token and their outputs are dropped; the KV they write lies past the request's valid
+length and is overwritten by the next step before any query can see it (attention is causal and
+every position is stored before it is read). Further drafts reuse the layer one position at a
+time, as one absorbed decode batch: the MTP output g stands in for the target hidden state of
+the position after it.
 
-Legend: C chunks (requests) in the MTP pass, Q their tokens, H hidden size.
+Legend: N rows in the step, H hidden size, D drafting requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from engine.forward_batch import ForwardBatch, PrefillSeq
+from engine.forward_batch import DecodeGroup, ForwardBatch
+
+PAD_TOKEN = 0
+"""Input of rows whose next token is not known yet (their outputs are never used)."""
 
 
-def _batch(
-    chunks: list[tuple[list[int], list[int], int, list[int]]], block_size: int, device
-) -> ForwardBatch:
-    """chunks of (next token ids, positions, context length, block ids) -> a prefill-style batch."""
-    ids, positions, slots, seqs = [], [], [], []
-    for next_ids, pos, ctx, blocks in chunks:
-        seqs.append(
-            PrefillSeq(
-                len(ids), len(pos), ctx, torch.tensor(blocks[: -(-ctx // block_size)], dtype=torch.long)
-            )
-        )
-        ids.extend(next_ids)
-        positions.extend(pos)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+def _one_token_batch(ids: list[int], positions: list[int], blocks: list[list[int]], block_size: int, device):
+    """One token per request at the given positions, as a single absorbed decode group."""
+    slots = [b[p // block_size] * block_size + p % block_size for b, p in zip(blocks, positions, strict=True)]
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decodes=0,
-        decode_block_table=torch.zeros(0, 0, dtype=torch.int32, device=device),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-        prefills=seqs,
+        decodes=[DecodeGroup.of(0, 1, blocks, [p + 1 for p in positions], device)],
+        prefills=[],
         logits_indices=torch.zeros(0, dtype=torch.long, device=device),
     )
 
 
 @torch.inference_mode()
-def draft_with_mtp(runner, items, q_starts: list[int], hidden: torch.Tensor, out) -> None:
-    """hidden [N, H]: the target forward's final hidden states, rows in batch order."""
-    model, bs, k = runner.model, runner.block_size, runner.spec.num_speculative_tokens
+def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out) -> None:
+    """items: the step's requests in batch order; hidden [N, H]: the target forward's final hidden
+    states. Writes out.drafts."""
+    model, k, dev = runner.model, runner.spec.num_speculative_tokens, hidden.device
     mtp_cache = runner.kv_caches[-1]
-    chunks, rows, drafting = [], [], []
-    for it, q_start in zip(items, q_starts, strict=True):
-        req = it.request
-        if not req.spec_enabled:
-            continue
-        emitted = out.sampled.get(req.request_id, [])
-        start = it.num_computed_tokens
-        valid = it.num_new_tokens + (len(emitted) - 1 if it.draft_token_ids else 0)  # target-valid positions
-        seq = req.token_ids + emitted
-        if start + valid >= len(seq):  # a chunk that does not sample needs its next prompt token
-            valid = len(seq) - start - 1
-        if valid <= 0:
-            continue
-        pos = list(range(start, start + valid))
-        chunks.append((seq[start + 1 : start + valid + 1], pos, start + valid, req.block_ids))
-        rows.append(hidden[q_start : q_start + valid])
-        if emitted:
-            drafting.append((req, len(chunks) - 1, start + valid, len(seq)))
-    if not chunks:
+    spec = [it for it in items if it.request.spec_enabled]
+    if not spec:
         return
-    batch = _batch(chunks, bs, hidden.device)
-    g = model.mtp_forward(batch.input_ids, torch.cat(rows), batch, mtp_cache)  # [Q, H]
+    if len(spec) == len(items):
+        layout, rows = batch, hidden
+    else:  # only the speculating requests: the same layout rebuilt without the others
+        layout = runner._build_batch(spec)[0]
+        starts, q = {}, 0
+        for it in items:
+            starts[it.request.request_id] = q
+            q += it.query_len
+        index = [starts[it.request.request_id] + i for it in spec for i in range(it.query_len)]
+        rows = hidden[torch.tensor(index, dtype=torch.long, device=dev)]
+
+    next_ids: list[int] = []
+    drafting = []  # (request, row of its newest valid position, that position + 1, tokens after this step)
+    for it in spec:
+        req, start, n = it.request, it.num_computed_tokens, it.query_len
+        emitted = out.sampled.get(req.request_id, [])
+        total = req.num_tokens + len(emitted)
+        valid = min(n, total - start - 1)  # rows whose next token is known (and whose target state is)
+        next_ids.extend((req.token_ids[start + 1 : start + 1 + valid] + emitted)[:valid])
+        next_ids.extend([PAD_TOKEN] * (n - valid))
+        if emitted:
+            drafting.append((req, len(next_ids) - n + valid - 1, start + valid, total))
+    layout = dataclasses.replace(layout, input_ids=torch.tensor(next_ids, dtype=torch.long, device=dev))
+    g = model.mtp_forward(layout.input_ids, rows, layout, mtp_cache)  # [N', H]
     if not drafting:
         return
-    ends = torch.tensor([s.q_start + s.q_len - 1 for s in batch.prefills], device=hidden.device)
-    last = g[ends[[c for _, c, _, _ in drafting]]]  # [D, H] the newest position of each drafting request
-    drafts = [[] for _ in drafting]
+
+    last = g[torch.tensor([row for _, row, _, _ in drafting], dtype=torch.long, device=dev)]  # [D, H]
+    drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
         tokens = model.compute_logits(last).argmax(dim=-1).tolist()  # [D]
         live = []
-        for i, ((req, _, _pos, total), tok) in enumerate(zip(drafting, tokens, strict=True)):
-            room = (
-                min(req.params.max_tokens - (total - req.num_prompt_tokens), runner.max_model_len - total) - 1
-            )
+        for i, ((req, _, _, total), tok) in enumerate(zip(drafting, tokens, strict=True)):
+            generated = total - req.num_prompt_tokens
+            room = min(req.params.max_tokens - generated, runner.max_model_len - total) - 1
             if len(drafts[i]) < room and len(drafts[i]) == j:
                 drafts[i].append(tok)
                 live.append(i)
         if j + 1 == k or not live:
             break
         # Reuse the layer at the next position: g stands in for the target's hidden state there.
-        step = [
-            ([drafts[i][-1]], [drafting[i][2] + j], drafting[i][2] + j + 1, drafting[i][0].block_ids)
-            for i in live
-        ]
-        batch = _batch(step, bs, hidden.device)
-        last_live = model.mtp_forward(batch.input_ids, last[live], batch, mtp_cache)
-        last = last.clone()
-        last[live] = last_live
+        live_t = torch.tensor(live, dtype=torch.long, device=dev)
+        step = _one_token_batch(
+            [drafts[i][-1] for i in live],
+            [drafting[i][2] + j for i in live],
+            [drafting[i][0].block_ids for i in live],
+            runner.block_size,
+            dev,
+        )
+        g_live = model.mtp_forward(step.input_ids, last[live_t], step, mtp_cache)
+        last = g_live if len(live) == len(drafting) else last.index_copy(0, live_t, g_live)
     for (req, *_), d in zip(drafting, drafts, strict=True):
         if d:
             out.drafts[req.request_id] = d

@@ -20,15 +20,15 @@ from engine.sampler import target_probs
 from engine.sampling_params import SamplingParams
 
 
-def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
-    """target_logits [k+1, V] at the last known token and each draft -> the tokens to emit (1..k+1)."""
-    best = target_logits.argmax(dim=-1).tolist()  # [k+1]
+def verify_greedy(target_tokens: list[int], drafts: list[int]) -> list[int]:
+    """target_tokens: the target's argmax at the last known token and after each draft (k+1)
+    -> the tokens to emit (1..k+1)."""
     out = []
     for i, d in enumerate(drafts):
-        if d != best[i]:
-            return out + [best[i]]
+        if d != target_tokens[i]:
+            return out + [target_tokens[i]]
         out.append(d)
-    return out + [best[len(drafts)]]
+    return out + [target_tokens[len(drafts)]]
 
 
 def verify_sampled(
