@@ -18,7 +18,8 @@ The Triton path (vLLM's fused_moe) works on the T*K (token, k) pairs, pair p = t
 3. out[t] = sum_k out_k[t, k]; the rows of -1 pairs are never written and stay zero.
 
 The reference sorts the (token, k) pairs by expert and runs one GEMM pair per expert that has
-tokens (or two batched GEMMs over padded experts when the loads are even).
+tokens (or two batched GEMMs over padded experts when the loads are even; with fewer pairs than
+experts, as in decode, it groups the pairs on the host).
 """
 
 from __future__ import annotations
@@ -262,6 +263,8 @@ def fused_moe_ref(
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
+    if num_tokens * top_k < w13.shape[0]:  # too few pairs to load every expert: decode batches
+        return _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
     counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=w13.shape[0] + 1).tolist()
@@ -282,6 +285,32 @@ def fused_moe_ref(
         expert_out = (expert_out * weight_of[start : start + count, None]).to(out.dtype)
         out.index_add_(0, tokens, expert_out)
         start += count
+    return out
+
+
+def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
+    """The per-expert loop for a handful of pairs, grouped on the host from one small copy of the
+    ids: the sort, bincount and gathers of the general loop cost more than the GEMMs here. Same
+    per-expert arithmetic, experts in the same (ascending) order."""
+    inter = w2.shape[-1]
+    pairs: dict[int, list[tuple[int, int]]] = {}
+    for t, row in enumerate(topk_ids.tolist()):
+        for k, e in enumerate(row):
+            if e >= 0:
+                pairs.setdefault(e, []).append((t, k))
+    for expert in sorted(pairs):
+        (t, k), *more = pairs[expert]
+        if not more:  # one token: slices, no gathers
+            gate_up = F.linear(x[t : t + 1], w13[expert])
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out[t : t + 1] += (F.linear(act, w2[expert]) * topk_weights[t, k]).to(out.dtype)
+            continue
+        tokens = torch.tensor([t for t, _ in pairs[expert]], device=x.device)
+        ks = torch.tensor([k for _, k in pairs[expert]], device=x.device)
+        gate_up = F.linear(x[tokens], w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        expert_out = F.linear(act, w2[expert]) * topk_weights[tokens, ks][:, None]
+        out.index_add_(0, tokens, expert_out.to(out.dtype))
     return out
 
 

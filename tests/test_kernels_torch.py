@@ -331,7 +331,7 @@ def moe_naive(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_ID.get)
 @pytest.mark.parametrize("route", list(EXPECT_PADDED))
-@pytest.mark.parametrize("tokens", [0, 1, 5, 64], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("tokens", [0, 1, 3, 5, 64], ids=lambda t: f"T{t}")
 def test_fused_moe(tokens, route, dtype, monkeypatch):
     g = gen(13)
     x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
@@ -348,7 +348,11 @@ def test_fused_moe(tokens, route, dtype, monkeypatch):
         return real_padded(*args, **kwargs)
 
     monkeypatch.setattr(moe_module, "_fused_moe_padded", counting_padded)
+    few_calls = []
+    real_few = moe_module._fused_moe_few
+    monkeypatch.setattr(moe_module, "_fused_moe_few", lambda *a: few_calls.append(1) or real_few(*a))
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, impl="torch")
+    assert bool(few_calls) == (0 < tokens * TOPK < EXPERTS)  # decode-sized batches group on the host
     assert out.shape == (tokens, HIDDEN) and out.dtype == dtype
     assert_close(out, moe_naive(x, w13, w2, topk_weights, topk_ids), dtype)
     assert (out[(topk_ids < 0).all(dim=1)] == 0).all()  # tokens routed entirely off-rank get zeros
