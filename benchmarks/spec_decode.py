@@ -3,8 +3,9 @@ in one run, on a model with an MTP layer (the trained default model).
 
 For each (batch, k): `batch` requests with prompts from the model's own training-style text are
 generated greedily to `--max-tokens` tokens; decode tokens/s and ms/token exclude the prefill
-(the time to the last request's first token). Acceptance per draft position and the mean
-accept length come from the engine's counters. Saves JSON under benchmarks/results/.
+(the time to the last request's first token). `--repeats` rounds run the k values interleaved;
+the medians are reported, and each speedup is the median of the per-round ratios to k = 0.
+Acceptance per draft position and the mean accept length come from the engine's counters. Saves JSON under benchmarks/results/.
 
     python benchmarks/spec_decode.py --model assets/pdserve-tiny
 """
@@ -12,6 +13,7 @@ accept length come from the engine's counters. Saves JSON under benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.spec_decode.stats import SpecStats  # noqa: E402
 
 PROMPTS = [
     "The module provides",
@@ -66,44 +69,65 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--ks", default="0,1,2,3")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--repeats", type=int, default=5, help="interleaved rounds per batch size; medians reported"
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--smoke", action="store_true", help="batch 1, k 0 and 1, 8 tokens; nothing saved")
+    p.add_argument(
+        "--smoke", action="store_true", help="batch 1, k 0 and 1, 8 tokens, one round; nothing saved"
+    )
     args = p.parse_args(argv)
     batches = [1] if args.smoke else [int(b) for b in args.batches.split(",")]
     ks = [0, 1] if args.smoke else [int(k) for k in args.ks.split(",")]
     max_tokens = 8 if args.smoke else args.max_tokens
-    rows = []
+    repeats = 1 if args.smoke else args.repeats
+    llms = {}
     for k in ks:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
-        run(llm, 1, 4)  # warm-up
-        for batch in batches:
-            before = (llm.engine.spec_stats.num_drafts, llm.engine.spec_stats.num_accepted_tokens)
-            row = run(llm, batch, max_tokens)
-            st = llm.engine.spec_stats
-            drafts = st.num_drafts - before[0]
-            row.update(
-                k=k,
-                verifications=drafts,
-                mean_accept_length=(1 + (st.num_accepted_tokens - before[1]) / drafts) if drafts else 1.0,
-                acceptance_per_position=st.per_position(),
-            )
+        llms[k] = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
+        run(llms[k], 1, 4)  # warm-up
+    rows = []
+    for batch in batches:
+        # Rounds interleave the k values, so drift in the machine's speed (it is shared) hits every
+        # k alike; each speedup is the median of the per-round ratios to k = 0.
+        runs: dict[int, list[dict]] = {k: [] for k in ks}
+        for k in ks:  # counters of this batch size only
+            llms[k].engine.spec_stats = SpecStats(k)
+        for _ in range(repeats):
+            for k in ks:
+                runs[k].append(run(llms[k], batch, max_tokens))
+        for k in ks:
+            st = llms[k].engine.spec_stats
+            tps = [r["decode_tok_per_s"] for r in runs[k]]
+            row = {
+                "batch": batch,
+                "k": k,
+                "decode_tok_per_s": statistics.median(tps),
+                "decode_tok_per_s_min_max": [min(tps), max(tps)],
+                "ms_per_token": statistics.median(r["ms_per_token"] for r in runs[k]),
+                "rounds": repeats,
+                "verifications": st.num_drafts,
+                "mean_accept_length": st.mean_accept_length if st.num_drafts else 1.0,
+                "acceptance_per_position": st.per_position(),
+            }
+            if 0 in runs:
+                row["speedup"] = statistics.median(
+                    r["decode_tok_per_s"] / b["decode_tok_per_s"]
+                    for r, b in zip(runs[k], runs[0], strict=True)
+                )
             rows.append(row)
-    base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["k"] == 0}
     print(
         f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10}  per-position acceptance"
     )
     for r in rows:
-        r["speedup"] = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else None
         pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         print(
             f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
-            f"{(r['speedup'] or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
+            f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
         )
     if not args.smoke:
-        print(
-            f"saved {save('spec_decode', {'model': args.model, 'dtype': args.dtype, 'max_tokens': max_tokens, 'rows': rows})}"
-        )
+        result = {"model": args.model, "dtype": args.dtype, "max_tokens": max_tokens, "rows": rows}
+        print(f"saved {save('spec_decode', result)}")
     return 0
 
 
