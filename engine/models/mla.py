@@ -106,5 +106,5 @@ class MLAttention(nn.Module):
         o_lat, _ = mla_decode(
             q, kv_cache, group.block_table, group.seq_lens, self.scale, self.kv_lora_rank, return_lse=False
         )  # [D, s, H, L]
-        o_lat = o_lat.view(-1, self.num_heads, self.kv_lora_rank)
+        o_lat = o_lat.reshape(-1, self.num_heads, self.kv_lora_rank)
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D*s, H, v]
