@@ -236,19 +236,56 @@ def grouped_topk_ref(
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
     num_tokens, num_experts = scores.shape
     choice = scores if bias is None else scores + bias.float()
+    group_scores = None
     if n_group > 1 and topk_group < n_group:
         grouped = choice.view(num_tokens, n_group, num_experts // n_group)
         if bias is not None:
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         else:
             group_scores = grouped.max(dim=-1).values
-        group_idx = _top_indices(group_scores, topk_group)
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
-        # -inf keeps masked experts out even when every kept score is negative (biased V3 choice).
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf") if bias is not None else 0.0)
-    topk_ids = _top_indices(choice, top_k)
+    # -inf keeps masked experts out even when every kept score is negative (biased V3 choice).
+    masked = float("-inf") if bias is not None else 0.0
+    select = _select_on_host if num_tokens * num_experts <= HOST_SELECT_MAX else _select
+    topk_ids = select(choice, group_scores, topk_group, top_k, masked)
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+HOST_SELECT_MAX = 256
+"""Routing batches of at most this many (token, expert) scores pick their experts on the host from
+one small copy: a decode step's few tokens cost ~20 tiny tensor ops the other way."""
+
+
+def _select_on_host(
+    choice: torch.Tensor, group_scores: torch.Tensor | None, topk_group: int, top_k: int, masked: float
+) -> torch.Tensor:
+    """The same choice as `_select`, in Python: stable descending order, ties to the lowest index,
+    experts outside the kept groups valued `masked`."""
+    num_experts = choice.shape[1]
+    rows = choice.tolist()
+    groups = group_scores.tolist() if group_scores is not None else None
+    ids = []
+    for t, row in enumerate(rows):
+        if groups is not None:
+            kept = set(sorted(range(len(groups[t])), key=lambda g: -groups[t][g])[:topk_group])
+            size = num_experts // len(groups[t])
+            row = [v if e // size in kept else masked for e, v in enumerate(row)]
+        ids.append(sorted(range(num_experts), key=lambda e: -row[e])[:top_k])
+    return torch.tensor(ids, dtype=torch.long, device=choice.device).view(len(rows), top_k)
+
+
+def _select(
+    choice: torch.Tensor, group_scores: torch.Tensor | None, topk_group: int, top_k: int, masked: float
+) -> torch.Tensor:
+    """-> topk ids [T, K]: the top_k choices among the experts of the topk_group best groups
+    (experts outside them valued `masked`); among equal values the lowest index."""
+    num_tokens, num_experts = choice.shape
+    if group_scores is not None:
+        grouped = choice.view(num_tokens, group_scores.shape[1], -1)
+        group_idx = _top_indices(group_scores, topk_group)
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~score_mask.bool(), masked)
+    return _top_indices(choice, top_k)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.gate as gate_module
 import kernels.moe as moe_module
 from engine.config import RopeConfig
 from kernels.attention import extend_attention, merge_attn_states
@@ -443,7 +444,7 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_ID.get)
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-@pytest.mark.parametrize("tokens", [0, 1, 7], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("tokens", [0, 1, 7, 30], ids=lambda t: f"T{t}")  # 30: the tensor selection
 @pytest.mark.parametrize("case", GATE_CASES)
 def test_grouped_topk(case, tokens, ties, dtype):
     num_experts, n_group, topk_group, top_k, scoring, bias_kind, norm, scaling = GATE_CASES[case]
@@ -457,6 +458,8 @@ def test_grouped_topk(case, tokens, ties, dtype):
     bias = {"small": bias, "negative": bias - 2.0, "zero": torch.zeros(num_experts), None: None}[bias_kind]
     logits = logits.to(dtype)
 
+    host = tokens * num_experts <= gate_module.HOST_SELECT_MAX
+    assert host == (tokens < 30)  # both selections are covered
     weights, ids = grouped_topk(
         logits, bias, n_group, topk_group, top_k, norm, scaling, scoring=scoring, impl="torch"
     )
