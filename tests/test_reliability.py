@@ -6,10 +6,8 @@ engine crash and stall, graceful drain. After every test, every live worker's bl
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
-from services.launcher import free_port, wait_ready
+from services.launcher import Stack, StackConfig, wait_ready
 from tests.service_testing import (
     ENGINE_ARGS,
     generate,
@@ -255,26 +253,10 @@ def test_unavailable_before_the_first_token_is_retried_on_another_worker(stack, 
 
 
 def _standalone(tiny_model, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "worker",
-        "--role",
-        "colocated",
-        "--model",
-        tiny_model,
-        "--port",
-        str(port),
-    ]
-    cmd += [*ENGINE_ARGS, "--num-threads", "1", *extra]
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    endpoint = f"127.0.0.1:{port}"
-    wait_ready(endpoint, 60, proc)
-    return proc, endpoint
+    engine = [*ENGINE_ARGS, "--num-threads", "1", *extra]
+    worker = Stack(StackConfig(tiny_model, engine_args=engine, env=env or {})).start_worker("colocated", 0)
+    wait_ready(worker.endpoint, 60, worker.popen)
+    return worker.popen, worker.endpoint
 
 
 def _liveness(endpoint: str):

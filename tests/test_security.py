@@ -3,10 +3,8 @@ a shared token or mutual TLS, and health stays open for orchestrators."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
-from services.launcher import free_port, wait_ready
+from services.launcher import Stack, StackConfig, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSAFE = re.compile(
@@ -41,22 +39,8 @@ def test_no_unpickling_or_eval_in_the_product():
 
 
 def _worker(tiny_model, role: str, port: int, env: dict, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "worker",
-        "--role",
-        role,
-        "--model",
-        tiny_model,
-        "--port",
-        str(port),
-    ]
-    cmd += ["--num-threads", "1", "--dtype", "float32", "--num-kv-blocks", "128", *extra]
-    return subprocess.Popen(
-        cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    engine = ["--num-threads", "1", "--dtype", "float32", "--num-kv-blocks", "128", *extra]
+    return Stack(StackConfig(tiny_model, engine_args=engine, env=env)).start_worker(role, 0, port).popen
 
 
 def _get_load(ch: grpc.Channel, metadata=None):
