@@ -17,10 +17,13 @@ Legend: N rows in the step, H hidden size, D drafting requests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from typing import NamedTuple
 
 import torch
 
 from engine.forward_batch import DecodeGroup, ForwardBatch
+from engine.request import Request
 
 PAD_TOKEN = 0
 """Input of rows whose next token is not known yet (their outputs are never used)."""
@@ -39,6 +42,17 @@ def _one_token_batch(ids: list[int], positions: list[int], blocks: list[list[int
     )
 
 
+class _Drafting(NamedTuple):
+    request: Request
+    row: int
+    """Row of its newest valid position in the MTP pass."""
+    sampled_pos: int
+    """Position of the token sampled this step (the row's position + 1): the layer's reuse j runs
+    at sampled_pos + j."""
+    room: int
+    """Drafts it may take: fewer near max_tokens or the model length."""
+
+
 @torch.inference_mode()
 def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out) -> None:
     """items: the step's requests in batch order; hidden [N, H]: the target forward's final hidden
@@ -52,15 +66,17 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         layout, rows = batch, hidden
     else:  # only the speculating requests: the same layout rebuilt without the others
         layout = runner._build_batch(spec)[0]
-        starts, q = {}, 0
-        for it in items:
-            starts[it.request.request_id] = q
-            q += it.query_len
-        index = [starts[it.request.request_id] + i for it in spec for i in range(it.query_len)]
+        starts = list(itertools.accumulate((it.query_len for it in items), initial=0))
+        index = [
+            starts[i] + j
+            for i, it in enumerate(items)
+            if it.request.spec_enabled
+            for j in range(it.query_len)
+        ]
         rows = hidden[torch.tensor(index, dtype=torch.long, device=dev)]
 
     next_ids: list[int] = []
-    drafting = []  # (request, row of its newest valid position, that position + 1, tokens after this step)
+    drafting: list[_Drafting] = []
     for it in spec:
         req, start, n = it.request, it.num_computed_tokens, it.query_len
         emitted = out.sampled.get(req.request_id, [])
@@ -69,36 +85,35 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         next_ids.extend((req.token_ids[start + 1 : start + 1 + valid] + emitted)[:valid])
         next_ids.extend([PAD_TOKEN] * (n - valid))
         if emitted:
-            drafting.append((req, len(next_ids) - n + valid - 1, start + valid, total))
+            generated = total - req.num_prompt_tokens
+            room = min(k, req.params.max_tokens - generated - 1, runner.max_model_len - total - 1)
+            drafting.append(_Drafting(req, len(next_ids) - n + valid - 1, start + valid, room))
     layout = dataclasses.replace(layout, input_ids=torch.tensor(next_ids, dtype=torch.long, device=dev))
     g = model.mtp_forward(layout.input_ids, rows, layout, mtp_cache)  # [N', H]
+    drafting = [d for d in drafting if d.room > 0]
     if not drafting:
         return
 
-    last = g[torch.tensor([row for _, row, _, _ in drafting], dtype=torch.long, device=dev)]  # [D, H]
+    last = g[torch.tensor([d.row for d in drafting], dtype=torch.long, device=dev)]  # [D, H]
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
         tokens = model.compute_logits(last).argmax(dim=-1).tolist()  # [D]
-        live = []
-        for i, ((req, _, _, total), tok) in enumerate(zip(drafting, tokens, strict=True)):
-            generated = total - req.num_prompt_tokens
-            room = min(req.params.max_tokens - generated, runner.max_model_len - total) - 1
-            if len(drafts[i]) < room and len(drafts[i]) == j:
-                drafts[i].append(tok)
-                live.append(i)
-        if j + 1 == k or not live:
+        live = [i for i, d in enumerate(drafting) if d.room > j]
+        for i in live:
+            drafts[i].append(tokens[i])
+        live = [i for i in live if drafting[i].room > j + 1]
+        if not live:
             break
         # Reuse the layer at the next position: g stands in for the target's hidden state there.
         live_t = torch.tensor(live, dtype=torch.long, device=dev)
         step = _one_token_batch(
             [drafts[i][-1] for i in live],
-            [drafting[i][2] + j for i in live],
-            [drafting[i][0].block_ids for i in live],
+            [drafting[i].sampled_pos + j for i in live],
+            [drafting[i].request.block_ids for i in live],
             runner.block_size,
             dev,
         )
         g_live = model.mtp_forward(step.input_ids, last[live_t], step, mtp_cache)
         last = g_live if len(live) == len(drafting) else last.index_copy(0, live_t, g_live)
-    for (req, *_), d in zip(drafting, drafts, strict=True):
-        if d:
-            out.drafts[req.request_id] = d
+    for d, tokens in zip(drafting, drafts, strict=True):
+        out.drafts[d.request.request_id] = tokens
