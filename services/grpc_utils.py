@@ -128,6 +128,9 @@ def channel(endpoint: str, security: Security | None = None) -> grpc.aio.Channel
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        # Connections of its own, not the process-wide pool: a channel opened to replace one that
+        # failed must really connect again, not inherit the old connection's backoff and error.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     interceptors = client_interceptors(security)
     creds = security.channel_credentials() if security is not None else None

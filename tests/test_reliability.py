@@ -5,6 +5,7 @@ engine crash and stall, graceful drain. After every test, every live worker's bl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -188,6 +189,48 @@ def test_prefill_worker_death_before_the_pull(stack, offline, policy):
             assert tokens == ref.token_ids
     finally:
         _restart(stack, prefill)
+
+
+def test_a_new_channel_to_a_restarted_peer_connects_at_once():
+    """What a decode worker relies on to retry a pull on a fresh connection: a channel opened
+    after the peer came back does not inherit the failed channel's reconnect backoff."""
+    from grpc_health.v1 import health
+
+    from services.grpc_utils import channel
+    from services.launcher import free_port
+
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+
+    async def serve() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(endpoint)
+        await server.start()
+        return server
+
+    async def check(ch) -> grpc.StatusCode:
+        try:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+
+    async def scenario() -> list[grpc.StatusCode]:
+        server = await serve()
+        old = channel(endpoint)
+        codes = [await check(old)]
+        await server.stop(None)
+        codes.append(await check(old))  # the peer is gone: the old channel backs off
+        server = await serve()
+        fresh = channel(endpoint)
+        codes.append(await check(fresh))
+        await server.stop(None)
+        await old.close()
+        await fresh.close()
+        return codes
+
+    assert asyncio.run(scenario()) == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK]
 
 
 def test_decode_worker_killed_mid_stream(stack):
