@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import resolve_impl
+from kernels.linear import linear
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -279,9 +280,9 @@ def fused_moe_ref(
         if count == 0:
             continue
         tokens = token_of[start : start + count]
-        gate_up = F.linear(x[tokens], w13[expert])  # [n, 2I]
+        gate_up = linear(x[tokens], w13[expert])  # [n, 2I]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        expert_out = F.linear(act, w2[expert])  # [n, H]
+        expert_out = linear(act, w2[expert])  # [n, H]
         expert_out = (expert_out * weight_of[start : start + count, None]).to(out.dtype)
         out.index_add_(0, tokens, expert_out)
         start += count
@@ -301,15 +302,15 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
     for expert in sorted(pairs):
         (t, k), *more = pairs[expert]
         if not more:  # one token: slices, no gathers
-            gate_up = F.linear(x[t : t + 1], w13[expert])
+            gate_up = linear(x[t : t + 1], w13[expert])
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out[t : t + 1] += (F.linear(act, w2[expert]) * topk_weights[t, k]).to(out.dtype)
+            out[t : t + 1] += (linear(act, w2[expert]) * topk_weights[t, k]).to(out.dtype)
             continue
         tokens = torch.tensor([t for t, _ in pairs[expert]], device=x.device)
         ks = torch.tensor([k for _, k in pairs[expert]], device=x.device)
-        gate_up = F.linear(x[tokens], w13[expert])
+        gate_up = linear(x[tokens], w13[expert])
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        expert_out = F.linear(act, w2[expert]) * topk_weights[tokens, ks][:, None]
+        expert_out = linear(act, w2[expert]) * topk_weights[tokens, ks][:, None]
         out.index_add_(0, tokens, expert_out.to(out.dtype))
     return out
 

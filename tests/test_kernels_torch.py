@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import kernels.gate as gate_module
+import kernels.linear as linear_module
 import kernels.moe as moe_module
 from engine.config import RopeConfig
 from kernels.attention import extend_attention, merge_attn_states
 from kernels.gate import grouped_topk
+from kernels.linear import FEW_ROWS, PAD_ONE_ROW_MIN, linear
 from kernels.mla import mla_decode
 from kernels.moe import fused_moe
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
@@ -302,6 +304,33 @@ def routing(name: str, tokens: int, g: torch.Generator) -> torch.Tensor:
     if name == "random":
         return draw_distinct(tokens, EXPERTS, g)
     raise AssertionError(name)
+
+
+# --- linear ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_ID.get)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("out_features", [24, PAD_ONE_ROW_MIN // 64], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, FEW_ROWS - 1, FEW_ROWS, 40], ids=lambda m: f"M{m}")
+def test_linear(rows, out_features, bias, dtype, monkeypatch):
+    """Every row count and weight size against float64; on CPU, 2 to FEW_ROWS - 1 rows (and a single
+    row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear."""
+    g = gen(5)
+    in_features = 64
+    # A column slice: linear must not assume a contiguous x.
+    x = torch.randn(rows, in_features + 3, generator=g)[:, 1 : in_features + 1].to(dtype)
+    w = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    f_linear_calls = []
+    real = linear_module.F.linear
+    monkeypatch.setattr(linear_module.F, "linear", lambda *a: f_linear_calls.append(1) or real(*a))
+    out = linear(x, w, b)
+    few_rows_path = 1 < rows < FEW_ROWS or (rows == 1 and w.numel() >= PAD_ONE_ROW_MIN)
+    assert bool(f_linear_calls) != few_rows_path
+    assert out.shape == (rows, out_features) and out.dtype == dtype and out.is_contiguous()
+    expected = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert_close(out, expected, dtype)
 
 
 # Whether the padded batched-GEMM path must run (None: depends on the random draw).
@@ -719,3 +748,24 @@ def test_mla_decode_fast_in_chunks_matches_one_piece(chunk_rows, monkeypatch):
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
     want, _ = mla_naive(q, rows, seq_lens, 0.1)
     assert_close(chunked, want, torch.float32)
+
+
+def test_linear_orientation_benchmark_smoke():
+    """benchmarks/linear_orientation.py --smoke as a user runs it: both forms are checked against
+    each other and timed for every shape and row count, and nothing is saved."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    results = Path("benchmarks/results")
+    before = sorted(results.iterdir())
+    out = subprocess.run(
+        [sys.executable, "benchmarks/linear_orientation.py", "--smoke", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if " M=" in line]
+    assert len(rows) == 4 and all(line.rstrip().endswith("x") for line in rows), out.stdout
+    assert sorted(results.iterdir()) == before
