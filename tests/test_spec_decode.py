@@ -274,8 +274,9 @@ def _layout(ids: list[int], start: int, blocks: list[int], *, absorbed: bool) ->
 def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
     """The engine's MTP layer (paged MLA, fused MoE kernels) against `mtp_reference_logits`, a plain
     PyTorch implementation of the MTP step built from the checkpoint tensors: a prefill-style pass
-    over most of the prompt, then the last three positions as one causal absorbed decode group,
-    the way a verification step's rows are drafted from."""
+    over the start of the prompt, cache rows only (`mtp_store_kv`, as the drafter writes the
+    positions it reads no draft from) for the next three, then the last three positions as one
+    causal absorbed decode group, which attend to all of them."""
     import json
 
     from safetensors.torch import load_file
@@ -291,25 +292,29 @@ def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
         speculative_config={"method": "mtp"},
     )
     runner, model = llm.engine.runner, llm.engine.runner.model
-    ids = llm.tokenizer.encode("The module provides functions to read and write files")
+    ids = llm.tokenizer.encode("The module provides functions to read and write files in many formats")
     n = len(ids)
     blocks = list(range(-(-n // 16)))
+    mtp_cache = runner.kv_caches[-1]
     with torch.inference_mode():
         hidden = model(_layout(ids, 0, blocks, absorbed=False), runner.kv_caches)  # [T, H] final norm
-        # MTP position i reads (h_i, t_{i+1}): positions 0..n-5 as a chunk, n-4..n-2 absorbed.
-        split = n - 4
+        # MTP position i reads (h_i, t_{i+1}): positions 0..n-8 as a chunk, n-7..n-5 cache rows
+        # only, n-4..n-2 absorbed.
+        first, kv_only, last = (0, n - 7), (n - 7, n - 4), (n - 4, n - 1)
         got = []
-        for lo, hi, absorbed in ((0, split, False), (split, n - 1, True)):
-            b = _layout(ids[lo + 1 : hi + 1], lo, blocks, absorbed=absorbed)
-            got.append(
-                model.compute_logits(model.mtp_forward(b.input_ids, hidden[lo:hi], b, runner.kv_caches[-1]))
-            )
+        for (lo, hi), absorbed in ((first, False), (kv_only, None), (last, True)):
+            b = _layout(ids[lo + 1 : hi + 1], lo, blocks, absorbed=bool(absorbed))
+            if absorbed is None:
+                model.mtp_store_kv(b.input_ids, hidden[lo:hi], b.positions, b.slot_mapping, mtp_cache)
+            else:
+                got.append(model.compute_logits(model.mtp_forward(b.input_ids, hidden[lo:hi], b, mtp_cache)))
         got = torch.cat(got)
     config = json.loads(open(f"{TRAINED}/config.json").read())
     want = mtp_reference_logits(
         load_file(f"{TRAINED}/model.safetensors"), config, torch.tensor(ids), hidden.float()
     )
-    assert got.shape == want.shape == (n - 1, config["vocab_size"])
+    want = torch.cat((want[slice(*first)], want[slice(*last)]))
+    assert n >= 10 and got.shape == want.shape == (n - 4, config["vocab_size"])
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() == 1.0
 

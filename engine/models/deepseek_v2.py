@@ -90,6 +90,19 @@ class DeepseekV2ForCausalLM(nn.Module):
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         return self.mtp[0].draft(self.embed_tokens(next_ids), hidden, cos, sin, batch, kv_cache)
 
+    def mtp_store_kv(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """The first MTP layer's cache rows at positions (cache slots `slots`), from next_ids [N]
+        and hidden [N, H] as in mtp_forward, without computing its output."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        self.mtp[0].store_kv(self.embed_tokens(next_ids), hidden, cos, sin, slots, kv_cache)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
         x, residual = self.embed_tokens(batch.input_ids), None

@@ -66,16 +66,12 @@ class MLAttention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, R/2] at each token's position, kv_cache [blocks, block_size, L+R]."""
-        n = x.shape[0]
-        L, H = self.kv_lora_rank, self.num_heads
+        n, H = x.shape[0], self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(n, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
         q_pe = apply_rotary(q_pe, cos, sin, self.interleaved)  # [N, H, R]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [N, L+R]
-        c_kv = self.kv_a_layernorm(kv_a[:, :L])
-        k_pe = apply_rotary(kv_a[:, L:], cos, sin, self.interleaved)  # [N, R]
-        store_kv(c_kv, k_pe, kv_cache, batch.slot_mapping)
+        c_kv, k_pe = self.store_latents(x, cos, sin, batch.slot_mapping, kv_cache)
 
         out = x.new_empty(n, H, self.v_dim)
         for g in batch.decodes:
@@ -88,6 +84,22 @@ class MLAttention(nn.Module):
                 ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(x.dtype)
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)
         return self.o_proj(out.view(n, H * self.v_dim))
+
+    def store_latents(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache rows of x's tokens, written at slots: -> (c_kv [N, L], k_pe [N, R])."""
+        L = self.kv_lora_rank
+        kv_a = self.kv_a_proj_with_mqa(x)  # [N, L+R]
+        c_kv = self.kv_a_layernorm(kv_a[:, :L])
+        k_pe = apply_rotary(kv_a[:, L:], cos, sin, self.interleaved)  # [N, R]
+        store_kv(c_kv, k_pe, kv_cache, slots)
+        return c_kv, k_pe
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
         """Non-absorbed: q_* [n, H, *], ctx [ctx, L+R] -> [n, H, v]."""

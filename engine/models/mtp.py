@@ -34,6 +34,10 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             self.shared_head = nn.Module()
             self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
+        def _input(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+            """next_embeds [N, H] (embedding of t_{i+1}), hidden [N, H] (h_i) -> u [N, H]."""
+            return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
+
         def draft(
             self,
             next_embeds: torch.Tensor,
@@ -43,9 +47,22 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             batch: ForwardBatch,
             kv_cache: torch.Tensor,
         ) -> torch.Tensor:
-            """next_embeds [N, H] (embedding of t_{i+1}), hidden [N, H] (h_i) -> g [N, H]."""
-            u = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))  # [N, H]
-            x, residual = self(u, None, cos, sin, batch, kv_cache)
+            """-> g [N, H], the layer's output at each position (writing its cache rows)."""
+            x, residual = self(self._input(next_embeds, hidden), None, cos, sin, batch, kv_cache)
             return self.shared_head.norm(x, residual)[0]
+
+        def store_kv(
+            self,
+            next_embeds: torch.Tensor,
+            hidden: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            slots: torch.Tensor,
+            kv_cache: torch.Tensor,
+        ) -> None:
+            """Only the layer's cache rows for these positions: a position's KV depends on its
+            input alone, so positions no draft is read from skip the attention and the MoE."""
+            x = self.input_layernorm(self._input(next_embeds, hidden))
+            self.self_attn.store_latents(x, cos, sin, slots, kv_cache)
 
     return MTPLayer()

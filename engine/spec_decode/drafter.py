@@ -1,32 +1,28 @@
 """Drafting with the MTP layer after each target forward.
 
-The MTP layer first runs over the target step's own layout (same positions, cache slots, decode
-groups and prefill chunks) with each position's next token as input: prompt tokens, accepted
-drafts, the newly sampled token. That keeps its KV cache (the last cache, same block tables)
-complete, and for a request that sampled, the output at its newest valid position gives the first
-draft. A verification's rows past the accepted drafts have no next token yet: they run with a
-padding token and their outputs are dropped; the KV they write lies past the request's valid
-length and is overwritten by the next step before any query can see it (attention is causal and
-every position is stored before it is read). Further drafts reuse the layer one position at a
-time, as one absorbed decode batch: the MTP output g stands in for the target hidden state of
-the position after it.
+The MTP layer keeps its own KV cache (the last cache, same block tables), so after every target
+step each position whose next token is now known gets its MTP cache row: prompt positions,
+accepted drafts, the position before the newly sampled token. A position's row depends only on
+its own input (h_i and t_{i+1}), so all of them but the newest of each drafting request are
+written without running the layer's attention and MoE (`mtp_store_kv`). The newest one runs the
+whole layer as a one-token absorbed decode and gives the first draft; further drafts reuse the
+layer one position at a time, the MTP output g standing in for the target hidden state of the
+position after it. Verification rows past the accepted drafts write nothing: their next token is
+not known yet. The cache rows that drafts beyond the first write lie past the request's valid
+length and are overwritten by the next step before any query can see them (attention is causal
+and every position is stored before it is read).
 
 Legend: N rows in the step, H hidden size, D drafting requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from typing import NamedTuple
 
 import torch
 
 from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.request import Request
-
-PAD_TOKEN = 0
-"""Input of rows whose next token is not known yet (their outputs are never used)."""
 
 
 def _one_token_batch(ids: list[int], positions: list[int], blocks: list[list[int]], block_size: int, device):
@@ -45,10 +41,11 @@ def _one_token_batch(ids: list[int], positions: list[int], blocks: list[list[int
 class _Drafting(NamedTuple):
     request: Request
     row: int
-    """Row of its newest valid position in the MTP pass."""
-    sampled_pos: int
-    """Position of the token sampled this step (the row's position + 1): the layer's reuse j runs
-    at sampled_pos + j."""
+    """Row of its newest valid position in the step: the first draft is read there."""
+    position: int
+    """That position."""
+    sampled: int
+    """The token sampled this step (that position's next token)."""
     room: int
     """Drafts it may take: fewer near max_tokens or the model length."""
 
@@ -59,61 +56,54 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     states. Writes out.drafts."""
     model, k, dev = runner.model, runner.spec.num_speculative_tokens, hidden.device
     mtp_cache = runner.kv_caches[-1]
-    spec = [it for it in items if it.request.spec_enabled]
-    if not spec:
-        return
-    if len(spec) == len(items):
-        layout, rows = batch, hidden
-    else:  # only the speculating requests: the same layout rebuilt without the others
-        layout = runner._build_batch(spec)[0]
-        starts = list(itertools.accumulate((it.query_len for it in items), initial=0))
-        index = [
-            starts[i] + j
-            for i, it in enumerate(items)
-            if it.request.spec_enabled
-            for j in range(it.query_len)
-        ]
-        rows = hidden[torch.tensor(index, dtype=torch.long, device=dev)]
-
-    next_ids: list[int] = []
+    kv_rows: list[int] = []  # rows whose MTP cache row alone is needed, and their next tokens
+    kv_ids: list[int] = []
     drafting: list[_Drafting] = []
-    for it in spec:
+    row = 0
+    for it in items:
         req, start, n = it.request, it.num_computed_tokens, it.query_len
-        emitted = out.sampled.get(req.request_id, [])
-        total = req.num_tokens + len(emitted)
-        valid = min(n, total - start - 1)  # rows whose next token is known (and whose target state is)
-        next_ids.extend((req.token_ids[start + 1 : start + 1 + valid] + emitted)[:valid])
-        next_ids.extend([PAD_TOKEN] * (n - valid))
-        if emitted:
+        if req.spec_enabled:
+            emitted = out.sampled.get(req.request_id, [])
+            total = req.num_tokens + len(emitted)
+            valid = min(n, total - start - 1)  # rows whose next token is known (and whose target state is)
+            next_ids = (req.token_ids[start + 1 : start + 1 + valid] + emitted)[:valid]
             generated = total - req.num_prompt_tokens
             room = min(k, req.params.max_tokens - generated - 1, runner.max_model_len - total - 1)
-            drafting.append(_Drafting(req, len(next_ids) - n + valid - 1, start + valid, room))
-    layout = dataclasses.replace(layout, input_ids=torch.tensor(next_ids, dtype=torch.long, device=dev))
-    g = model.mtp_forward(layout.input_ids, rows, layout, mtp_cache)  # [N', H]
-    drafting = [d for d in drafting if d.room > 0]
+            if emitted and room > 0:  # its newest valid row runs the whole layer
+                valid -= 1
+                drafting.append(_Drafting(req, row + valid, start + valid, next_ids.pop(), room))
+            kv_rows.extend(range(row, row + valid))
+            kv_ids.extend(next_ids)
+        row += n
+    if kv_rows:
+        index = torch.tensor(kv_rows, dtype=torch.long, device=dev)
+        ids = torch.tensor(kv_ids, dtype=torch.long, device=dev)
+        model.mtp_store_kv(ids, hidden[index], batch.positions[index], batch.slot_mapping[index], mtp_cache)
     if not drafting:
         return
 
-    last = g[torch.tensor([d.row for d in drafting], dtype=torch.long, device=dev)]  # [D, H]
+    # Reuse j runs at the newest valid position + j, from (the sampled token, the target's hidden
+    # state) for j = 0 and (the previous draft, the previous g) after that.
+    live = list(range(len(drafting)))
+    inputs = [d.sampled for d in drafting]
+    h = hidden[torch.tensor([d.row for d in drafting], dtype=torch.long, device=dev)]  # [D, H]
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
-        tokens = model.compute_logits(last).argmax(dim=-1).tolist()  # [D]
-        live = [i for i, d in enumerate(drafting) if d.room > j]
-        for i in live:
-            drafts[i].append(tokens[i])
-        live = [i for i in live if drafting[i].room > j + 1]
-        if not live:
-            break
-        # Reuse the layer at the next position: g stands in for the target's hidden state there.
-        live_t = torch.tensor(live, dtype=torch.long, device=dev)
         step = _one_token_batch(
-            [drafts[i][-1] for i in live],
-            [drafting[i].sampled_pos + j for i in live],
+            inputs,
+            [drafting[i].position + j for i in live],
             [drafting[i].request.block_ids for i in live],
             runner.block_size,
             dev,
         )
-        g_live = model.mtp_forward(step.input_ids, last[live_t], step, mtp_cache)
-        last = g_live if len(live) == len(drafting) else last.index_copy(0, live_t, g_live)
+        g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [len(live), H]
+        tokens = model.compute_logits(g).argmax(dim=-1).tolist()
+        for i, token in zip(live, tokens, strict=True):
+            drafts[i].append(token)
+        keep = [m for m, i in enumerate(live) if drafting[i].room > j + 1]
+        if not keep:
+            break
+        live, inputs = [live[m] for m in keep], [tokens[m] for m in keep]
+        h = g if len(keep) == len(g) else g[torch.tensor(keep, dtype=torch.long, device=dev)]
     for d, tokens in zip(drafting, drafts, strict=True):
         out.drafts[d.request.request_id] = tokens
