@@ -5,7 +5,9 @@ For each (batch, k): `batch` requests with prompts from the model's own training
 generated greedily to `--max-tokens` tokens; decode tokens/s and ms/token exclude the prefill
 (the time to the last request's first token). `--repeats` rounds run the k values interleaved;
 the medians are reported, and each speedup is the median of the per-round ratios to k = 0.
-Acceptance per draft position and the mean accept length come from the engine's counters. Saves JSON under benchmarks/results/.
+Acceptance per draft position and the mean accept length come from the engine's counters. The
+time to first token of a `--prompt-tokens` prompt, per k in interleaved rounds as well, shows
+what the MTP layer's pass over a prompt adds. Saves JSON under benchmarks/results/.
 
     python benchmarks/spec_decode.py --model assets/pdserve-tiny
 """
@@ -62,6 +64,22 @@ def run(llm: LLM, batch: int, max_tokens: int) -> dict:
     }
 
 
+def time_to_first_token(llm: LLM, prompt_tokens: int, tag: str) -> float:
+    """Seconds from adding one prompt of about prompt_tokens tokens (its first block unique to
+    `tag`, so nothing comes from the prefix cache) to its first token."""
+    text = " ".join(f"{PROMPTS[i % len(PROMPTS)]} {tag}-{i}." for i in range(prompt_tokens))
+    ids = llm.tokenizer.encode(text)[:prompt_tokens]
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(f"ttft-{tag}-{time.monotonic_ns()}", ids, SamplingParams(max_tokens=1))
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.new_token_ids:
+                first = time.perf_counter()
+    return first - start
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="assets/pdserve-tiny")
@@ -71,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
         "--repeats", type=int, default=5, help="interleaved rounds per batch size; medians reported"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=1000,
+        help="prompt length of the time-to-first-token rows (the MTP layer's prompt pass); 0: none",
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
@@ -116,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
                     for r, b in zip(runs[k], runs[0], strict=True)
                 )
             rows.append(row)
+    ttft_rows = []
+    if args.prompt_tokens and not args.smoke:
+        ttfts: dict[int, list[float]] = {k: [] for k in ks}
+        for r in range(repeats):
+            for k in ks:
+                ttfts[k].append(time_to_first_token(llms[k], args.prompt_tokens, f"{r}-{k}"))
+        for k in ks:
+            row = {"k": k, "prompt_tokens": args.prompt_tokens, "ttft_ms": 1000 * statistics.median(ttfts[k])}
+            if 0 in ttfts:
+                row["vs_k0"] = statistics.median(a / b for a, b in zip(ttfts[k], ttfts[0], strict=True))
+            ttft_rows.append(row)
     print(
         f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10}  per-position acceptance"
     )
@@ -125,8 +160,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
             f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
         )
+    for r in ttft_rows:
+        print(
+            f"TTFT, {r['prompt_tokens']}-token prompt, k={r['k']}: {r['ttft_ms']:.1f} ms ({r.get('vs_k0', 0):.2f}x k=0)"
+        )
     if not args.smoke:
-        result = {"model": args.model, "dtype": args.dtype, "max_tokens": max_tokens, "rows": rows}
+        result = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "max_tokens": max_tokens,
+            "rows": rows,
+            "ttft": ttft_rows,
+        }
         print(f"saved {save('spec_decode', result)}")
     return 0
 
