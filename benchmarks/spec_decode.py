@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1000,
         help="prompt length of the time-to-first-token rows (the MTP layer's prompt pass); 0: none",
     )
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config's disable_by_batch_size for every k > 0 (results saved apart)",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--smoke", action="store_true", help="batch 1, k 0 and 1, 8 tokens, one round; nothing saved"
@@ -108,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     llms = {}
     for k in ks:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        if spec and args.disable_by_batch_size:
+            spec["disable_by_batch_size"] = args.disable_by_batch_size
         llms[k] = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
         run(llms[k], 1, 4)  # warm-up
     rows = []
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10}  per-position acceptance"
     )
     for r in rows:
-        pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) if r["verifications"] else "-"
         print(
             f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
             f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
@@ -169,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "dtype": args.dtype,
             "max_tokens": max_tokens,
+            "disable_by_batch_size": args.disable_by_batch_size,
             "rows": rows,
             "ttft": ttft_rows,
         }
-        print(f"saved {save('spec_decode', result)}")
+        name = "spec_decode_disable_by_batch" if args.disable_by_batch_size else "spec_decode"
+        print(f"saved {save(name, result)}")
     return 0
 
 

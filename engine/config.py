@@ -276,8 +276,9 @@ class EngineConfig:
     kv_redis_ttl_s: int = 3600
     """Lifetime of a block in Redis."""
     speculative_config: dict | None = None
-    """{"method": "mtp", "num_speculative_tokens": k}: draft k tokens per step with the checkpoint's
-    MTP layer and verify them in one forward (None: off)."""
+    """{"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": n (optional)}: draft
+    k tokens per step with the checkpoint's MTP layer and verify them in one forward, except in
+    steps that run n or more requests (None: off). See engine/spec_decode/config.py."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

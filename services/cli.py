@@ -50,17 +50,21 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
     )
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="draft tokens per step (k)")
+    p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="steps running at least this many requests draft nothing",
+    )
 
 
 def _spec_config(args: argparse.Namespace) -> dict:
     if not args.speculative:
         return {}
-    return {
-        "speculative_config": {
-            "method": args.speculative,
-            "num_speculative_tokens": args.num_speculative_tokens,
-        }
-    }
+    spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative_disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+    return {"speculative_config": spec}
 
 
 def _add_flags(p: argparse.ArgumentParser, flags: dict[str, dict]) -> None:

@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.verify import accept_from_probs, verify_greedy
+from services.cli import _spec_config, build_parser
 
 PROMPTS = [
     [5 + (i * 13 + j * 7) % 3000 for j in range(length)] for i, length in enumerate((9, 40, 17, 3, 28, 61))
@@ -125,6 +126,28 @@ def test_speculating_and_plain_requests_share_steps_exactly(mtp_model, reference
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
 
 
+def test_speculation_pauses_in_large_steps_and_resumes(mtp_model, reference, monkeypatch):
+    """disable_by_batch_size=4: steps running 4 or more requests draft nothing, steps with fewer
+    draft again once requests finish, and the tokens are the reference's throughout."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 4}
+    llm = LLM(mtp_model, speculative_config=spec, **ENGINE)
+    runner = llm.engine.runner
+    steps = []  # (requests in the step, whether it drafted)
+    real_execute = runner.execute
+
+    def execute(sched):
+        out = real_execute(sched)
+        steps.append((len(sched.scheduled), bool(out.drafts)))
+        return out
+
+    monkeypatch.setattr(runner, "execute", execute)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert any(n >= 4 for n, _ in steps) and not any(drafted for n, drafted in steps if n >= 4)
+    assert any(drafted for n, drafted in steps if n < 4)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
 def test_sampled_requests_speculate_and_finish(mtp_model):
     llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12, ignore_eos=True)
@@ -198,9 +221,19 @@ def test_speculative_config_validation(tiny_model):
         ({"method": "ngram"}, "method"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"k": 1}, "unknown"),
+        ({"disable_by_batch_size": 1}, "disable_by_batch_size"),
+        ({"disable_by_batch_size": "8"}, "disable_by_batch_size"),
     ):
         with pytest.raises(ValueError, match=msg):
             SpeculativeConfig.parse(bad)
+    assert SpeculativeConfig.parse({"disable_by_batch_size": 8}).disable_by_batch_size == 8
+    args = build_parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "p", "--speculative", "mtp"]
+        + ["--num-speculative-tokens", "3", "--speculative-disable-by-batch-size", "16"]
+    )
+    assert _spec_config(args) == {
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
+    }
     with pytest.raises(ValueError, match="MTP layers"):  # the plain tiny model has none
         LLM(tiny_model, speculative_config={"method": "mtp"}, **ENGINE)
 

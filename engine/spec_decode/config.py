@@ -14,6 +14,10 @@ class SpeculativeConfig:
     """Only "mtp": drafts come from the checkpoint's multi-token-prediction layer."""
     num_speculative_tokens: int = 1
     """Draft tokens per step (k); the MTP layer is reused for k > 1."""
+    disable_by_batch_size: int | None = None
+    """A step that runs at least this many requests drafts nothing (its MTP cache rows are still
+    written, so drafting resumes when the batch shrinks): where verification is compute-bound,
+    large batches decode faster one token at a time. None: always draft."""
 
     @staticmethod
     def parse(raw: dict | None) -> SpeculativeConfig | None:
@@ -21,7 +25,7 @@ class SpeculativeConfig:
             return None
         if not isinstance(raw, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}")
-        unknown = set(raw) - {"method", "num_speculative_tokens"}
+        unknown = set(raw) - {"method", "num_speculative_tokens", "disable_by_batch_size"}
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {sorted(unknown)}")
         method = raw.get("method", "mtp")
@@ -32,4 +36,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
-        return SpeculativeConfig(method, k)
+        limit = raw.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 2):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 2 or None, got {limit!r}")
+        return SpeculativeConfig(method, k, limit)

@@ -55,6 +55,9 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     """items: the step's requests in batch order; hidden [N, H]: the target forward's final hidden
     states. Writes out.drafts."""
     model, k, dev = runner.model, runner.spec.num_speculative_tokens, hidden.device
+    limit = runner.spec.disable_by_batch_size
+    if limit is not None and len(items) >= limit:
+        k = 0  # no drafts this step; the cache rows below are still written
     mtp_cache = runner.kv_caches[-1]
     kv_rows: list[int] = []  # rows whose MTP cache row alone is needed, and their next tokens
     kv_ids: list[int] = []
