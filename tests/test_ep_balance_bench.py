@@ -3,24 +3,11 @@ max/mean rank load in every row, and nothing is written to benchmarks/results.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_testing import run_benchmark
 
 
 def test_ep_balance_smoke_shows_eplb_improving_balance():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "ep_balance.py"), "--smoke"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_benchmark("ep_balance.py", "--smoke")
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["EP", "nodes"])

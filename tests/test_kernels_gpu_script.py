@@ -5,16 +5,13 @@ can tell (real tolerances at full size, timings, compilation for sm_90) is not c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "kernels_gpu.py"
+from tests.bench_testing import run_benchmark
+
 KERNELS = {
     "mla_decode",
     "extend_attention",
@@ -29,10 +26,7 @@ TIMED = {"mla_decode", "fused_moe", "extend_attention"}
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    return run_benchmark("kernels_gpu.py", *args, env={"TRITON_INTERPRET": "1"})
 
 
 @pytest.fixture(scope="module")

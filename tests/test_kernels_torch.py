@@ -26,6 +26,7 @@ from kernels.mla import mla_decode
 from kernels.moe import fused_moe
 from kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref, rope_cos_sin_cache, rope_inv_freq
+from tests.bench_testing import REPO, run_benchmark
 from tests.kernel_testing import DTYPE_ID, TOL, assert_close, gen, one_thread  # noqa: F401 (fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]  # the references' dtypes (the Triton tests add float16)
@@ -753,18 +754,9 @@ def test_mla_decode_fast_in_chunks_matches_one_piece(chunk_rows, monkeypatch):
 def test_linear_orientation_benchmark_smoke():
     """benchmarks/linear_orientation.py --smoke as a user runs it: both forms are checked against
     each other and timed for every shape and row count, and nothing is saved."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    results = Path("benchmarks/results")
+    results = REPO / "benchmarks" / "results"
     before = sorted(results.iterdir())
-    out = subprocess.run(
-        [sys.executable, "benchmarks/linear_orientation.py", "--smoke", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_benchmark("linear_orientation.py", "--smoke", "--threads", "1")
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if " M=" in line]
     assert len(rows) == 4 and all(line.rstrip().endswith("x") for line in rows), out.stdout

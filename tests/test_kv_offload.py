@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
+from tests.bench_testing import run_benchmark
 from tests.redis_server import RedisServer
 
 PREFIX = [5 + (j * 7) % 3000 for j in range(48)]  # 12 blocks of 4
@@ -236,12 +237,7 @@ def test_a_decode_worker_loads_shared_blocks_from_redis_instead_of_pulling_them(
 
 
 def test_prefix_offload_benchmark_smoke(tiny_model):
-    out = subprocess.run(
-        [sys.executable, "benchmarks/prefix_offload.py", "--model", tiny_model, "--smoke", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out = run_benchmark("prefix_offload.py", "--model", tiny_model, "--smoke", "--threads", "1", timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {
         line.split()[0]: line.split()

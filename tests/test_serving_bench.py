@@ -5,28 +5,16 @@ to a temporary file (never to benchmarks/results)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_testing import run_benchmark
 
 
 def test_serving_benchmark_smoke_compares_disaggregated_with_colocated(tiny_model, tmp_path):
     out = tmp_path / "serving.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     args = ["--smoke", "--model", tiny_model, "--dtype", "float32", "--num-kv-blocks", "256"]
     args += ["--rates", "4", "--input-len", "64", "--output-len", "8"]
     args += ["--output", str(out), "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "serving.py"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_benchmark("serving.py", *args, timeout=180)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs[-4000:]}"
 

@@ -12,6 +12,7 @@ from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.verify import accept_from_probs, verify_greedy
 from services.cli import _spec_config, build_parser
+from tests.bench_testing import run_benchmark
 
 PROMPTS = [
     [5 + (i * 13 + j * 7) % 3000 for j in range(length)] for i, length in enumerate((9, 40, 17, 3, 28, 61))
@@ -269,15 +270,7 @@ def test_disaggregated_and_colocated_serving_with_mtp_keep_greedy_tokens(mtp_mod
 
 
 def test_spec_decode_benchmark_smoke(mtp_model):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "benchmarks/spec_decode.py", "--model", mtp_model, "--smoke", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_benchmark("spec_decode.py", "--model", mtp_model, "--smoke", "--threads", "1")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [(row[0], row[1]) for row in lines] == [("1", "0"), ("1", "1")]
