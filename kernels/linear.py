@@ -7,8 +7,10 @@ slowly from memory. The same product taken as w @ x^T ([N, K] @ [K, M], then tra
 weight once for all rows. Measured on the 2-core development VM with weights out of cache
 (benchmarks/linear_orientation.py): the 4096 x 256 LM head at M = 1 / 2 / 3 costs 777 / 1227 /
 1389 µs as x @ w^T and 394 / 500 / 535 µs as w @ x^T (M = 1 padded to 2 rows); a routed expert's
-256 x 256 gate_up at M = 2 / 3, 59 / 73 µs against 36 / 34 µs. From 16 rows on, x @ w^T is as
-fast or faster. GPUs always take x @ w^T (cuBLAS has its own small-M kernels).
+256 x 256 gate_up at M = 2 / 3, 59 / 73 µs against 36 / 34 µs. From 16 rows on the two forms
+are close for the layer weights; the wide LM head still reads faster as w @ x^T for a batch's
+logits, which DeepseekV2ForCausalLM.compute_logits keeps. GPUs always take x @ w^T (cuBLAS has its
+own small-M kernels).
 """
 
 from __future__ import annotations
