@@ -5,7 +5,10 @@ Two things are held back from the stream:
   character, which the tokenizer decodes as U+FFFD; while the decoded window ends in U+FFFD the
   tokens are kept until a later one completes the character (vLLM's prefix_offset/read_offset).
 - Text that could still become a stop string: the longest suffix of the text that is a proper
-  prefix of some stop string, so the stream never shows part of a stop string.
+  prefix of some stop string, so the stream never shows part of a stop string. Each stop string's
+  KMP automaton (its failure function, built once) follows the text as it arrives, so a step costs
+  O(new characters) per stop string and memory stays O(total stop length), however long the
+  stop strings; the held text is always shorter than the longest stop string.
 
 Only a bounded window of tokens is decoded per step (the tokens since the last-but-one release),
 so a step costs the same at output token 10 and 10,000.
@@ -61,9 +64,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
-        # Every proper prefix of a stop string, longest first: what the stream must hold back.
-        prefixes = {s[:n] for s in self._stop for n in range(1, len(s))}
-        self._stop_prefixes = sorted(prefixes, key=len, reverse=True)
+        self._stop_failure = [_failure_function(s) for s in self._stop]
+        # Per stop string: how many of its leading characters the text so far ends with (its KMP
+        # state). Always < its length, since a full match ends the output.
+        self._stop_state = [0] * len(self._stop)
 
         # The window: ids[:read_offset] are released, ids[prefix_offset:read_offset] are kept as
         # decoding context, ids[read_offset:] are held (their text ended in U+FFFD, or was empty).
@@ -148,25 +152,52 @@ class IncrementalDetokenizer:
             self._pieces.append(new_text)
             return new_text
         # Any match not seen before ends in new_text, so it starts in held_text or after it:
-        # text released earlier was never a prefix of a stop string.
+        # text released earlier was never a prefix of a stop string (each automaton's state is at
+        # most len(held_text) before new_text). The first match to complete wins; within a step,
+        # the one starting earliest, then the one listed first.
         window = self._held_text + new_text
-        match = min(
-            ((pos, order, s) for order, s in enumerate(self._stop) if (pos := window.find(s)) >= 0),
-            default=None,
-        )
+        match = None
+        for order, stop in enumerate(self._stop):
+            end = self._advance(order, new_text)
+            if end is not None:
+                found = (len(self._held_text) + end + 1 - len(stop), order, stop)
+                match = found if match is None else min(match, found)
         if match is not None:
             pos, _, self.stop_matched = match
             released, self._held_text = window[:pos], ""
             self._finished = True
         else:
-            keep = 0 if flush else self._held_length(window)
+            keep = 0 if flush else max(self._stop_state)
+            assert keep <= len(window), (keep, len(window))
             released, self._held_text = window[: len(window) - keep], window[len(window) - keep :]
         self._pieces.append(released)
         return released
 
-    def _held_length(self, window: str) -> int:
-        """Length of the longest suffix of window that a stop string starts with."""
-        for prefix in self._stop_prefixes:
-            if len(prefix) <= len(window) and window.endswith(prefix):
-                return len(prefix)
-        return 0
+    def _advance(self, order: int, text: str) -> int | None:
+        """Run text through stop string `order`'s automaton. Returns the index in text where the
+        stop string's first full match ends, or None (its state is then updated). Amortized
+        O(len(text)): each character moves the state up by at most one."""
+        stop, failure, state = self._stop[order], self._stop_failure[order], self._stop_state[order]
+        for i, char in enumerate(text):
+            while state and stop[state] != char:
+                state = failure[state - 1]
+            if stop[state] == char:
+                state += 1
+                if state == len(stop):
+                    return i
+        self._stop_state[order] = state
+        return None
+
+
+def _failure_function(stop: str) -> list[int]:
+    """KMP's failure function: entry i is the length of the longest proper prefix of stop[: i + 1]
+    that is also a suffix of it. O(len(stop)) time and memory."""
+    failure = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = failure[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        failure[i] = k
+    return failure

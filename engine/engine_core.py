@@ -154,7 +154,9 @@ class EngineCore:
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> Request:
-        if request_id in self.requests:
+        # A finished prefill-only request still owns its pinned blocks under its id until
+        # release_export: reusing the id would orphan them.
+        if request_id in self.requests or request_id in self.exported or request_id in self.importing:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
@@ -359,6 +361,7 @@ class EngineCore:
             if len(hashes) < n // self.cfg.block_size:  # prefix caching off: not kept on the way
                 hashes = hash_blocks(req.prompt_token_ids, self.cfg.block_size)
             state = req.generator.get_state() if req.generator is not None else None
+            assert req.request_id not in self.exported, f"{req.request_id!r} is already exported"
             self.exported[req.request_id] = ExportedKv(req.block_ids, hashes, n, state)
             req.block_ids = []
         out = self._finalize(req, new_ids, new_text)

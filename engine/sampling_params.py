@@ -14,6 +14,10 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy: dividing logits by ~1e-30 overflows to inf and nan (vLLM's eps)."""
+MAX_STOP_STRING_CHARS = 1024
+"""Longest stop string: the stream holds back up to this much text while a stop string may start."""
+MAX_STOP_TOTAL_CHARS = 16 * MAX_STOP_STRING_CHARS
+"""Most characters over all stop strings of a request (each costs O(its length) per request)."""
 SEED_RANGE = (-(2**63), 2**64)
 """Seeds torch.Generator.manual_seed accepts (half-open); outside it raises at request start."""
 
@@ -120,6 +124,16 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        for i, s in enumerate(self.stop):
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop[{i}] has {len(s)} characters, more than the limit of {MAX_STOP_STRING_CHARS}"
+                )
+        total = sum(map(len, self.stop))
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(
+                f"stop strings have {total} characters in all, more than the limit of {MAX_STOP_TOTAL_CHARS}"
+            )
         for tok in self.stop_token_ids:
             if not _is_int(tok) or tok < 0:
                 raise ValueError(f"stop_token_ids entries must be integers >= 0, got {tok!r}")

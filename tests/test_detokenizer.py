@@ -4,6 +4,7 @@ merges leave many multi-byte characters split across tokens."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -236,3 +237,116 @@ def test_step_decodes_a_bounded_window(tok, split):
     # Each step decodes the context, the held tokens and the new one: a handful, never the output.
     assert max(counting.lengths) <= 8
     assert len(counting.lengths) <= 2 * len(ids) + 4  # two per step, plus __init__ and finish()
+
+
+# --- stop strings against a brute-force reference ------------------------------------------------
+
+
+def naive_first_match(text: str, before: int, stop: list[str]) -> tuple[int, str] | None:
+    """The match that completes first once text grew past `before` characters: among those ending
+    in the new characters, the earliest start, then the first listed."""
+    found = []
+    for order, s in enumerate(stop):
+        pos = text.find(s, max(0, before - len(s) + 1))
+        if pos >= 0:
+            found.append((pos, order, s))
+    return (min(found)[0], min(found)[2]) if found else None
+
+
+def naive_hold(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def check_against_naive(tok, ids: list[int], stop: list[str], chunk: int, hold_every: int = 1) -> str | None:
+    """Stream ids through a detokenizer with `stop` and one without (whose pieces are the text each
+    step adds), and check every step's released text and match against the reference; the hold
+    (a slow brute force for long stop strings) is checked every `hold_every` steps and at the end."""
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=stop)
+    plain = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=[])
+    text, released = "", 0
+    steps = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+    for k, piece in enumerate([*steps, None]):
+        before = len(text)
+        text += plain.step(piece).text if piece is not None else plain.finish()
+        out = detok.step(piece) if piece is not None else None
+        got, got_match = (out.text, out.stop_matched) if out is not None else (detok.finish(), None)
+        match = naive_first_match(text, before, stop)
+        if match is not None:
+            assert (got, got_match) == (text[released : match[0]], match[1]), (k, stop)
+            assert detok.text == text[: match[0]]
+            return match[1]
+        assert got_match is None
+        released += len(got)
+        assert detok.text == text[:released]
+        if piece is None:
+            assert released == len(text)
+        elif k % hold_every == 0:
+            assert len(text) - released == naive_hold(text, stop), (k, stop)
+        assert len(text) - released < max(map(len, stop))  # the held text stays bounded
+    return None
+
+
+@pytest.mark.parametrize("chunk", [1, 3], ids=lambda c: f"chunk{c}")
+def test_stop_strings_match_naive_reference(tok, chunk):
+    # A tiny alphabet makes partial matches, false starts and overlapping stops common; "é" and
+    # "日" are split over byte tokens, so some steps add no text at all.
+    rng = random.Random(100 + chunk)
+    alphabet = "aab é日"
+    matched = 0
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        stop = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7)))
+            for _ in range(rng.randrange(1, 5))
+        ]
+        ids = byte_ids(tok, text) if rng.random() < 0.5 else tok.encode(text).ids
+        matched += check_against_naive(tok, ids, stop, chunk) is not None
+    assert 100 < matched < 390  # both outcomes exercised
+
+
+def _stored_size(value: object) -> int:
+    """Characters / entries held by a value, nested containers included."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(1 + _stored_size(k) + _stored_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return sum(1 + _stored_size(v) for v in value)
+    return 1
+
+
+@pytest.mark.parametrize("ends_in_stop", [False, True], ids=["no-match", "match"])
+def test_long_stop_strings_cost_linear(tok, ends_in_stop):
+    """16 stop strings of 1024 characters: 2,000 steps of text built from their prefixes (long
+    partial matches that fail late) stay cheap, keep O(total stop length) state, and agree with
+    the brute-force reference."""
+    rng = random.Random(7 + ends_in_stop)
+    shared = "".join(rng.choice("ab") for _ in range(512))
+    stop = [shared + "".join(rng.choice("ab") for _ in range(512)) for _ in range(16)]
+    text = ""
+    while len(text) < 2000:
+        s = rng.choice(stop)
+        text += s[: rng.randrange(1, len(s))] + rng.choice(["", "a", "b"])
+    text = text[:2000]
+    if ends_in_stop:
+        text = text[: 2000 - 1024] + stop[5]
+    ids = byte_ids(tok, text)
+    assert len(ids) == 2000
+
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True, stop=stop)
+    total = sum(map(len, stop))
+    state = {k: v for k, v in vars(detok).items() if k not in ("_tokenizer", "_text", "_pieces")}
+    assert _stored_size(state) <= 4 * total  # no structure quadratic in the stop length
+    start = time.perf_counter()
+    for i in ids:
+        out = detok.step([i])
+        if out.stop_matched is not None:
+            break
+    detok.finish()
+    elapsed = time.perf_counter() - start
+    state = {k: v for k, v in vars(detok).items() if k not in ("_tokenizer", "_text", "_pieces")}
+    assert _stored_size(state) <= 4 * total
+    assert elapsed < 1.0  # ~0.04 s; the quadratic hold-back took ~1.5 s here
+
+    assert check_against_naive(tok, ids, stop, chunk=1, hold_every=97) == (stop[5] if ends_in_stop else None)
