@@ -23,10 +23,16 @@ def model_cache_dir() -> str:
     return os.environ.get("PDSERVE_MODEL_DIR", "models")
 
 
+INTERNAL_TOKEN_VAR = "PDSERVE_INTERNAL_TOKEN"
+"""Name of the internal token's variable (the stack launcher passes it on to its processes)."""
+
+
 def internal_token() -> str | None:
-    """PDSERVE_INTERNAL_TOKEN: shared secret the internal RPCs (Worker, KvTransfer) require when set.
-    An environment variable rather than a flag, so it does not show in process listings."""
-    return os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+    """PDSERVE_INTERNAL_TOKEN: shared secret the internal RPCs (Worker, KvTransfer) require when set,
+    and the key that signs registry records. An environment variable rather than a flag, so it does
+    not show in process listings. Unset, a worker or router may bind only to loopback (or use mutual
+    TLS) unless started with --insecure-internal; `pdserve serve` generates one."""
+    return os.environ.get(INTERNAL_TOKEN_VAR) or None
 
 
 def fault() -> str | None:

@@ -6,6 +6,7 @@ template from tokenizer_config.json, rendered with the variables HF templates ex
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -40,8 +41,29 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest token string in the vocabulary (at least 1). A text of B
+        bytes encodes to at least B / max_token_bytes tokens (a byte-level or sentencepiece token
+        stands for at most its own string's bytes), which bounds a prompt's length before paying
+        for its tokenization; normalizers that compose characters can shrink a text, so callers
+        allow slack."""
+        return max(
+            (len(t.encode("utf-8")) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
+
+    def max_prompt_bytes(self, max_tokens: int) -> int:
+        """Longest text (UTF-8 bytes) that may still encode to at most max_tokens tokens: exact
+        without a normalizer, 4x slack with one (normalization can compose characters)."""
+        slack = 1 if self.tokenizer.normalizer is None else 4
+        return max_tokens * self.max_token_bytes * slack
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it throughout: a 1 MB text
+        # froze every other thread of the process for a second), so services tokenize in a
+        # worker thread without stalling their event loop.
+        (encoding,) = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

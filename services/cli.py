@@ -175,15 +175,24 @@ def _engine_config(args: argparse.Namespace, **extra):
 
 
 def _security(args: argparse.Namespace):
-    from services.security import Security
+    """The internal token / TLS of a worker or router; ValueError (exit 2) when its --host is not
+    loopback and neither protects the internal RPCs, unless --insecure-internal."""
+    from services.security import Security, check_exposure
 
-    return Security.from_env(args.tls_cert, args.tls_key, args.tls_ca)
+    security = Security.from_env(args.tls_cert, args.tls_key, args.tls_ca)
+    check_exposure(args.host, security, args.insecure_internal)
+    return security
 
 
 def _add_tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate for mutual TLS on internal RPCs")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle peers must chain to")
+    p.add_argument(
+        "--insecure-internal",
+        action="store_true",
+        help="allow a non-loopback --host without PDSERVE_INTERNAL_TOKEN or mutual TLS (trusted networks only)",
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -195,6 +204,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.dp < 1 or (args.ep is not None and args.ep < 1):
         raise ValueError("--dp and --ep must be >= 1")
+    security = _security(args)
     if args.dp > 1 and args.group_rank is None:
         from services.worker.ranks import launch_ranks
 
@@ -219,6 +229,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         dp_size=max(group_size, args.dp),
         ep_size=group_size,
         lease_s=args.lease_s,
+        max_total_lease_s=args.max_total_lease_s,
+        max_pinned_fraction=args.max_pinned_fraction,
+        kv_producers=tuple(e.strip() for e in args.kv_producers.split(",") if e.strip())
+        if args.kv_producers
+        else None,
         **chunk,
     )
     cfg = WorkerServerConfig(
@@ -231,7 +246,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         registry=args.registry,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         grace_s=args.grace_s,
-        security=_security(args),
+        security=security,
         stall_timeout_s=args.stall_timeout_s,
         fault=env.fault(),
     )
@@ -248,6 +263,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     if not args.registry and not args.workers:
         raise ValueError("give --registry redis://... or --workers host:port,...")
+    security = _security(args)
     routing = RoutingConfig(
         colocate_max_tokens=args.colocate_max_tokens,
         colocate_cached_fraction=args.colocate_cached_fraction,
@@ -258,6 +274,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout_s,
+        max_generations_per_request=args.max_generations_per_request,
         max_attempts=args.max_attempts,
         kv_redis_url=args.kv_redis_url,
     )
@@ -270,7 +287,12 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_port=None if args.no_http else args.http_port,
         registry=args.registry,
         workers=[w for w in (args.workers or "").split(",") if w],
-        security=_security(args),
+        security=security,
+        public_tls_cert=args.public_tls_cert,
+        public_tls_key=args.public_tls_key,
+        http_header_timeout_s=args.http_header_timeout_s,
+        http_body_timeout_s=args.http_body_timeout_s,
+        http_max_connections=args.http_max_connections,
     )
     return asyncio.run(serve(cfg))
 
@@ -367,6 +389,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
     p.add_argument("--lease-s", type=float, default=30.0, help="how long exported KV stays pinned")
     p.add_argument(
+        "--max-total-lease-s",
+        type=float,
+        default=120.0,
+        help="longest exported KV stays pinned, renewals included",
+    )
+    p.add_argument(
+        "--max-pinned-fraction",
+        type=float,
+        default=0.75,
+        help="most of the KV blocks one caller may keep pinned in transfers",
+    )
+    p.add_argument(
+        "--kv-producers", default=None, help="prefill workers host:port,... a decode worker may pull KV from"
+    )
+    p.add_argument(
         "--kv-chunk-bytes",
         type=int,
         default=None,
@@ -401,11 +438,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    p.add_argument(
+        "--http-header-timeout-s",
+        type=float,
+        default=10.0,
+        help="close connections slower to send a request head",
+    )
+    p.add_argument(
+        "--http-body-timeout-s", type=float, default=30.0, help="408 for request bodies slower than this"
+    )
+    p.add_argument(
+        "--http-max-connections", type=int, default=1024, help="more open HTTP connections get 503"
+    )
+    p.add_argument("--public-tls-cert", default=None, help="PEM certificate: TLS on the public gRPC and HTTP")
+    p.add_argument("--public-tls-key", default=None, help="PEM private key of --public-tls-cert")
     p.add_argument("--registry", default=None, help="redis://host:port/db to discover workers in")
     p.add_argument("--workers", default=None, help="static worker endpoints host:port,... (no Redis)")
     p.add_argument("--colocate-max-tokens", type=int, default=32, help="shorter prompts run colocated")
     p.add_argument("--colocate-cached-fraction", type=float, default=0.8)
-    p.add_argument("--max-in-flight", type=int, default=256, help="requests routed at once")
+    p.add_argument("--max-in-flight", type=int, default=256, help="generations (prompts x n) routed at once")
+    p.add_argument(
+        "--max-generations-per-request",
+        type=int,
+        default=64,
+        help="most generations (prompts x n) one request may ask for",
+    )
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond those (then 429)")
     p.add_argument("--queue-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")

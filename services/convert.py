@@ -43,6 +43,25 @@ KV_FAILURE_POLICIES = {
 KV_FAILURE_POLICY_TO_PROTO = {v: k for k, v in KV_FAILURE_POLICIES.items()}
 
 
+def serving_mode_from_proto(value: int) -> ServingMode:
+    """GenerateRequest.mode as a ServingMode; ValueError naming `mode` for a value outside the enum."""
+    return _enum_from_proto("mode", pb.ServingMode, SERVING_MODES, value)
+
+
+def kv_failure_policy_from_proto(value: int) -> KvFailurePolicy:
+    """kv_failure_policy as a KvFailurePolicy; ValueError naming the field for a value outside the enum."""
+    return _enum_from_proto("kv_failure_policy", pb.KvFailurePolicy, KV_FAILURE_POLICIES, value)
+
+
+def _enum_from_proto(field: str, enum, table: dict, value: int):
+    # proto3 keeps enum numbers it does not know (a newer or a hostile client): not our bug, theirs.
+    try:
+        return table[value]
+    except KeyError:
+        names = ", ".join(enum.Name(v) for v in table)
+        raise ValueError(f"{field} must be one of {names}, got {value!r}") from None
+
+
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
     return SamplingParams(

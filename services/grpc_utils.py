@@ -8,6 +8,8 @@ pass through with their own code.
 from __future__ import annotations
 
 import logging
+import uuid
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,8 +36,11 @@ async def _map_error(context: grpc.aio.ServicerContext, method: str, exc: BaseEx
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call failed: keep its code
         await context.abort(exc.code(), exc.details() or "")
-    logger.exception("%s failed", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    # The exception's text stays in the log: it may hold internals (paths, state, other requests'
+    # data) that callers must not see. The id ties the caller's report to the log line.
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s failed (error id %s)", method, error_id, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id})")
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -114,6 +119,27 @@ def bind(server: grpc.aio.Server, host: str, port: int, security: Security | Non
     creds = security.server_credentials() if security is not None else None
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return bound
+
+
+def bind_public(
+    server: grpc.aio.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None
+) -> int:
+    """Bind a public (client-facing) service to host:port, port 0 picking a free one; returns the
+    port. With tls_cert and tls_key (PEM files) it serves TLS without asking clients for
+    certificates (internal services use `bind` with mutual TLS); without them, plaintext."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together (public TLS)")
+    address = f"{host}:{port}"
+    if tls_cert is None:
+        bound = server.add_insecure_port(address)
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())], require_client_auth=False
+        )
+        bound = server.add_secure_port(address, creds)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return bound

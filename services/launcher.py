@@ -1,7 +1,9 @@
 """Start a whole pdserve stack as processes on one machine: prefill and decode workers, a router.
 
 Used by `pdserve serve`, the demo (`make run`), the serving benchmark and the end-to-end tests.
-Every process binds to the given host only; ports are picked free up front. `start()` returns
+Every process binds to the given host only; ports are picked free up front. The internal RPCs are
+never open: every process gets the same PDSERVE_INTERNAL_TOKEN (from `cfg.env`, else the
+environment, else a fresh random one), which tests use as `stack.token`. `start()` returns
 once every process reports readiness SERVING over grpc.health.v1; `stop()` sends SIGTERM, then
 SIGKILL to whatever outlives the grace period.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -81,7 +84,8 @@ class StackConfig:
     router_args: list[str] = field(default_factory=list)
     registry: str | None = None
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment of every process (PDSERVE_INTERNAL_TOKEN, say)."""
+    """Extra environment of every process. PDSERVE_INTERNAL_TOKEN here (else in the environment)
+    is the stack's token; without one the stack generates one."""
     log_dir: str | None = None
     """Write each process's output to <log_dir>/<name>.log (else inherit the terminal)."""
     threads_per_worker: int | None = None
@@ -96,6 +100,10 @@ class Stack:
         self.procs: list[Proc] = []
         self.grpc_port = cfg.grpc_port or free_port(cfg.host)
         self.http_port = None if cfg.http_port is None else (cfg.http_port or free_port(cfg.host))
+        self.token: str = (
+            cfg.env.get(env_vars.INTERNAL_TOKEN_VAR) or env_vars.internal_token() or secrets.token_urlsafe(32)
+        )
+        """The internal token every process of this stack requires and presents."""
 
     @property
     def grpc_endpoint(self) -> str:
@@ -116,7 +124,7 @@ class Stack:
             log_path = Path(self.cfg.log_dir) / f"{name}.log"
             out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "services.cli", "--log-level", env_vars.log_level(), *args]
-        env = {**(env or os.environ), **self.cfg.env}
+        env = {**(env or os.environ), **self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
         proc = Proc(name, endpoint, popen, log_path)
         self.procs.append(proc)

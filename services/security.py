@@ -9,6 +9,7 @@ Clients attach it with a channel interceptor. With TLS files set, servers listen
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +131,73 @@ def client_interceptors(security: Security | None) -> list:
 
 def server_interceptors(security: Security | None) -> list:
     return [TokenAuthInterceptor(security.token)] if security is not None and security.token else []
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or "localhost"."""
+    name = host.strip().removeprefix("[").removesuffix("]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a host name other than localhost: may resolve to anything
+        return False
+
+
+def check_exposure(host: str, security: Security, insecure: bool) -> None:
+    """Refuse (ValueError; the CLI exits 2) to serve internal RPCs, or call them, from a
+    non-loopback `host` without an internal token or mutual TLS, unless `insecure`
+    (--insecure-internal) says the network itself is trusted."""
+    if insecure or security.token or security.tls or is_loopback(host):
+        return
+    raise ValueError(
+        f"binding {host} without an internal token (PDSERVE_INTERNAL_TOKEN) or mutual TLS "
+        "(--tls-cert/--tls-key/--tls-ca); pass --insecure-internal to allow it"
+    )
+
+
+# ---- signed KV handles -----------------------------------------------------------------------------
+# The router signs each KvHandle it passes to a decode worker, so a caller holding only the
+# worker's port cannot name an endpoint of its choosing (whose bytes would become the prompt's KV
+# and enter the prefix cache). The MAC covers every field of the handle.
+
+import hashlib  # noqa: E402
+import struct  # noqa: E402
+
+from pdserve.v1 import kv_transfer_pb2 as kv_pb  # noqa: E402
+
+HANDLE_MAC_DOMAIN = b"pdserve.v1.KvHandle.mac/1"
+"""Separates these MACs from any other use of the internal token."""
+
+
+def _handle_message(handle: kv_pb.KvHandle) -> bytes:
+    """A canonical encoding of every KvHandle field: each part as an 8-byte big-endian length and
+    its bytes, strings as UTF-8, integers as 8 big-endian bytes, block_hashes as a count then each
+    hash (so no two different handles encode alike)."""
+    p = handle.producer
+    parts = [
+        HANDLE_MAC_DOMAIN,
+        handle.transfer_id.encode(),
+        p.engine_id.encode(),
+        struct.pack(">Q", p.epoch),
+        struct.pack(">q", p.dp_rank),
+        p.endpoint.encode(),
+        struct.pack(">q", len(handle.block_hashes)),
+        *handle.block_hashes,
+        struct.pack(">q", handle.num_tokens),
+        struct.pack(">q", handle.num_blocks),
+        struct.pack(">q", handle.block_size),
+        struct.pack(">q", handle.lease_expiry_unix_ms),
+        handle.compat_hash.encode(),
+    ]
+    return b"".join(struct.pack(">Q", len(part)) + part for part in parts)
+
+
+def handle_mac(key: str, handle: kv_pb.KvHandle) -> bytes:
+    """HMAC-SHA256 of the handle under key (the internal token): DecodeRequest.kv_handle_mac."""
+    return hmac.new(key.encode(), _handle_message(handle), hashlib.sha256).digest()
+
+
+def verify_handle_mac(key: str, handle: kv_pb.KvHandle, mac: bytes) -> bool:
+    """Whether mac is handle_mac(key, handle), compared in constant time."""
+    return hmac.compare_digest(handle_mac(key, handle), bytes(mac))

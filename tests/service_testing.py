@@ -9,6 +9,7 @@ import grpc
 
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.launcher import Stack, StackConfig
@@ -31,12 +32,20 @@ def inference(stack: Stack) -> pb_grpc.InferenceStub:
     return pb_grpc.InferenceStub(grpc.insecure_channel(stack.grpc_endpoint))
 
 
-def worker(endpoint: str, token: str | None = None) -> wgrpc.WorkerStub:
-    """A Worker stub; with a token, every call carries it (as the router's do)."""
+def _channel(endpoint: str, token: str | None) -> grpc.Channel:
     ch = grpc.insecure_channel(endpoint)
-    if token:
-        ch = grpc.intercept_channel(ch, _TokenInterceptor(token))
-    return wgrpc.WorkerStub(ch)
+    return grpc.intercept_channel(ch, _TokenInterceptor(token)) if token else ch
+
+
+def worker(endpoint: str, token: str | None = None) -> wgrpc.WorkerStub:
+    """A Worker stub; with a token (a stack's: `stack.token`), every call carries it (as the
+    router's do)."""
+    return wgrpc.WorkerStub(_channel(endpoint, token))
+
+
+def kv_transfer(endpoint: str, token: str | None = None) -> kv_grpc.KvTransferStub:
+    """A KvTransfer stub; with a token, every call carries it (as a decode worker's do)."""
+    return kv_grpc.KvTransferStub(_channel(endpoint, token))
 
 
 class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

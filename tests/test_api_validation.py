@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from engine import SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
-from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
-from tests.service_testing import generate, inference, load
+from tests.service_testing import generate, inference, kv_transfer, load
 
 MODEL = "pdserve-tiny"
 LONG = 5000  # > the tiny model's max_model_len (4096)
@@ -226,7 +225,7 @@ def test_after_all_that_a_normal_request_gets_the_right_answer(stack, tiny_model
     got, payload = post(stack, "/v1/completions", OK)
     assert got == 200 and payload["choices"][0]["text"] == ref.text
     for proc in stack.workers():
-        idle = load(proc.endpoint)
+        idle = load(proc.endpoint, stack.token)
         assert idle.num_running == 0 and idle.num_waiting == 0 and idle.num_pinned_transfers == 0
 
 
@@ -349,7 +348,7 @@ def test_fuzzed_generate_messages_never_internal(serving_stack, request_):
     )
 )
 def test_fuzzed_pull_requests_never_internal(serving_stack, request_):
-    stub = kv_grpc.KvTransferStub(grpc.insecure_channel(serving_stack.workers("prefill")[0].endpoint))
+    stub = kv_transfer(serving_stack.workers("prefill")[0].endpoint, serving_stack.token)
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Pull(request_, timeout=10))
     assert err.value.code() in (

@@ -17,8 +17,8 @@ import torch
 import services.kv_transfer.transfer as transfer_mod
 from engine.kv_cache.kv_io import read_blocks, write_blocks
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
-from services.errors import DataLoss, FailedPrecondition, NotFound
-from services.kv_transfer.transfer import TransferState, TransferTable
+from services.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from services.kv_transfer.transfer import TransferState, TransferTable, caller_key
 from services.kv_transfer.wire import MAX_CHUNK_BYTES, Geometry, Slab, check_chunk, make_chunk, plan
 
 # ---- plan ---------------------------------------------------------------------------------------
@@ -416,3 +416,89 @@ def test_abort_all_does_not_free_a_transfer_under_its_pull(table, freed):
     assert freed == ["a", "b"]
     assert [a.state, b.state] == [TransferState.ABORTED, TransferState.ABORTED]
     assert _counts(table) == {"aborted": 2}
+
+
+# ---- bounds on pinned KV ------------------------------------------------------------------------
+
+
+def test_renewals_cannot_pin_past_max_total_lease_s(clock, freed):
+    table = TransferTable(freed.append, max_lease_s=60.0, max_total_lease_s=100.0)
+    t = _create(table, "a", lease_s=10.0)
+    assert t.created == 1000.0
+    clock.now = 1005.0
+    assert table.renew(t.transfer_id, 60.0) == 1065.0
+    clock.now = 1050.0
+    assert table.renew(t.transfer_id, 60.0) == 1100.0  # 1110 capped at created + 100
+    for now in (1060.0, 1090.0, 1099.0):
+        clock.now = now
+        assert table.renew(t.transfer_id, 60.0) == 1100.0
+    clock.now = 1100.0
+    assert table.expire_due() == 0
+    clock.now = 1100.1
+    assert table.expire_due() == 1
+    assert freed == ["a"]
+
+
+def test_a_first_lease_is_capped_at_max_total_lease_s(clock, freed):
+    table = TransferTable(freed.append, max_lease_s=300.0, max_total_lease_s=20.0)
+    assert _create(table, "a", lease_s=100.0).lease_expiry == 1020.0
+
+
+def test_pulls_cannot_pin_past_max_total_lease_s(clock, freed):
+    """The end of a pull leaves room for the Release, but not past the total; no pull starts
+    after the lease ran out, even while another one is still streaming."""
+    table = TransferTable(freed.append, max_lease_s=60.0, max_total_lease_s=10.0)
+    t = _create(table, "a", lease_s=10.0)
+    clock.now = 1008.0
+    table.begin_pull(t.transfer_id)
+    table.end_pull(t)
+    assert t.lease_expiry == 1010.0  # not 1013
+    table.begin_pull(t.transfer_id)
+    clock.now = 1012.0  # the pull ran past the lease: a second one may not start
+    with pytest.raises(NotFound, match="has run out of lease"):
+        table.begin_pull(t.transfer_id)
+    assert t.active_pulls == 1
+    table.end_pull(t)
+    assert t.lease_expiry == 1010.0
+    assert table.expire_due() == 1
+    assert freed == ["a"]
+
+
+def test_bad_max_total_lease_s_is_refused(freed):
+    with pytest.raises(ValueError, match="max_total_lease_s must be > 0, got 0"):
+        TransferTable(freed.append, max_total_lease_s=0)
+
+
+def test_pinned_blocks_are_bounded_per_caller(table, freed):
+    """A caller's transfers and reservations count against its limit; other callers' do not."""
+    a = table.create("r1", [4, 5, 6], [b"h0", b"h1"], 11, 10.0, caller="10.0.0.1")
+    assert a.caller == "10.0.0.1"
+    assert table.pinned_blocks("10.0.0.1") == 3
+    table.reserve("10.0.0.1", 2, limit=5)
+    assert table.pinned_blocks("10.0.0.1") == 5
+    with pytest.raises(ResourceExhausted, match=r"has 5 KV blocks pinned; 1 more would pass the limit of 5"):
+        table.reserve("10.0.0.1", 1, limit=5)
+    assert table.pinned_blocks("10.0.0.1") == 5  # nothing changed
+    table.reserve("10.0.0.2", 5, limit=5)  # another caller has its own budget
+    table.unreserve("10.0.0.1", 2)
+    table.reserve("10.0.0.1", 2, limit=5)
+    table.release(a.transfer_id, done=True)
+    assert freed == ["r1"]
+    assert table.pinned_blocks("10.0.0.1") == 2
+    table.unreserve("10.0.0.1", 2)
+    table.unreserve("10.0.0.2", 5)
+    assert table.pinned_blocks("10.0.0.1") == table.pinned_blocks("10.0.0.2") == 0
+    assert table._reserved == {}
+
+
+@pytest.mark.parametrize(
+    "peer, key",
+    [
+        ("ipv4:127.0.0.1:51234", "127.0.0.1"),
+        ("ipv6:[::1]:51234", "::1"),
+        ("ipv6:[fe80::1%eth0]:80", "fe80::1%eth0"),
+        ("unix:/tmp/pdserve.sock", "unix:/tmp/pdserve.sock"),
+    ],
+)
+def test_caller_key_is_the_peer_host_without_its_port(peer, key):
+    assert caller_key(peer) == key

@@ -24,6 +24,7 @@ from services.errors import ResourceExhausted, ServiceError, Unavailable
 from services.openai.protocol import MAX_N, MAX_STOP
 from services.openai.responses import LOGPROB_FLOOR, TokenStrings
 from services.openai.server import build_app, start_http
+from services.router.admission import Admission
 from services.router.api import Delta, Frontend, GenerateInput, KvFailurePolicy, ServingMode, Usage
 
 MODEL = "pdserve-tiny"
@@ -38,11 +39,16 @@ class FakeFrontend(Frontend):
 
     model_name = MODEL
     max_model_len = MAX_MODEL_LEN
+    max_generations_per_request = 64
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
+        self.admission = Admission(max_in_flight=256, max_queued=0, queue_timeout_s=1.0)
         self.reset()
+
+    def admit(self, weight: int, timeout: float | None):
+        return self.admission.slot(weight, timeout)
 
     def reset(self) -> None:
         self.inputs: list[GenerateInput] = []
@@ -431,7 +437,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**CMPL, "stop": 5}, "stop", "string"),
     ("/v1/completions", {**CMPL, "stop_token_ids": [-1]}, "stop_token_ids", "vocabulary"),
     ("/v1/completions", {**CMPL, "seed": "x"}, "seed", "integer"),
-    ("/v1/completions", {**CMPL, "seed": 2**64}, "seed", "2**64"),
+    ("/v1/completions", {**CMPL, "seed": 2**64}, "seed", "2**63)"),  # the proto's int64
     ("/v1/completions", {**CMPL, "min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens"),
     ("/v1/completions", {**CMPL, "stream": "yes"}, "stream", "true or false"),
     ("/v1/completions", {**CMPL, "stream": True, "stream_options": 1}, "stream_options", "object"),
@@ -623,3 +629,50 @@ def test_metrics_without_registry(fake):
         assert get(srv, "/metrics")[0::2] == (200, "")
     finally:
         srv.stop()
+
+
+# ---- hostile bodies: 400 naming the field and the limit, never a 500 ------------------------------
+
+
+HOSTILE_BODIES = [
+    ("/v1/completions", {**CMPL, "stop": ["ok", "x" * 1025]}, "stop", "stop[1] has 1025 characters"),
+    ("/v1/completions", {**CMPL, "seed": 2**63}, "seed", "[-2**63, 2**63)"),
+    ("/v1/completions", {**CMPL, "top_k": 2**31}, "top_k", "< 2**31"),
+    ("/v1/completions", {**CMPL, "prompt": "a\ud800"}, "prompt", "lone surrogate (\\ud800)"),
+    ("/v1/completions", {**CMPL, "stop": ["\udfff"]}, "stop", "lone surrogate (\\udfff)"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "hi \ud83d"}]},
+        "messages",
+        "lone surrogate (\\ud83d)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "path, body, param, in_message",
+    HOSTILE_BODIES,
+    ids=[
+        "stop-1025-chars",
+        "seed-2**63",
+        "top_k-2**31",
+        "prompt-surrogate",
+        "stop-surrogate",
+        "chat-surrogate",
+    ],
+)
+def test_hostile_body_is_400_naming_the_field(server, fake, path, body, param, in_message):
+    status, got = post(server, path, body)  # json.dumps escapes lone surrogates as "\udXXX"
+    assert status == 400, got
+    assert got["error"]["param"] == param and in_message in got["error"]["message"], got
+    assert fake.inputs == []
+
+
+@pytest.mark.parametrize("depth", [65, 10_000])
+def test_deeply_nested_body_is_400(server, fake, depth):
+    raw = b'{"model": "%s", "prompt": %s}' % (MODEL.encode(), b"[" * (depth - 1) + b"]" * (depth - 1))
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, got = post(server, path, raw=raw)
+        assert status == 400, got
+        assert got["error"]["message"] == "request body nests deeper than 64 levels"
+    assert fake.inputs == []

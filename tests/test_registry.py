@@ -6,13 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import types
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from services.registry import Heartbeat, RedisRegistry, StaticRegistry, WorkerRecord, make_registry
+from services.registry import (
+    Heartbeat,
+    RedisRegistry,
+    Registry,
+    StaticRegistry,
+    WorkerRecord,
+    make_registry,
+)
 from tests.redis_server import RedisServer
 
 REDIS_LOGGER = "services.registry.redis_registry"
@@ -277,3 +285,177 @@ def test_heartbeat_rejects_interval_not_below_ttl() -> None:
     with pytest.raises(ValueError, match="interval_s"):
         Heartbeat(registry, make_record, ttl_s=1.0, interval_s=1.0)
     assert Heartbeat(registry, make_record, ttl_s=3.0).interval_s == pytest.approx(1.0)
+
+
+# -- Signed records ------------------------------------------------------------------------------
+
+KEY = "registry-test-token"
+
+
+def test_signed_record_round_trips_and_a_changed_field_breaks_the_mac() -> None:
+    record = make_record()
+    signed = record.to_hash(KEY)
+    assert len(signed["mac"]) == 64 and signed.keys() - record.to_hash().keys() == {"mac"}
+    raw = {k.encode(): v.encode() for k, v in signed.items()}
+    assert WorkerRecord.from_hash(raw, KEY) == record
+    assert WorkerRecord.from_hash(signed) == record  # unkeyed readers ignore the mac
+    for field, value in [("endpoint", "10.6.6.6:50051"), ("load", '{"num_running":0}'), ("epoch", "4")]:
+        with pytest.raises(ValueError, match="'mac' does not match"):
+            WorkerRecord.from_hash(signed | {field: value}, KEY)
+    with pytest.raises(ValueError, match="'mac' does not match"):
+        WorkerRecord.from_hash(record.to_hash("another-key"), KEY)
+    with pytest.raises(ValueError, match="missing field 'mac'"):
+        WorkerRecord.from_hash(record.to_hash(), KEY)
+    with pytest.raises(ValueError, match="'mac' must be 64 lowercase hex"):
+        WorkerRecord.from_hash(signed | {"mac": "zz" * 32}, KEY)
+
+
+def test_keyed_registry_lists_signed_records_and_skips_rogue_ones(redis_server: RedisServer, caplog) -> None:
+    """Whoever can write Redis but lacks the token cannot advertise a worker: records without a
+    mac or with a wrong one are skipped (logged once each)."""
+
+    async def main() -> None:
+        registry = RedisRegistry(redis_server.url, prefix="s:", key=KEY)
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            good = make_record("127.0.0.1:2001")
+            await registry.register(good, ttl_s=30)
+            assert (await client.hgetall("s:127.0.0.1:2001"))[b"mac"] == good.to_hash(KEY)["mac"].encode()
+            unsigned = make_record("10.6.6.6:2002").to_hash()
+            await client.hset("s:10.6.6.6:2002", mapping=unsigned)
+            forged = make_record("10.6.6.6:2003").to_hash() | {"mac": "0" * 64}
+            await client.hset("s:10.6.6.6:2003", mapping=forged)
+            other_key = make_record("10.6.6.6:2004").to_hash("guessed-token")
+            await client.hset("s:10.6.6.6:2004", mapping=other_key)
+            with caplog.at_level(logging.WARNING, logger=REDIS_LOGGER):
+                assert await registry.list_workers() == [good]
+                assert await registry.list_workers() == [good]
+            warnings = [r.getMessage() for r in caplog.records if r.name == REDIS_LOGGER]
+            assert len(warnings) == 3, warnings
+            assert any("missing field 'mac'" in w and "2002" in w for w in warnings)
+            assert sum("'mac' does not match" in w for w in warnings) == 2
+        finally:
+            await client.aclose()
+            await registry.close()
+
+    asyncio.run(main())
+
+
+def test_keyed_registry_still_rejects_an_endpoint_that_disagrees_with_its_key(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        registry = RedisRegistry(redis_server.url, prefix="e:", key=KEY)
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            # Correctly signed, but filed under another worker's key.
+            await client.hset("e:127.0.0.1:3001", mapping=make_record("127.0.0.1:9999").to_hash(KEY))
+            assert await registry.list_workers() == []
+        finally:
+            await client.aclose()
+            await registry.close()
+
+    asyncio.run(main())
+
+
+def test_unkeyed_registry_writes_and_lists_unsigned_records(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        registry = make_registry(redis_server.url, None)
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            record = make_record("127.0.0.1:4001")
+            await registry.register(record, ttl_s=30)
+            assert b"mac" not in await client.hgetall("pdserve:worker:127.0.0.1:4001")
+            await client.hset(
+                "pdserve:worker:127.0.0.1:4002", mapping=make_record("127.0.0.1:4002").to_hash()
+            )
+            assert [r.endpoint for r in await registry.list_workers()] == ["127.0.0.1:4001", "127.0.0.1:4002"]
+            # A keyed registry over the same Redis (make_registry passes the key) sees neither.
+            keyed = make_registry(redis_server.url, None, key=KEY)
+            try:
+                assert await keyed.list_workers() == []
+            finally:
+                await keyed.close()
+        finally:
+            await client.aclose()
+            await registry.close()
+
+    asyncio.run(main())
+
+
+def test_registry_key_must_not_be_empty() -> None:
+    with pytest.raises(ValueError, match="key"):
+        RedisRegistry("redis://127.0.0.1:1/0", key="")
+
+
+# -- WorkerPool over a registry that loses its entries ---------------------------------------------
+
+
+class FakeRegistry(Registry):
+    """In-process registry whose listing the test sets directly."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+
+    async def register(self, record: WorkerRecord, ttl_s: float) -> None:
+        return None
+
+    async def deregister(self, endpoint: str) -> None:
+        return None
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        return [make_record(endpoint) for endpoint in sorted(self.endpoints)]
+
+    async def close(self) -> None:
+        return None
+
+
+def test_pool_keeps_workers_through_an_empty_listing_until_the_grace_runs_out(monkeypatch) -> None:
+    """Redis restarted empty must not drop every worker at once: they stay (and are probed, so a
+    dead one is unhealthy) until absent for longer than `absent_grace_s`."""
+    from services.router import pool as pool_module
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(pool_module, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+
+    async def main() -> None:
+        registry = FakeRegistry(["127.0.0.1:5001", "127.0.0.1:5002"])
+        pool = pool_module.WorkerPool(registry, absent_grace_s=10.0)
+        probed: list[str] = []
+
+        async def probe(w) -> None:
+            probed.append(w.endpoint)
+
+        pool._probe = probe  # no gRPC: only membership is under test
+        try:
+            await pool.refresh()
+            assert sorted(pool.workers) == ["127.0.0.1:5001", "127.0.0.1:5002"]
+            registry.endpoints = []  # Redis came back empty
+            for clock.now in (101.0, 105.0, 110.0):
+                await pool.refresh()
+                assert sorted(pool.workers) == ["127.0.0.1:5001", "127.0.0.1:5002"], clock.now
+            assert probed.count("127.0.0.1:5001") == 4  # still probed while absent
+            registry.endpoints = ["127.0.0.1:5002"]  # its heartbeat re-registered it
+            clock.now = 110.5
+            await pool.refresh()
+            registry.endpoints = []
+            clock.now = 110.6  # 5001 absent 10.6 s > 10 s; 5002 listed 0.1 s ago
+            await pool.refresh()
+            assert sorted(pool.workers) == ["127.0.0.1:5002"]
+            clock.now = 120.5
+            await pool.refresh()
+            assert sorted(pool.workers) == ["127.0.0.1:5002"]  # exactly the grace: kept
+            clock.now = 120.6
+            await pool.refresh()
+            assert pool.workers == {}
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_pool_rejects_a_negative_grace() -> None:
+    from services.router.pool import WorkerPool
+
+    with pytest.raises(ValueError, match="absent_grace_s"):
+        WorkerPool(FakeRegistry([]), absent_grace_s=-1.0)

@@ -22,6 +22,7 @@ from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.launcher import Stack, StackConfig, wait_ready
+from services.security import handle_mac
 from tests.service_testing import (
     ENGINE_ARGS,
     generate,
@@ -173,6 +174,7 @@ def test_prefill_worker_death_before_the_pull(stack, offline, policy):
         sampling=sampling,
         output_token_ids=first.output.token_ids,
         kv_handle=first.kv_handle,
+        kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
         kv_failure_policy=policy_pb,
     )
     try:
@@ -297,7 +299,8 @@ def test_unavailable_before_the_first_token_is_retried_on_another_worker(stack, 
 
 def _standalone(tiny_model, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     engine = [*ENGINE_ARGS, "--num-threads", "1", *extra]
-    worker = Stack(StackConfig(tiny_model, engine_args=engine, env=env or {})).start_worker("colocated", 0)
+    env = {"PDSERVE_INTERNAL_TOKEN": TOKEN, **(env or {})}
+    worker = Stack(StackConfig(tiny_model, engine_args=engine, env=env)).start_worker("colocated", 0)
     wait_ready(worker.endpoint, 60, worker.popen)
     return worker.popen, worker.endpoint
 
@@ -323,7 +326,7 @@ def test_engine_crash_or_stall_fails_liveness_and_exits_nonzero(tiny_model, faul
             request_id="doomed", prompt_token_ids=list(range(5, 25)), sampling=sampling
         )
         with futures.ThreadPoolExecutor(1) as pool:
-            outcome = pool.submit(lambda: list(worker(endpoint).Decode(request, timeout=30)))
+            outcome = pool.submit(lambda: list(worker(endpoint, TOKEN).Decode(request, timeout=30)))
             seen = wait_until(
                 lambda: _liveness(endpoint) == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, 0.02
             )
@@ -339,7 +342,7 @@ def test_engine_crash_or_stall_fails_liveness_and_exits_nonzero(tiny_model, faul
 
 def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_zero(tiny_model, offline):
     proc, endpoint = _standalone(tiny_model, "--grace-s", "30")
-    stub = worker(endpoint)
+    stub = worker(endpoint, TOKEN)
     prompt = list(range(40, 60))
     sampling = pb.SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     call = stub.Decode(

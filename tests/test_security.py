@@ -17,6 +17,7 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.launcher import Stack, StackConfig, free_port, wait_ready
+from services.security import handle_mac
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSAFE = re.compile(
@@ -153,9 +154,11 @@ def test_mutual_tls_between_workers_and_against_strangers(tiny_model, certs):
         str(certs / "ca.pem"),
     ]
     p_port, d_port = free_port(), free_port()
+    env = {"PDSERVE_INTERNAL_TOKEN": "tls-s3cret"}  # launched workers always have a token too
+    token = [("authorization", "Bearer tls-s3cret")]
     procs = [
-        _worker(tiny_model, "prefill", p_port, {}, *tls),
-        _worker(tiny_model, "decode", d_port, {}, *tls),
+        _worker(tiny_model, "prefill", p_port, env, *tls),
+        _worker(tiny_model, "decode", d_port, env, *tls),
     ]
     try:
         prompt = [5 + (i * 7) % 3000 for i in range(40)]
@@ -177,7 +180,9 @@ def test_mutual_tls_between_workers_and_against_strangers(tiny_model, certs):
         prefill = wgrpc.WorkerStub(_tls_channel(certs, f"127.0.0.1:{p_port}", "node"))
         decode = wgrpc.WorkerStub(_tls_channel(certs, f"127.0.0.1:{d_port}", "node"))
         first = prefill.Prefill(
-            wpb.PrefillRequest(request_id="tls", prompt_token_ids=prompt, sampling=sampling), timeout=30
+            wpb.PrefillRequest(request_id="tls", prompt_token_ids=prompt, sampling=sampling),
+            timeout=30,
+            metadata=token,
         )
         request = wpb.DecodeRequest(
             request_id="tls",
@@ -185,8 +190,9 @@ def test_mutual_tls_between_workers_and_against_strangers(tiny_model, certs):
             sampling=sampling,
             output_token_ids=first.output.token_ids,
             kv_handle=first.kv_handle,
+            kv_handle_mac=handle_mac("tls-s3cret", first.kv_handle),
         )
-        msgs = list(decode.Decode(request, timeout=30))
+        msgs = list(decode.Decode(request, timeout=30, metadata=token))
         tokens = list(first.output.token_ids) + [t for m in msgs for t in m.token_ids]
         ref = LLM(tiny_model, dtype="float32", num_kv_blocks=64).generate(
             prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
@@ -194,12 +200,65 @@ def test_mutual_tls_between_workers_and_against_strangers(tiny_model, certs):
         assert tokens == ref.token_ids and msgs[-1].usage.kv_transfer_bytes > 0
         for name in (None, "rogue"):
             with pytest.raises(grpc.RpcError) as err:
-                _get_load(_tls_channel(certs, f"127.0.0.1:{d_port}", name))
+                _get_load(_tls_channel(certs, f"127.0.0.1:{d_port}", name), token)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails
         with grpc.insecure_channel(f"127.0.0.1:{d_port}") as plain, pytest.raises(grpc.RpcError):
-            _get_load(plain)
+            _get_load(plain, token)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             assert proc.wait(timeout=30) == 0
+
+
+# ---- secure by default: exposure check, launcher token --------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"])
+def test_loopback_hosts_need_neither_token_nor_tls(host):
+    from services.security import Security, check_exposure
+
+    check_exposure(host, Security(), insecure=False)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5", "0.0.0.0", "::", "pod.example", "128.0.0.1"])
+def test_exposed_host_without_token_or_tls_is_refused_unless_insecure(host):
+    from services.security import Security, check_exposure
+
+    with pytest.raises(ValueError) as err:
+        check_exposure(host, Security(), insecure=False)
+    message = str(err.value)
+    assert f"binding {host} without" in message
+    for flag in ("PDSERVE_INTERNAL_TOKEN", "--tls-cert/--tls-key/--tls-ca", "--insecure-internal"):
+        assert flag in message
+    check_exposure(host, Security(token="s3cret"), insecure=False)
+    check_exposure(host, Security(tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem"), insecure=False)
+    check_exposure(host, Security(), insecure=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["worker", "--role", "decode", "--model", "m", "--host", "10.0.0.5"],
+        ["router", "--model", "m", "--host", "10.0.0.5", "--workers", "10.0.0.6:50061"],
+    ],
+    ids=["worker", "router"],
+)
+def test_cli_refuses_an_exposed_worker_or_router_with_exit_code_2(argv, monkeypatch, capsys):
+    from services.cli import main
+
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "binding 10.0.0.5 without an internal token (PDSERVE_INTERNAL_TOKEN)" in err
+    assert "--insecure-internal" in err
+
+
+def test_a_stack_always_has_a_token_and_passes_it_on(monkeypatch):
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    first, second = (Stack(StackConfig("m")) for _ in range(2))
+    assert first.token and len(first.token) >= 32 and first.token != second.token  # generated
+    assert Stack(StackConfig("m", env={"PDSERVE_INTERNAL_TOKEN": "from-cfg"})).token == "from-cfg"
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "from-env")
+    assert Stack(StackConfig("m")).token == "from-env"
+    assert Stack(StackConfig("m", env={"PDSERVE_INTERNAL_TOKEN": "from-cfg"})).token == "from-cfg"

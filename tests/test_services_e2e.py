@@ -27,7 +27,8 @@ from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from services.launcher import free_port
-from tests.service_testing import generate, inference, load, metric, wait_until, worker
+from services.security import handle_mac
+from tests.service_testing import generate, inference, kv_transfer, load, metric, wait_until, worker
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -48,6 +49,12 @@ def stack(serving_stack):
 @pytest.fixture(scope="module")
 def offline(tiny_model) -> LLM:
     return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def token(stack) -> str:
+    """The stack's internal token: calling a worker directly needs it."""
+    return stack.token
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +205,8 @@ def test_kv_bytes_moved_are_reported_and_counted(stack, tiny_model):
     assert msgs[-1].usage.cached_tokens == 32  # the prefill rank's prefix cache
 
 
-def test_cancel_after_three_tokens_frees_blocks_on_both_workers(stack, prefill_ep, decode_ep):
-    base_p, base_d = load(prefill_ep).num_free_blocks, load(decode_ep).num_free_blocks
+def test_cancel_after_three_tokens_frees_blocks_on_both_workers(stack, prefill_ep, decode_ep, token):
+    base_p, base_d = load(prefill_ep, token).num_free_blocks, load(decode_ep, token).num_free_blocks
     prompt = [11 + (i * 17) % 3000 for i in range(50)]
     call = inference(stack).Generate(
         pb.GenerateRequest(
@@ -214,22 +221,26 @@ def test_cancel_after_three_tokens_frees_blocks_on_both_workers(stack, prefill_e
         seen += len(msg.token_ids)
         if seen >= 3:
             break
-    assert load(decode_ep).num_free_blocks < base_d  # the request is running there
+    assert load(decode_ep, token).num_free_blocks < base_d  # the request is running there
     call.cancel()
     t0 = time.monotonic()
     assert wait_until(
-        lambda: load(decode_ep).num_free_blocks == base_d and load(prefill_ep).num_free_blocks == base_p, 1.0
-    ), (load(prefill_ep), load(decode_ep), base_p, base_d)
+        lambda: (
+            load(decode_ep, token).num_free_blocks == base_d
+            and load(prefill_ep, token).num_free_blocks == base_p
+        ),
+        1.0,
+    ), (load(prefill_ep, token), load(decode_ep, token), base_p, base_d)
     assert time.monotonic() - t0 <= 1.0
-    assert load(prefill_ep).num_pinned_transfers == 0 and load(decode_ep).num_running == 0
+    assert load(prefill_ep, token).num_pinned_transfers == 0 and load(decode_ep, token).num_running == 0
 
 
-def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep):
+def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep, token):
     """The decode rank never pulls (it died): the prefill rank frees the blocks when the lease
     runs out, and a late Pull gets NOT_FOUND."""
-    base = load(prefill_ep).num_free_blocks
+    base = load(prefill_ep, token).num_free_blocks
     prompt = [5 + (i * 13) % 3000 for i in range(45)]
-    resp = worker(prefill_ep).Prefill(
+    resp = worker(prefill_ep, token).Prefill(
         wpb.PrefillRequest(
             request_id="lease-test",
             prompt_token_ids=prompt,
@@ -240,10 +251,13 @@ def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep):
     )
     handle = resp.kv_handle
     assert handle.num_blocks == 3 and handle.num_tokens == 45
-    assert load(prefill_ep).num_pinned_transfers == 1 and load(prefill_ep).num_free_blocks == base - 3
-    assert wait_until(lambda: load(prefill_ep).num_pinned_transfers == 0, 3.0)
-    assert load(prefill_ep).num_free_blocks == base
-    kv = kv_grpc.KvTransferStub(grpc.insecure_channel(prefill_ep))
+    assert (
+        load(prefill_ep, token).num_pinned_transfers == 1
+        and load(prefill_ep, token).num_free_blocks == base - 3
+    )
+    assert wait_until(lambda: load(prefill_ep, token).num_pinned_transfers == 0, 3.0)
+    assert load(prefill_ep, token).num_free_blocks == base
+    kv = kv_transfer(prefill_ep, token)
     with pytest.raises(grpc.RpcError) as err:
         list(
             kv.Pull(kv_pb.PullRequest(transfer_id=handle.transfer_id, epoch=handle.producer.epoch), timeout=5)
@@ -291,8 +305,8 @@ class CorruptProducer(kv_grpc.KvTransferServicer):
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy):
-    info = worker(decode_ep).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy, token):
+    info = worker(decode_ep, token).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
     producer = CorruptProducer(info)
     server = grpc.server(futures.ThreadPoolExecutor(2))
     kv_grpc.add_KvTransferServicer_to_server(producer, server)
@@ -313,16 +327,17 @@ def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy)
             compat_hash=info.compat_hash,
         )
         policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
-        base = load(decode_ep).num_free_blocks
+        base = load(decode_ep, token).num_free_blocks
         request = wpb.DecodeRequest(
             request_id=f"corrupt-{policy}",
             prompt_token_ids=prompt,
             sampling=pb.SamplingParams(temperature=0, max_tokens=6),
             output_token_ids=ref.token_ids[:1],
             kv_handle=handle,
+            kv_handle_mac=handle_mac(token, handle),
             kv_failure_policy=policy_pb,
         )
-        stream = worker(decode_ep).Decode(request, timeout=30)
+        stream = worker(decode_ep, token).Decode(request, timeout=30)
         if policy == "fail":
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
@@ -330,14 +345,14 @@ def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy)
         else:
             tokens = [t for m in stream for t in m.token_ids]
             assert ref.token_ids[:1] + tokens == ref.token_ids
-        assert wait_until(lambda: load(decode_ep).num_free_blocks == base, 1.0)
+        assert wait_until(lambda: load(decode_ep, token).num_free_blocks == base, 1.0)
         assert wait_until(lambda: len(producer.releases) == 1, 2.0)
         assert producer.releases[0].reason == kv_pb.RELEASE_REASON_ABORT
     finally:
         server.stop(0)
 
 
-def test_decode_rejects_an_incompatible_handle(decode_ep):
+def test_decode_rejects_an_incompatible_handle(decode_ep, token):
     prompt = list(range(100, 120))
     handle = kv_pb.KvHandle(
         transfer_id="x",
@@ -354,9 +369,10 @@ def test_decode_rejects_an_incompatible_handle(decode_ep):
         sampling=pb.SamplingParams(max_tokens=4),
         output_token_ids=[5],
         kv_handle=handle,
+        kv_handle_mac=handle_mac(token, handle),
     )
     with pytest.raises(grpc.RpcError) as err:
-        list(worker(decode_ep).Decode(request, timeout=10))
+        list(worker(decode_ep, token).Decode(request, timeout=10))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -69,7 +69,8 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Extend a transfer's lease.
+        """Extend a transfer's lease; never past the producer's cap on total lease time since the
+        Prefill (a transfer cannot be kept pinned forever by renewing it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,9 +6,14 @@
        +-- lease runs out -+--> EXPIRED        stream error   --> stays, lease still runs
 
 A transfer owns its blocks (through the engine's `exported` table) until it reaches an end state;
-then `on_free(request_id)` is called exactly once. A transfer that is being streamed is not
-freed under the stream: its end (release or expiry) waits until the Pull finishes. Only the
-event loop touches the table.
+then `on_free(request_id)` is called exactly once (request_id is the engine's id, never a
+caller's label). A transfer that is being streamed is not freed under the stream: its end
+(release or expiry) waits until the Pull finishes. Only the event loop touches the table.
+
+Pinned KV is bounded twice over: a transfer's lease never runs past `created +
+max_total_lease_s`, however often it is renewed or pulled, and one caller's pinned blocks
+(its transfers plus the prefills it has running, `reserve`) stay within a limit the worker
+passes in, so no caller can hold the worker's KV forever or all of it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.errors import FailedPrecondition, NotFound
+from services.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOTAL_LEASE_S = 120.0
+RELEASE_ROOM_S = 5.0
+"""Lease left after a Pull ends, for the Release that follows."""
 
 
 class TransferState(enum.Enum):
@@ -52,13 +61,26 @@ class Transfer:
     """An end state requested while a Pull was streaming; applied when it finishes."""
     bytes_sent: int = 0
     created: float = field(default_factory=time.time)
+    caller: str = ""
+    """Who asked for the blocks (the Prefill caller's host): its pinned blocks are bounded."""
 
 
 class TransferTable:
-    def __init__(self, on_free: Callable[[str], None], max_lease_s: float = 300.0):
+    def __init__(
+        self,
+        on_free: Callable[[str], None],
+        max_lease_s: float = 300.0,
+        max_total_lease_s: float = DEFAULT_MAX_TOTAL_LEASE_S,
+    ):
+        if max_total_lease_s <= 0:
+            raise ValueError(f"max_total_lease_s must be > 0, got {max_total_lease_s}")
         self._on_free = on_free
         self.max_lease_s = max_lease_s
+        """Longest lease one create / renew grants."""
+        self.max_total_lease_s = max_total_lease_s
+        """No lease runs past the transfer's creation plus this, however often it is renewed."""
         self._transfers: dict[str, Transfer] = {}
+        self._reserved: dict[str, int] = {}  # caller -> blocks of its prefills still running
         self._ended: dict[str, TransferState] = {}  # recent end states, for clear errors
         self.counts: dict[TransferState, int] = {s: 0 for s in TransferState if s.ended}
 
@@ -72,11 +94,53 @@ class TransferTable:
         block_hashes: list[bytes],
         num_tokens: int,
         lease_s: float,
+        caller: str = "",
     ) -> Transfer:
-        lease_s = min(lease_s, self.max_lease_s)
-        t = Transfer(uuid.uuid4().hex, request_id, block_ids, block_hashes, num_tokens, time.time() + lease_s)
+        now = time.time()
+        lease_s = min(lease_s, self.max_lease_s, self.max_total_lease_s)
+        t = Transfer(
+            uuid.uuid4().hex,
+            request_id,
+            block_ids,
+            block_hashes,
+            num_tokens,
+            now + lease_s,
+            created=now,
+            caller=caller,
+        )
         self._transfers[t.transfer_id] = t
         return t
+
+    # ---- per-caller bound on pinned blocks -----------------------------------------------------
+
+    def pinned_blocks(self, caller: str) -> int:
+        """Blocks the caller holds pinned: its live transfers' plus its reservations."""
+        held = sum(len(t.block_ids) for t in self._transfers.values() if t.caller == caller)
+        return held + self._reserved.get(caller, 0)
+
+    def reserve(self, caller: str, num_blocks: int, limit: int) -> None:
+        """Count num_blocks against the caller before its prefill runs (unreserve when it ends,
+        whether or not it became a transfer). ResourceExhausted, with nothing changed, when the
+        caller would hold more than `limit` pinned blocks."""
+        pinned = self.pinned_blocks(caller)
+        if pinned + num_blocks > limit:
+            raise ResourceExhausted(
+                f"caller {caller} has {pinned} KV blocks pinned; {num_blocks} more would pass the "
+                f"limit of {limit} (max_pinned_fraction of this worker's KV blocks)"
+            )
+        self._reserved[caller] = self._reserved.get(caller, 0) + num_blocks
+
+    def unreserve(self, caller: str, num_blocks: int) -> None:
+        left = self._reserved.get(caller, 0) - num_blocks
+        assert left >= 0, f"unreserve of {num_blocks} blocks that {caller} did not reserve"
+        if left:
+            self._reserved[caller] = left
+        else:
+            self._reserved.pop(caller, None)
+
+    def _cap(self, t: Transfer, expiry: float) -> float:
+        """A lease expiry, bounded by the transfer's total lease time."""
+        return min(expiry, t.created + self.max_total_lease_s)
 
     def get(self, transfer_id: str) -> Transfer:
         t = self._transfers.get(transfer_id)
@@ -94,6 +158,8 @@ class TransferTable:
         t = self.get(transfer_id)
         if t.pending_end is not None:
             raise NotFound(f"transfer {transfer_id!r} is being released")
+        if time.time() > t.lease_expiry:  # other pulls run past the lease; no new ones start
+            raise NotFound(f"transfer {transfer_id!r} has run out of lease")
         t.active_pulls += 1
         t.state = TransferState.TRANSFERRING
         return t
@@ -102,7 +168,7 @@ class TransferTable:
         t.active_pulls -= 1
         if t.active_pulls == 0:
             t.state = TransferState.PENDING
-            t.lease_expiry = max(t.lease_expiry, time.time() + 5.0)  # room for the Release that follows
+            t.lease_expiry = max(t.lease_expiry, self._cap(t, time.time() + RELEASE_ROOM_S))
             if t.pending_end is not None:
                 self._end(t, t.pending_end)
 
@@ -118,7 +184,7 @@ class TransferTable:
         t = self.get(transfer_id)
         if t.pending_end is not None:
             raise FailedPrecondition(f"transfer {transfer_id!r} is being released")
-        t.lease_expiry = max(t.lease_expiry, time.time() + min(lease_s, self.max_lease_s))
+        t.lease_expiry = max(t.lease_expiry, self._cap(t, time.time() + min(lease_s, self.max_lease_s)))
         return t.lease_expiry
 
     def expire_due(self) -> int:
@@ -147,3 +213,15 @@ class TransferTable:
         self.counts[state] += 1
         logger.debug("transfer %s of %s %s", t.transfer_id, t.request_id, state.value)
         self._on_free(t.request_id)
+
+
+def caller_key(peer: str) -> str:
+    """The key a Prefill caller's pinned blocks are counted under: the host of its gRPC peer
+    address ("ipv4:10.0.0.7:51234" -> "10.0.0.7", "ipv6:[::1]:51234" -> "::1"); other address
+    kinds (unix sockets) as given."""
+    kind, _, address = peer.partition(":")
+    if kind == "ipv4":
+        return address.rpartition(":")[0] or address
+    if kind == "ipv6" and address.startswith("[") and "]" in address:
+        return address[1 : address.index("]")]
+    return peer

@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.router.api import (
     MAX_STOP,
@@ -27,6 +27,7 @@ from services.router.api import (
     GenerateInput,
     KvFailurePolicy,
     ServingMode,
+    check_prompt_bytes,
 )
 
 MAX_N = 16
@@ -38,6 +39,13 @@ DEFAULT_MAX_TOKENS = 16
 the context window instead."""
 CHAT_ROLES = ("system", "user", "assistant")
 """The roles the model's chat template renders."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects in a request body (a chat request needs 4)."""
+API_SEED_RANGE = (-(2**63), 2**63)
+"""Seeds this API takes (half-open): the proto's int64. The offline engine takes more (u64 too)."""
+MAX_TOP_K = 2**31 - 1
+"""Largest top_k: the proto's int32."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -75,14 +83,47 @@ def param_from_message(message: str) -> str | None:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object."""
+    """The request body as a JSON object, nested at most MAX_JSON_DEPTH deep, whose strings (keys
+    included) are all valid Unicode: JSON's \\u escapes can spell lone surrogates, which no
+    tokenizer or encoder accepts."""
+    too_deep = ApiError(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # nested past the parser's own limit (~1000)
+        raise too_deep from None
     if not isinstance(body, dict):
         raise ApiError(f"request body must be a JSON object, got {type(body).__name__}")
+    # Iterative walk: (value, depth, the top-level field it belongs to).
+    todo: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while todo:
+        value, depth, field = todo.pop()
+        if isinstance(value, str):
+            _check_unicode(value, field)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        if isinstance(value, list):
+            todo.extend((item, depth + 1, field) for item in value)
+            continue
+        for key, item in value.items():
+            _check_unicode(key, field)
+            todo.append((item, depth + 1, key if field is None else field))
     return body
+
+
+def _check_unicode(text: str, field: str | None) -> None:
+    """Raise naming the top-level field that text is in (None: text is a top-level field name)."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        where = field if field is not None else "a field name"
+        raise ApiError(
+            f"{where} contains a lone surrogate (\\u{ord(bad.group()):04x}), which is not valid Unicode",
+            field,
+        )
 
 
 # ---- field readers: None means absent, as OpenAI clients send null for unset fields -------------
@@ -254,14 +295,31 @@ class ParsedRequest:
             for i in range(self.n):
                 params = dataclasses.replace(self.params)
                 if params.seed is not None:
-                    lo, hi = SEED_RANGE
+                    lo, hi = API_SEED_RANGE
                     params.seed = (params.seed + i - lo) % (hi - lo) + lo
                 request = f"{request_id}-{p * self.n + i}"
                 inputs.append(GenerateInput(request, list(prompt), params, self.mode, self.kv_failure_policy))
         return inputs
 
 
-def _completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+def _check_text_bytes(text: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+    try:
+        check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), tokenizer, max_model_len)
+    except ValueError as e:
+        raise ApiError(str(e), "prompt") from None
+
+
+def generations(body: dict, chat: bool) -> tuple[int, int]:
+    """(prompts, n) a request asks for, read cheaply before anything is tokenized: its admission
+    weight is their product. ApiError for a bad `n`."""
+    prompt = body.get("prompt")
+    batched = isinstance(prompt, list) and not all(_is_int(t) for t in prompt)
+    return (len(prompt) if batched and not chat else 1), _int(body, "n", 1, 1, MAX_N)
+
+
+def _completion_prompts(
+    body: dict, tokenizer: Tokenizer, vocab_size: int, max_model_len: int
+) -> list[list[int]]:
     prompt = body.get("prompt")
     usage = "prompt must be a string, a list of token ids, or a list of either (a batch)"
     if prompt is None:
@@ -277,6 +335,7 @@ def _completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> li
     prompts = []
     for p in prompt:
         if isinstance(p, str) and p:
+            _check_text_bytes(p, tokenizer, max_model_len)
             prompts.append(tokenizer.encode(p))
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
             bad = next((t for t in p if not 0 <= t < vocab_size), None)
@@ -305,7 +364,7 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """Render the messages with the model's chat template. The template writes the BOS itself, so
     the text is encoded without special tokens: the ids HF's apply_chat_template(tokenize=True) gives."""
     messages = body.get("messages")
@@ -322,6 +381,7 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
         rendered.append(
             {"role": role, "content": _message_text(message.get("content"), f"messages[{i}].content")}
         )
+    _check_text_bytes("".join(m["content"] for m in rendered), tokenizer, max_model_len)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
@@ -335,11 +395,13 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k == 0 or top_k < -1):
-        raise ApiError(f"top_k must be -1 (disabled) or an integer >= 1, got {_show(top_k)}", "top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k == 0 or not -1 <= top_k <= MAX_TOP_K):
+        raise ApiError(
+            f"top_k must be -1 (disabled) or an integer >= 1 and < 2**31, got {_show(top_k)}", "top_k"
+        )
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and SEED_RANGE[0] <= seed < SEED_RANGE[1]):
-        raise ApiError(f"seed must be an integer in [-2**63, 2**64), got {_show(seed)}", "seed")
+    if seed is not None and not (_is_int(seed) and API_SEED_RANGE[0] <= seed < API_SEED_RANGE[1]):
+        raise ApiError(f"seed must be an integer in [-2**63, 2**63), got {_show(seed)}", "seed")
     params = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -387,7 +449,7 @@ def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
     """A /v1/completions body. Raises ApiError; frontend.validate is the caller's next step."""
     _check_model(body, frontend.model_name)
     _reject_unsupported(body)
-    prompts = _completion_prompts(body, frontend.tokenizer, frontend.vocab_size)
+    prompts = _completion_prompts(body, frontend.tokenizer, frontend.vocab_size, frontend.max_model_len)
     max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     params = _sampling(body, max_tokens, logprobs, frontend.vocab_size)
@@ -399,7 +461,7 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     request may use the rest of the context window (as vLLM)."""
     _check_model(body, frontend.model_name)
     _reject_unsupported(body)
-    prompt = _chat_prompt(body, frontend.tokenizer)
+    prompt = _chat_prompt(body, frontend.tokenizer, frontend.max_model_len)
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", max(1, frontend.max_model_len - len(prompt)), 1)

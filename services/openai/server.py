@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,10 +25,12 @@ import prometheus_client
 from aiohttp import web
 
 from services.errors import ServiceError, http_status
+from services.openai.limits import BODY_TIMEOUT_S, GuardedRunner, read_body
 from services.openai.protocol import (
     ApiError,
     ParsedRequest,
     error_body,
+    generations,
     param_from_message,
     parse_chat,
     parse_completion,
@@ -42,7 +45,7 @@ from services.openai.responses import (
     response_json,
     usage_json,
 )
-from services.router.api import Delta, Frontend, GenerateInput
+from services.router.api import Delta, Frontend, GenerateInput, check_generations
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +63,18 @@ def build_app(
     frontend: Frontend,
     metrics_registry: prometheus_client.CollectorRegistry | None = None,
     max_body_bytes: int = 1 << 20,
+    body_timeout_s: float = 30.0,
 ) -> web.Application:
     """The OpenAI API over `frontend`: /v1/completions, /v1/chat/completions, /v1/models,
     /health and /metrics (`metrics_registry` in Prometheus text format; empty when None). Request
-    bodies over max_body_bytes get 413."""
+    bodies over max_body_bytes get 413, bodies not received within body_timeout_s 408
+    (`limits.read_body`)."""
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     api = _Api(frontend, metrics_registry)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
     app[_MAX_BODY] = max_body_bytes
+    app[BODY_TIMEOUT_S] = body_timeout_s
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
@@ -76,14 +84,37 @@ def build_app(
     return app
 
 
-async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve `app` on host:port from the running loop (port 0: any free port, see runner.addresses).
+async def start_http(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    header_timeout_s: float = 10.0,
+    max_connections: int = 1024,
+) -> web.AppRunner:
+    """Serve `app` on host:port from the running loop (port 0: any free port, see runner.addresses);
+    HTTPS with `ssl_context` (see `server_ssl_context`). A connection must deliver each request
+    head within header_timeout_s (from connecting, or from its previous response); past
+    max_connections open ones, new connections get 503 and are closed (services/openai/limits.py).
     The caller stops it with `await runner.cleanup()`."""
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = GuardedRunner(
+        app, header_timeout_s=header_timeout_s, max_connections=max_connections, handler_cancellation=True
+    )
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    logger.info("OpenAI API listening on %s", runner.addresses)
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    logger.info(
+        "OpenAI API listening on %s (%s)", runner.addresses, "https" if ssl_context is not None else "http"
+    )
     return runner
+
+
+def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+    """Server-side TLS from a PEM certificate chain and its key; clients are not asked for
+    certificates."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
 
 
 def _error_of(exc: BaseException, request: web.Request) -> tuple[int, dict]:
@@ -198,14 +229,32 @@ class _Api:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request[_REQUEST_ID] = request_id
-        body = parse_json(await request.read())
-        parsed = (parse_chat if chat else parse_completion)(body, self.frontend)
+        # Parsing and tokenizing cost time linear in the body: off the event loop. Tokenizing
+        # waits for admission, which counts the request as the generations it asks for.
+        body = await self.frontend.off_loop(parse_json, await read_body(request))
+        num_prompts, n = generations(body, chat)
+        try:
+            weight = check_generations(num_prompts, n, self.frontend.max_generations_per_request)
+        except ValueError as e:
+            raise ApiError(str(e), "n") from None
+        async with self.frontend.admit(weight, None) as queued:
+            parsed = await self.frontend.off_loop(
+                parse_chat if chat else parse_completion, body, self.frontend
+            )
+            return await self._run(request, request_id, parsed, queued)
+
+    async def _run(
+        self, request: web.Request, request_id: str, parsed: ParsedRequest, queued: float
+    ) -> web.StreamResponse:
+        chat = parsed.chat
         for prompt in parsed.prompts:
             try:
                 self.frontend.validate(prompt, parsed.params)
             except ValueError as e:
                 raise ApiError(str(e), param_from_message(str(e))) from None
         inputs = parsed.generate_inputs(request_id)
+        for inp in inputs:
+            inp.queued = queued
         outputs = [ChoiceOutput(chat, i, parsed.top_logprobs, self.strings) for i in range(len(inputs))]
         logger.debug("request %s: %d choice(s), stream=%s", request_id, len(inputs), parsed.stream)
         deltas = _run_choices(request, self.frontend, inputs)

@@ -3,10 +3,16 @@
 A `WorkerRecord` is one worker rank's advertisement. It travels through Redis as a flat hash of
 strings (`to_hash` / `from_hash`); nothing read back is ever evaluated or unpickled, only parsed as
 integers and JSON.
+
+Given a key (the internal token), a record carries a "mac" field: HMAC-SHA256 over its canonical
+fields exactly as written, so whoever can write the registry's Redis but does not hold the token
+cannot advertise a worker (which would receive users' prompts and the token itself).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 from abc import ABC, abstractmethod
@@ -19,6 +25,32 @@ ROLES = ("prefill", "decode", "colocated")
 # A load map is a handful of gauges; anything much larger is not a load map.
 _MAX_LOAD_JSON_BYTES = 64 * 1024
 _FIELDS = ("endpoint", "role", "model", "dp_rank", "epoch", "load", "updated_unix_ms")
+MAC_FIELD = "mac"
+"""Hash field holding the record's HMAC-SHA256 (64 lowercase hex digits) when the registry is keyed."""
+_MAC_DOMAIN = b"pdserve.worker-record.v1\n"
+_MAC_HEX_LEN = 64
+
+
+def record_mac(fields: Mapping[str, str], key: str) -> str:
+    """HMAC-SHA256 (hex) of a record's canonical fields, keyed by `key`.
+
+    The message is a JSON array of the `_FIELDS` values in order, as the strings stored in Redis
+    (not re-serialized after parsing, so `load` is covered byte for byte); a JSON array of strings
+    has one encoding per field list, so no two records share a message.
+    """
+    message = _MAC_DOMAIN + json.dumps([fields[name] for name in _FIELDS], separators=(",", ":")).encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def _check_mac(text: Mapping[str, str], mac: str | None, key: str) -> None:
+    if mac is None:
+        raise ValueError(f"worker record: missing field {MAC_FIELD!r} (the registry requires signed records)")
+    if len(mac) != _MAC_HEX_LEN or not all(c in "0123456789abcdef" for c in mac):
+        raise ValueError(f"worker record: field {MAC_FIELD!r} must be {_MAC_HEX_LEN} lowercase hex digits")
+    if not hmac.compare_digest(mac, record_mac(text, key)):
+        raise ValueError(
+            f"worker record: field {MAC_FIELD!r} does not match (not signed with this registry's key)"
+        )
 
 
 def _check_endpoint(endpoint: object) -> None:
@@ -76,9 +108,10 @@ class WorkerRecord:
         # Own a copy so the caller's dict cannot change a frozen record behind its back.
         object.__setattr__(self, "load", dict(self.load))
 
-    def to_hash(self) -> dict[str, str]:
-        """The record as a Redis hash: every value a string, `load` as compact JSON."""
-        return {
+    def to_hash(self, key: str | None = None) -> dict[str, str]:
+        """The record as a Redis hash: every value a string, `load` as compact JSON; with `key`,
+        plus the `MAC_FIELD` signature over the other fields."""
+        fields = {
             "endpoint": self.endpoint,
             "role": self.role,
             "model": self.model,
@@ -87,17 +120,21 @@ class WorkerRecord:
             "load": json.dumps(self.load, separators=(",", ":"), sort_keys=True, allow_nan=False),
             "updated_unix_ms": str(self.updated_unix_ms),
         }
+        if key is not None:
+            fields[MAC_FIELD] = record_mac(fields, key)
+        return fields
 
     @classmethod
-    def from_hash(cls, raw: Mapping[bytes | str, bytes | str]) -> WorkerRecord:
+    def from_hash(cls, raw: Mapping[bytes | str, bytes | str], key: str | None = None) -> WorkerRecord:
         """Parse a hash read from Redis. Unknown fields are ignored (newer writers may add some).
 
-        Raises ValueError naming the first missing or malformed field.
+        With `key`, the `MAC_FIELD` must be present and match the fields as read; without, it is
+        not checked (unsigned mode). Raises ValueError naming the first missing or malformed field.
         """
         text: dict[str, str] = {}
-        for key, value in raw.items():
-            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-            if name not in _FIELDS:
+        for name_raw, value in raw.items():
+            name = name_raw.decode("utf-8", "replace") if isinstance(name_raw, bytes) else name_raw
+            if name not in _FIELDS and name != MAC_FIELD:
                 continue
             try:
                 text[name] = value.decode("utf-8") if isinstance(value, bytes) else value
@@ -106,6 +143,8 @@ class WorkerRecord:
         for name in _FIELDS:
             if name not in text:
                 raise ValueError(f"worker record: missing field {name!r}")
+        if key is not None:
+            _check_mac(text, text.get(MAC_FIELD), key)
         ints = {name: _parse_int(name, text[name]) for name in ("dp_rank", "epoch", "updated_unix_ms")}
         return cls(
             endpoint=text["endpoint"],

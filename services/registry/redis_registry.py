@@ -42,17 +42,31 @@ class RedisRegistry(Registry):
     while Redis is unreachable (one warning per outage). Sockets time out after `socket_timeout_s`
     and a failed command is retried once (to replace a connection a Redis restart broke), so a
     dead Redis never hangs the caller for more than about twice that.
+
+    With a `key` (the internal token), `register` signs every record (`WorkerRecord.to_hash(key)`)
+    and `list_workers` skips, like malformed entries, records whose signature is missing or wrong:
+    writing to Redis is then not enough to advertise a worker. Without a key, records are written
+    and accepted unsigned (the explicitly insecure mode).
     """
 
-    def __init__(self, url: str, prefix: str = "pdserve:worker:", socket_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "pdserve:worker:",
+        socket_timeout_s: float = 1.0,
+        key: str | None = None,
+    ) -> None:
         if urlsplit(url).scheme not in URL_SCHEMES:
             raise ValueError(f"registry url must use one of the schemes {URL_SCHEMES}, got {_redact(url)!r}")
         if not prefix:
             raise ValueError("registry prefix must be non-empty (it namespaces the worker keys)")
         if socket_timeout_s <= 0:
             raise ValueError(f"registry socket_timeout_s must be > 0, got {socket_timeout_s}")
+        if key is not None and not key:
+            raise ValueError("registry key must be non-empty (or None for unsigned records)")
         self.url = _redact(url)
         self.prefix = prefix
+        self._mac_key = key
         self._prefix_bytes = prefix.encode()
         self._match = _glob_escape(prefix) + "*"
         self._client = aioredis.Redis.from_url(
@@ -76,7 +90,7 @@ class RedisRegistry(Registry):
         try:
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(key)  # replace, never merge with a stale hash
-                pipe.hset(key, mapping=record.to_hash())
+                pipe.hset(key, mapping=record.to_hash(self._mac_key))
                 pipe.pexpire(key, max(1, round(ttl_s * 1000)))
                 await pipe.execute()
         except _UNREACHABLE as exc:
@@ -132,7 +146,7 @@ class RedisRegistry(Registry):
             except ValueError as exc:
                 malformed.add(key)
                 if key not in self._malformed_keys:
-                    logger.warning("registry: skipping malformed entry %r: %s", key, exc)
+                    logger.warning("registry: skipping malformed or unsigned entry %r: %s", key, exc)
                 continue
             records.append(record)
         self._malformed_keys = malformed
@@ -140,7 +154,7 @@ class RedisRegistry(Registry):
         return records
 
     def _parse(self, key: bytes, raw: dict[bytes, bytes]) -> WorkerRecord:
-        record = WorkerRecord.from_hash(raw)
+        record = WorkerRecord.from_hash(raw, self._mac_key)
         key_endpoint = key[len(self._prefix_bytes) :].decode("utf-8", "replace")
         if record.endpoint != key_endpoint:
             raise ValueError(

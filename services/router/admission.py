@@ -1,7 +1,12 @@
-"""Admission control: at most `max_in_flight` requests run through the router; up to `max_queued`
-more wait (each at most `queue_timeout_s`) for a slot, first come first served. Beyond that a
-request is refused at once with RESOURCE_EXHAUSTED and a retry hint, so overload costs neither
-memory nor latency for the requests already admitted."""
+"""Admission control, counted in generations: at most `max_in_flight` generations (one per prompt
+and sample: a request for 4 prompts with n = 2 weighs 8) run through the router; up to
+`max_queued` more wait (each request at most `queue_timeout_s`) for room, first come first
+served. Beyond that a request is refused at once with RESOURCE_EXHAUSTED and a retry hint, so
+overload costs neither memory nor latency for the requests already admitted.
+
+A request is admitted whole or not at all, and the oldest waiter goes first even when a lighter
+one behind it would fit: a heavy request is never starved by a stream of light ones.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,15 @@ import asyncio
 import time
 from collections import deque
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from services.errors import ResourceExhausted
+
+
+@dataclass(eq=False)
+class _Waiter:
+    weight: int
+    future: asyncio.Future
 
 
 class Admission:
@@ -25,58 +37,68 @@ class Admission:
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.in_flight = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        """Generations admitted and not yet finished."""
+        self._waiters: deque[_Waiter] = deque()
         self.refused = 0
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        """Generations waiting for room."""
+        return sum(w.weight for w in self._waiters)
 
     def _retry_hint(self) -> float:
         return min(1.0 + 0.1 * len(self._waiters), 30.0)
 
+    def _refuse(self, message: str) -> ResourceExhausted:
+        self.refused += 1
+        return ResourceExhausted(message, retry_after_s=self._retry_hint())
+
     @asynccontextmanager
-    async def slot(self, timeout: float | None = None):
-        """Hold one in-flight slot for the body; yields the seconds spent queued."""
+    async def slot(self, weight: int = 1, timeout: float | None = None):
+        """Hold room for `weight` generations for the body; yields the seconds spent queued."""
+        if not 1 <= weight <= self.max_in_flight:
+            raise ValueError(
+                f"a request of {weight} generations can never fit in max_in_flight {self.max_in_flight}"
+            )
         start = time.monotonic()
-        if self.in_flight < self.max_in_flight and not self._waiters:
-            self.in_flight += 1
-        elif len(self._waiters) >= self.max_queued:
-            self.refused += 1
-            raise ResourceExhausted(
-                f"server busy: {self.in_flight} requests in flight (max_in_flight {self.max_in_flight}) and "
-                f"{len(self._waiters)} queued (max_queued {self.max_queued})",
-                retry_after_s=self._retry_hint(),
+        if not self._waiters and self.in_flight + weight <= self.max_in_flight:
+            self.in_flight += weight
+        elif self.queued + weight > self.max_queued:
+            raise self._refuse(
+                f"server busy: {self.in_flight} generations in flight (max_in_flight {self.max_in_flight}) and "
+                f"{self.queued} queued (max_queued {self.max_queued})"
             )
         else:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
+            waiter = _Waiter(weight, asyncio.get_running_loop().create_future())
+            self._waiters.append(waiter)
             wait = self.queue_timeout_s if timeout is None else min(self.queue_timeout_s, timeout)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), wait)
+                await asyncio.wait_for(asyncio.shield(waiter.future), wait)
             except (TimeoutError, asyncio.CancelledError) as e:
-                if fut.done() and not fut.cancelled():  # the slot was handed over just now: pass it on
-                    self._release()
+                if waiter.future.done() and not waiter.future.cancelled():
+                    self._release(weight)  # admitted just now: give the room back
                 else:
-                    fut.cancel()
-                    self._waiters.remove(fut)
+                    waiter.future.cancel()
+                    self._waiters.remove(waiter)
+                    self._admit_waiters()  # the head may have changed
                 if isinstance(e, TimeoutError):
-                    self.refused += 1
-                    raise ResourceExhausted(
-                        f"request waited {wait:.1f} s (queue_timeout_s) for one of {self.max_in_flight} slots",
-                        retry_after_s=self._retry_hint(),
+                    raise self._refuse(
+                        f"request waited {wait:.1f} s (queue_timeout_s) for room among {self.max_in_flight} "
+                        "in-flight generations"
                     ) from None
                 raise
         try:
             yield time.monotonic() - start
         finally:
-            self._release()
+            self._release(weight)
 
-    def _release(self) -> None:
-        """Hand the slot to the oldest waiter, or free it."""
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot moves over: in_flight unchanged
-                return
-        self.in_flight -= 1
+    def _release(self, weight: int) -> None:
+        self.in_flight -= weight
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        """Admit waiters from the head of the queue while they fit."""
+        while self._waiters and self.in_flight + self._waiters[0].weight <= self.max_in_flight:
+            waiter = self._waiters.popleft()
+            self.in_flight += waiter.weight
+            waiter.future.set_result(None)

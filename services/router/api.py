@@ -1,19 +1,26 @@
 """What the router's fronts (gRPC `Inference`, OpenAI HTTP) call: engine types, no protos.
 
-A front validates and tokenizes through `Frontend`, then iterates `Frontend.generate`. Closing
-the iterator early (client gone) or cancelling the task that iterates it cancels the request on
-every worker it touched.
+A front first takes admission for the request's generations (`Frontend.admit`), and only then
+tokenizes (off the event loop), validates through `Frontend`, and iterates `Frontend.generate`
+once per generation. Closing the iterator early (client gone) or cancelling the task that
+iterates it cancels the request on every worker it touched.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 MAX_TEMPERATURE = 2.0
 """API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
@@ -27,6 +34,29 @@ def check_api_limits(params: SamplingParams) -> None:
         raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {params.temperature!r}")
     if len(params.stop) > MAX_STOP:
         raise ValueError(f"stop has {len(params.stop)} strings, more than the limit of {MAX_STOP}")
+
+
+def check_prompt_bytes(num_bytes: int, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """Refuse a prompt text too long to fit in max_model_len tokens from its byte length alone,
+    before paying for its tokenization; ValueError naming `prompt` and the limit."""
+    limit = tokenizer.max_prompt_bytes(max_model_len)
+    if num_bytes > limit:
+        raise ValueError(
+            f"prompt has {num_bytes} bytes of text; more than {limit} bytes cannot fit in "
+            f"max_model_len ({max_model_len} tokens)"
+        )
+
+
+def check_generations(num_prompts: int, n: int, limit: int) -> int:
+    """A request's admission weight (prompts x n); ValueError naming `n` and the limit when it
+    asks for more than `limit` generations."""
+    weight = num_prompts * n
+    if weight > limit:
+        raise ValueError(
+            f"n = {n} with {num_prompts} prompt(s) asks for {weight} generations, more than the limit "
+            f"of {limit} per request (max_generations_per_request)"
+        )
+    return weight
 
 
 class ServingMode(enum.Enum):
@@ -49,6 +79,8 @@ class GenerateInput:
     kv_failure_policy: KvFailurePolicy = KvFailurePolicy.FAIL
     timeout: float | None = None
     """Seconds the whole request may take; propagated to every internal RPC as a deadline."""
+    queued: float = 0.0
+    """Seconds the request waited for admission before this generation started."""
 
 
 @dataclass
@@ -99,6 +131,24 @@ class Frontend(abc.ABC):
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    max_generations_per_request: int
+    """Most generations (prompts x n) one request may ask for; more is a 400 naming the limit."""
+
+    _tokenizer_pool: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Run a request's CPU-bound preparation (JSON parsing, template rendering, tokenizing)
+        off the event loop, one job at a time: the loop keeps serving streams, and a flood of
+        long prompts takes one core, not every core the workers need."""
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    @abc.abstractmethod
+    def admit(self, weight: int, timeout: float | None) -> AbstractAsyncContextManager[float]:
+        """Hold admission for `weight` generations (1 <= weight <= max_generations_per_request)
+        while the body runs; yields the seconds spent queued. Raises ResourceExhausted when the
+        router is full (at once, or after the queue timeout)."""
 
     @abc.abstractmethod
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

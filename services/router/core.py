@@ -4,8 +4,11 @@
                                                  └─► Decode(KvHandle, first token) ─► tokens ...
 
 Colocated requests go straight to Decode without a handle. Cancelling the generator (client
-gone) cancels the worker call in flight; a handle the decode side never received is released
-(abort) so the prefill rank does not wait for its lease to run out.
+gone) cancels the worker call in flight; a handle the decode side may not have received (its
+stream ended before sending anything) is released (abort), so the prefill rank does not wait
+for its lease to run out. Every generation gets its own internal request id: the client's id
+is only a label, so two clients (or one client twice) using the same id never share state on
+a worker. With an internal token, every handle passed to a decode worker is signed with it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from services.router.admission import Admission
 from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage, check_api_limits
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
+from services.security import handle_mac
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ class RouterSettings:
     """Requests waiting for a slot; beyond it RESOURCE_EXHAUSTED (HTTP 429) at once."""
     queue_timeout_s: float = 60.0
     """Longest wait in the admission queue."""
+    max_generations_per_request: int = 64
+    """Most generations (prompts x n) one request may hold; capped at max_in_flight."""
     max_attempts: int = 3
     """Tries per request when a worker is UNAVAILABLE before the first token was sent."""
     retry_backoff_s: float = 0.05
@@ -74,6 +80,7 @@ class RouterCore(Frontend):
         self.pool = pool
         self.metrics = metrics
         self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+        self.max_generations_per_request = min(settings.max_generations_per_request, settings.max_in_flight)
         self.kv_redis = None
         if settings.kv_redis_url:
             import redis.asyncio
@@ -115,6 +122,9 @@ class RouterCore(Frontend):
 
     # ---- the request path -----------------------------------------------------------------------
 
+    def admit(self, weight: int, timeout: float | None):
+        return self.admission.slot(weight, timeout)
+
     def _background(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -133,43 +143,44 @@ class RouterCore(Frontend):
         return ServiceError(f"{w.endpoint}: {e.details()}", e.code(), endpoint=w.endpoint)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        """One generation; the caller holds its admission (see Frontend.admit)."""
         params, prompt = inp.params, inp.prompt_token_ids
         self.validate(prompt, params)
         start = time.monotonic()
         deadline = start + (inp.timeout if inp.timeout is not None else self.settings.default_timeout_s)
-        rid = inp.request_id or uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # ours: the client's request_id is a label only
+        logger.debug("request %s is %s", inp.request_id, rid)
         hashes = hash_blocks(prompt, self.block_size)
         m = self.metrics
+        m.labels(m.queue_time).observe(inp.queued)
         finish = "abort"
+        failed: set[str] = set()
         try:
-            async with self.admission.slot(timeout=deadline - start) as queued:
-                m.labels(m.queue_time).observe(queued)
-                failed: set[str] = set()
-                for attempt in range(self.settings.max_attempts):
-                    delivered = False
-                    try:
-                        async for delta in self._attempt(rid, inp, hashes, start, deadline, queued, failed):
-                            delivered = delivered or bool(delta.token_ids or delta.text)
-                            finish = delta.finish_reason or finish
-                            yield delta
-                        return
-                    except ServiceError as e:
-                        # Retry only what cannot have reached the client: a worker that was
-                        # unavailable before the first token, on another worker, with backoff.
-                        last = attempt + 1 == self.settings.max_attempts
-                        backoff = self.settings.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5)
-                        if (
-                            e.code != grpc.StatusCode.UNAVAILABLE
-                            or delivered
-                            or last
-                            or time.monotonic() + backoff >= deadline
-                        ):
-                            raise
-                        logger.info("request %s: %s; retrying elsewhere (attempt %d)", rid, e, attempt + 2)
-                        if e.endpoint:
-                            failed.add(e.endpoint)
-                        m.labels(m.retries).inc()
-                        await asyncio.sleep(backoff)
+            for attempt in range(self.settings.max_attempts):
+                delivered = False
+                try:
+                    async for delta in self._attempt(rid, inp, hashes, start, deadline, failed):
+                        delivered = delivered or bool(delta.token_ids or delta.text)
+                        finish = delta.finish_reason or finish
+                        yield delta
+                    return
+                except ServiceError as e:
+                    # Retry only what cannot have reached the client: a worker that was
+                    # unavailable before the first token, on another worker, with backoff.
+                    last = attempt + 1 == self.settings.max_attempts
+                    backoff = self.settings.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5)
+                    if (
+                        e.code != grpc.StatusCode.UNAVAILABLE
+                        or delivered
+                        or last
+                        or time.monotonic() + backoff >= deadline
+                    ):
+                        raise
+                    logger.info("request %s: %s; retrying elsewhere (attempt %d)", rid, e, attempt + 2)
+                    if e.endpoint:
+                        failed.add(e.endpoint)
+                    m.labels(m.retries).inc()
+                    await asyncio.sleep(backoff)
         finally:
             m.labels(m.requests, finish).inc()
 
@@ -190,9 +201,7 @@ class RouterCore(Frontend):
             run += 1
         return run
 
-    async def _attempt(
-        self, rid, inp: GenerateInput, hashes, start, deadline, queued: float, failed: set[str]
-    ):
+    async def _attempt(self, rid, inp: GenerateInput, hashes, start, deadline, failed: set[str]):
         """One try on one route; updates the workers' circuit breakers."""
         prompt = inp.prompt_token_ids
         shared = await self._shared_blocks(hashes)
@@ -209,7 +218,7 @@ class RouterCore(Frontend):
         m = self.metrics
         first_token_time = last_token_time = None
         usage = Usage(prompt_tokens=len(prompt))
-        timings = Timings(queue=queued)
+        timings = Timings(queue=inp.queued)
         route.decode.in_flight += 1
         try:
             async for delta in self._run(rid, inp, route, hashes, deadline, usage, timings):
@@ -223,7 +232,7 @@ class RouterCore(Frontend):
                             m.labels(m.itl).observe(gap)
                     last_token_time = now
                 if delta.finish_reason is not None:
-                    timings.queue += queued
+                    timings.queue += inp.queued
                     timings.ttft = (first_token_time or now) - start
                     timings.e2e = now - start
                     delta.usage, delta.timings = usage, timings
@@ -282,19 +291,26 @@ class RouterCore(Frontend):
             if not resp.HasField("kv_handle"):  # finished at its first token
                 yield first
                 return
-            handed_over = False
+            # The decode worker releases the producer once it holds the KV, and on its own
+            # failures; until its stream has said something we cannot know it got the request
+            # (a cancel right after the first token may stop the call before it left), so then
+            # we release. A second release of the same transfer is answered NOT_FOUND, harmlessly.
+            decode_answered = False
             try:
                 yield first  # the first token reaches the client before the KV moves
                 decode_req.kv_handle.CopyFrom(resp.kv_handle)
+                token = self.pool.security.token if self.pool.security is not None else None
+                if token:
+                    decode_req.kv_handle_mac = handle_mac(token, resp.kv_handle)
                 decode_req.output_token_ids.extend(first.token_ids)
                 decode_req.sampler_state = resp.sampler_state
-                handed_over = True
                 async for delta in self._decode(
                     route.decode, decode_req, deadline, usage, timings, prefilled=True
                 ):
+                    decode_answered = True
                     yield delta
             finally:
-                if not handed_over:
+                if not decode_answered:
                     self._background(self._release(p, resp.kv_handle))
         else:
             async for delta in self._decode(

@@ -8,7 +8,7 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services import convert
 from services.errors import InvalidArgument, NotFound
-from services.router.api import GenerateInput
+from services.router.api import GenerateInput, check_prompt_bytes
 from services.router.core import RouterCore
 
 VERSION = "0.1.0"
@@ -43,26 +43,44 @@ class InferenceService(pb_grpc.InferenceServicer):
             return tok.encode(rendered, add_special_tokens=False)  # the template writes the BOS
         raise InvalidArgument("prompt is required: set text, token_ids or chat")
 
+    def _check_prompt_bytes(self, which: str | None, request) -> None:
+        """Refuse, before tokenizing, a text that cannot fit in the context window."""
+        if which == "text":
+            num_bytes = len(request.text.encode("utf-8", "surrogatepass"))
+        elif which == "chat":
+            num_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.chat.messages)
+        else:
+            return
+        check_prompt_bytes(num_bytes, self.core.tokenizer, self.core.max_model_len)
+
     async def Generate(self, request: pb.GenerateRequest, context):
         self._check_model(request.model)
-        rid = request.request_id or uuid.uuid4().hex
-        if request.WhichOneof("prompt") == "text" and not request.text:
+        label = request.request_id or uuid.uuid4().hex  # echoed back; the router's own ids differ
+        which = request.WhichOneof("prompt")
+        if which == "text" and not request.text:
             raise InvalidArgument("prompt text must not be empty")
         inp = GenerateInput(
-            request_id=rid,
-            prompt_token_ids=self._encode(request.WhichOneof("prompt"), request),
+            request_id=label,
+            prompt_token_ids=[],
             params=convert.sampling_from_proto(request.sampling),
-            mode=convert.SERVING_MODES[request.mode],
-            kv_failure_policy=convert.KV_FAILURE_POLICIES[request.kv_failure_policy],
-            timeout=context.time_remaining(),
+            mode=convert.serving_mode_from_proto(request.mode),
+            kv_failure_policy=convert.kv_failure_policy_from_proto(request.kv_failure_policy),
         )
-        async for delta in self.core.generate(inp):
-            yield convert.delta_to_proto(rid, delta)
+        self._check_prompt_bytes(which, request)
+        async with self.core.admit(1, context.time_remaining()) as queued:
+            # Tokenizing (and rendering a chat template) costs time linear in the text: off the loop.
+            inp.prompt_token_ids = await self.core.off_loop(self._encode, which, request)
+            inp.timeout, inp.queued = context.time_remaining(), queued
+            async for delta in self.core.generate(inp):
+                yield convert.delta_to_proto(label, delta)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self._check_model(request.model)
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self._encode(request.WhichOneof("input"), request, add)
+        which = request.WhichOneof("input")
+        self._check_prompt_bytes(which, request)
+        async with self.core.admit(1, context.time_remaining()):
+            ids = await self.core.off_loop(self._encode, which, request, add)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
 
     def _card(self) -> pb.ModelCard:

@@ -3,7 +3,9 @@ weighed by GetLoad, and remembered by the prompts routed to them (prefix affinit
 
 Only the router's event loop touches the pool. A worker that fails a probe or an RPC with
 UNAVAILABLE is unhealthy until a probe succeeds again. When the registry cannot be read the
-pool keeps the workers it knew (last-known state).
+pool keeps the workers it knew (last-known state), and a worker missing from a listing is kept
+(and probed) for `absent_grace_s` before it is dropped: a Redis restarted empty must not drop every
+worker at once while their heartbeats are about to re-register them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ROLE_NAMES = {
     wpb.WORKER_ROLE_COLOCATED: "colocated",
 }
 PROBE_TIMEOUT_S = 2.0
+ABSENT_GRACE_S = 10.0
+"""How long a worker missing from the registry stays in the pool: the workers' heartbeat TTL."""
 
 
 class PrefixIndex:
@@ -103,6 +107,8 @@ class WorkerHandle:
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     last_seen: float = 0.0
+    last_listed: float = field(default_factory=time.monotonic)
+    """When the registry last listed this endpoint (monotonic); dropped once absent past the grace."""
 
     @property
     def role(self) -> str:
@@ -129,8 +135,12 @@ class WorkerPool:
         refresh_s: float = 1.0,
         probe_s: float = 0.5,
         security: Security | None = None,
+        absent_grace_s: float = ABSENT_GRACE_S,
     ):
+        if absent_grace_s < 0:
+            raise ValueError(f"absent_grace_s must be >= 0, got {absent_grace_s}")
         self.registry = registry
+        self.absent_grace_s = absent_grace_s
         self.security = security
         self.refresh_s = refresh_s
         self.probe_s = probe_s
@@ -182,21 +192,30 @@ class WorkerPool:
                 await self.probe_all()
 
     async def refresh(self) -> None:
-        """Re-read the registry: add new endpoints, drop ones that left it, then probe all."""
+        """Re-read the registry: add new endpoints, drop ones absent from it for longer than
+        `absent_grace_s`, then probe all (a dead worker kept through the grace fails its probes
+        and is unhealthy, so nothing is routed to it)."""
         try:
             records = await self.registry.list_workers()
         except Exception as e:  # noqa: BLE001 - keep serving from what we know
             logger.warning("registry read failed (%s); keeping %d known workers", e, len(self.workers))
             records = None
         if records is not None:
+            now = time.monotonic()
             listed = {r.endpoint for r in records}
-            for endpoint in listed - self.workers.keys():
+            for endpoint in listed:
+                w = self.workers.get(endpoint)
+                if w is not None:
+                    w.last_listed = now
+                    continue
                 ch = channel(endpoint, self.security)
                 self.workers[endpoint] = WorkerHandle(
-                    endpoint, ch, wgrpc.WorkerStub(ch), kv_grpc.KvTransferStub(ch)
+                    endpoint, ch, wgrpc.WorkerStub(ch), kv_grpc.KvTransferStub(ch), last_listed=now
                 )
                 logger.info("worker %s discovered", endpoint)
             for endpoint in self.workers.keys() - listed:
+                if now - self.workers[endpoint].last_listed <= self.absent_grace_s:
+                    continue  # maybe Redis lost it (restarted empty): its heartbeat re-registers it
                 w = self.workers.pop(endpoint)
                 logger.info("worker %s left the registry", endpoint)
                 asyncio.ensure_future(w.channel.close(grace=30.0))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
-from services.grpc_utils import add_health_and_reflection, bind, new_server, set_health
+from services.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
 from services.metrics import Metrics
-from services.openai.server import build_app, start_http
+from services.openai.server import build_app, server_ssl_context, start_http
 from services.registry import make_registry
 from services.router.core import RouterCore, RouterSettings
 from services.router.grpc_service import InferenceService
@@ -45,12 +45,32 @@ class RouterServerConfig:
     """How often the router reads every worker's load and health."""
     security: Security = Security()
     """Internal token / client certificate presented to the workers."""
+    public_tls_cert: str | None = None
+    """PEM certificate chain both public servers (gRPC Inference, HTTP) present; None: plaintext.
+    Clients are not asked for certificates (internal mutual TLS is `security`)."""
+    public_tls_key: str | None = None
+    """PEM private key of public_tls_cert; the two go together."""
+    http_header_timeout_s: float = 10.0
+    """An HTTP connection is closed when a request head has not fully arrived this long after it
+    connected or after its previous response (slow clients)."""
+    http_body_timeout_s: float = 30.0
+    """A request body not fully received within this long gets 408."""
+    http_max_connections: int = 1024
+    """Open HTTP connections beyond this are answered 503 and closed at once."""
+
+    def __post_init__(self):
+        if (self.public_tls_cert is None) != (self.public_tls_key is None):
+            raise ValueError(
+                "public_tls_cert and public_tls_key (--public-tls-cert/--public-tls-key) go together"
+            )
 
 
 async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     metrics = Metrics("router")
     pool = WorkerPool(
-        make_registry(cfg.registry, cfg.workers), probe_s=cfg.probe_interval_s, security=cfg.security
+        make_registry(cfg.registry, cfg.workers, key=cfg.security.token),
+        probe_s=cfg.probe_interval_s,
+        security=cfg.security,
     )
     core = RouterCore(cfg.settings, Tokenizer(Path(cfg.model)), pool, metrics)
     metrics.gauge(
@@ -68,12 +88,24 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     pb_grpc.add_InferenceServicer_to_server(InferenceService(core), server)
     health = add_health_and_reflection(server, ["pdserve.v1.Inference"])
     await set_health(health, live=True, ready=False)
-    grpc_port = bind(server, cfg.host, cfg.grpc_port)
+    grpc_port = bind_public(server, cfg.host, cfg.grpc_port, cfg.public_tls_cert, cfg.public_tls_key)
     await server.start()
     http_runner = None
     http_port = None
     if cfg.http_port is not None:
-        http_runner = await start_http(build_app(core, metrics.registry), cfg.host, cfg.http_port)
+        tls = (
+            server_ssl_context(cfg.public_tls_cert, cfg.public_tls_key)
+            if cfg.public_tls_cert is not None
+            else None
+        )
+        http_runner = await start_http(
+            build_app(core, metrics.registry, body_timeout_s=cfg.http_body_timeout_s),
+            cfg.host,
+            cfg.http_port,
+            ssl_context=tls,
+            header_timeout_s=cfg.http_header_timeout_s,
+            max_connections=cfg.http_max_connections,
+        )
         http_port = http_runner.addresses[0][1]
     if on_bound is not None:
         on_bound(grpc_port, http_port)

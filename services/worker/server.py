@@ -1,9 +1,9 @@
 """A worker process: one engine (in its own thread) behind the Worker and KvTransfer services.
 
 Start-up order: bind and serve health at once (readiness NOT_SERVING), load the model in the
-engine thread, then turn readiness to SERVING and register. SIGTERM/SIGINT: readiness goes
-NOT_SERVING, the worker deregisters, in-flight streams get a grace period, pinned transfers are
-aborted, the process exits 0.
+engine thread, then turn readiness to SERVING and register. SIGTERM/SIGINT or a `Drain` call:
+readiness goes NOT_SERVING, the worker deregisters, in-flight streams get a grace period, pinned
+transfers are aborted, the process exits 0.
 """
 
 from __future__ import annotations
@@ -90,12 +90,13 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
 
     engine = AsyncEngine(build_engine, fault=cfg.fault)
     service: WorkerService | None = None
+    stop = asyncio.Event()  # SIGTERM, SIGINT or Drain: the graceful stop below
 
     def free_transfer(request_id: str) -> None:
         service.background(engine.call(lambda core: core.release_export(request_id)))
 
-    table = TransferTable(free_transfer)
-    service = WorkerService(settings, engine, table, identity, metrics, cfg.security)
+    table = TransferTable(free_transfer, max_total_lease_s=settings.max_total_lease_s)
+    service = WorkerService(settings, engine, table, identity, metrics, cfg.security, on_drain=stop.set)
     kv_service = KvTransferService(table, identity, metrics)
     wgrpc.add_WorkerServicer_to_server(service, server)
     kv_grpc.add_KvTransferServicer_to_server(kv_service, server)
@@ -106,7 +107,6 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         on_bound(port)
     logger.info("%s worker listening on %s (loading %s)", settings.role, endpoint, cfg.engine.model)
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -208,11 +208,12 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     metrics_runner = (
         await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
     )
-    await set_health(health, live=True, ready=True)
-    logger.info("%s worker ready on %s", settings.role, endpoint)
+    if not stop.is_set():  # a Drain that came while loading: never turn ready
+        await set_health(health, live=True, ready=True)
+        logger.info("%s worker ready on %s", settings.role, endpoint)
 
     heartbeat = None
-    registry = make_registry(cfg.registry, None) if cfg.registry else None
+    registry = make_registry(cfg.registry, None, key=cfg.security.token) if cfg.registry else None
     if registry is not None:
 
         def record() -> WorkerRecord:

@@ -1,6 +1,10 @@
 """The `Worker` gRPC service: Prefill (export KV under a lease), Decode (import KV or run
 colocated, then stream), load and engine info. Handlers are thin; engine work runs on the
-engine thread through AsyncEngine."""
+engine thread through AsyncEngine.
+
+A caller's `request_id` is a label only (logs, and echoed in the responses): every Prefill and
+Decode call runs under a fresh engine request id of its own, so two calls that share a label
+never touch each other's engine state or exported KV."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -17,14 +22,14 @@ from engine.kv_cache.hashing import hash_blocks
 from engine.outputs import RequestOutput
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
-from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services import convert
 from services.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from services.grpc_utils import channel, remaining
+from services.grpc_utils import remaining
 from services.kv_transfer import consumer
-from services.kv_transfer.transfer import TransferTable
+from services.kv_transfer.peers import PeerStubs, check_handle
+from services.kv_transfer.transfer import DEFAULT_MAX_TOTAL_LEASE_S, TransferTable, caller_key
 from services.kv_transfer.wire import DTYPES, MAX_CHUNK_BYTES, Geometry
 from services.metrics import Metrics
 from services.security import Security
@@ -54,32 +59,20 @@ class WorkerSettings:
     """How long a prefill worker keeps exported KV pinned waiting for the decode side."""
     kv_chunk_bytes: int = MAX_CHUNK_BYTES
     """Largest KV chunk this worker asks a producer for."""
+    max_total_lease_s: float = DEFAULT_MAX_TOTAL_LEASE_S
+    """No transfer stays pinned longer than this after its Prefill, however often it is renewed."""
+    max_pinned_fraction: float = 0.75
+    """Most of this worker's KV blocks one caller (host) may hold pinned in transfers; a Prefill
+    past it is RESOURCE_EXHAUSTED before it runs."""
+    kv_producers: tuple[str, ...] | None = None
+    """host:port of the prefill workers a decode worker may pull KV from; None: any producer
+    (whose handle is signed, when the worker has an internal token)."""
 
-
-class PeerStubs:
-    """One channel per producer endpoint, reused across transfers."""
-
-    def __init__(self, security: Security | None = None) -> None:
-        self.security = security
-        self._stubs: dict[str, kv_grpc.KvTransferStub] = {}
-        self._channels = []
-
-    def kv(self, endpoint: str) -> kv_grpc.KvTransferStub:
-        stub = self._stubs.get(endpoint)
-        if stub is None:
-            ch = channel(endpoint, self.security)
-            self._channels.append(ch)
-            stub = self._stubs[endpoint] = kv_grpc.KvTransferStub(ch)
-        return stub
-
-    def forget(self, endpoint: str) -> None:
-        """Drop the channel to a peer that failed (it may have restarted: the next call reconnects
-        at once instead of waiting out the old channel's backoff)."""
-        self._stubs.pop(endpoint, None)
-
-    async def close(self) -> None:
-        for ch in self._channels:
-            await ch.close()
+    def __post_init__(self) -> None:
+        if not 0 < self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in (0, 1], got {self.max_pinned_fraction}")
+        if self.max_total_lease_s <= 0:
+            raise ValueError(f"max_total_lease_s must be > 0, got {self.max_total_lease_s}")
 
 
 class WorkerService(wgrpc.WorkerServicer):
@@ -91,13 +84,17 @@ class WorkerService(wgrpc.WorkerServicer):
         identity: kv_pb.KvProducer,
         metrics: Metrics,
         security: Security | None = None,
+        on_drain: Callable[[], None] | None = None,
     ):
         self.settings = settings
         self.engine = engine
         self.table = table
         self.identity = identity
         self.metrics = metrics
+        self.security = security
         self.peers = PeerStubs(security)
+        self.on_drain = on_drain
+        """Called by Drain: starts the process's graceful stop (the same as SIGTERM)."""
         self.draining = False
         self.geo: Geometry | None = None
         self.compat_hash = ""
@@ -191,14 +188,23 @@ class WorkerService(wgrpc.WorkerServicer):
         )
 
     async def Drain(self, request, context) -> wpb.DrainResponse:
+        """Refuse new work at once and stop the way SIGTERM does: readiness NOT_SERVING,
+        deregistration, in-flight streams finish within the grace period, exit 0."""
         self.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
         return wpb.DrainResponse(num_in_flight=self.engine.num_streams)
 
     async def Prefill(self, request: wpb.PrefillRequest, context) -> wpb.PrefillResponse:
         self._admit("prefill", "colocated")
-        rid = request.request_id or uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # the engine's id; the caller's request_id is only a label
+        label = request.request_id or rid
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_from_proto(request.sampling)
+        caller = caller_key(context.peer())
+        num_blocks = -(-len(prompt) // self.geo.block_size)
+        limit = int(self.settings.max_pinned_fraction * self.engine.core.num_kv_blocks)
+        self.table.reserve(caller, num_blocks, limit)  # RESOURCE_EXHAUSTED before the prompt runs
         stream = self.engine.open_stream(rid)
         exported = False
         try:
@@ -209,6 +215,7 @@ class WorkerService(wgrpc.WorkerServicer):
             assert out.finished, "a prefill-only request ends with its first token"
             self._observe(out)
             response = wpb.PrefillResponse(output=convert.output_to_proto(out, first=True))
+            response.output.request_id = label
             response.output.usage.CopyFrom(
                 pb.Usage(
                     prompt_tokens=len(prompt),
@@ -219,7 +226,9 @@ class WorkerService(wgrpc.WorkerServicer):
             kv = out.exported_kv
             if kv is not None:
                 lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else self.settings.lease_s
-                t = self.table.create(rid, kv.block_ids, kv.block_hashes, kv.num_tokens, lease_s)
+                t = self.table.create(
+                    rid, kv.block_ids, kv.block_hashes, kv.num_tokens, lease_s, caller=caller
+                )
                 exported = True
                 response.kv_handle.CopyFrom(
                     kv_pb.KvHandle(
@@ -241,23 +250,28 @@ class WorkerService(wgrpc.WorkerServicer):
                 self.background(self._abort(rid))
             raise
         finally:
+            self.table.unreserve(caller, num_blocks)  # the transfer (if any) counts its blocks now
             self.engine.close_stream(rid)
 
     async def Decode(self, request: wpb.DecodeRequest, context):
         self._admit("decode", "colocated")
-        rid = request.request_id or uuid.uuid4().hex
+        handle = request.kv_handle if request.HasField("kv_handle") else None
+        if handle is not None:  # before any connection to the producer or engine state
+            token = self.security.token if self.security is not None else None
+            check_handle(handle, request.kv_handle_mac, token, self.settings.kv_producers)
+        rid = uuid.uuid4().hex  # the engine's id; the caller's request_id is only a label
+        label = request.request_id or rid
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_from_proto(request.sampling)
         start = time.monotonic()
         stream = self.engine.open_stream(rid)
-        handle = request.kv_handle if request.HasField("kv_handle") else None
         kv_bytes, kv_seconds, released = 0, 0.0, handle is None
         try:
             if handle is None:
                 await self.engine.call(lambda core: core.add_request(rid, prompt, params))
             else:
                 kv_bytes, kv_seconds, pulled = await self._import(
-                    rid, request, prompt, params, remaining(context)
+                    rid, label, request, prompt, params, remaining(context)
                 )
                 released = True  # on failure _import released it (abort) already
                 if pulled:
@@ -276,6 +290,7 @@ class WorkerService(wgrpc.WorkerServicer):
                     first = False
                     if msg is None:
                         msg = part
+                        msg.request_id = label
                     else:
                         convert.merge(msg, part)
                 now = time.monotonic()
@@ -316,7 +331,7 @@ class WorkerService(wgrpc.WorkerServicer):
             self.engine.close_stream(rid)
 
     async def _import(
-        self, rid, request: wpb.DecodeRequest, prompt, params, timeout
+        self, rid: str, label: str, request: wpb.DecodeRequest, prompt, params, timeout
     ) -> tuple[int, float, bool]:
         """Allocate blocks, pull the missing prompt KV and join the batch -> (bytes, seconds,
         pulled). pulled is False when the pull failed and the prompt is recomputed instead."""
@@ -384,7 +399,9 @@ class WorkerService(wgrpc.WorkerServicer):
             if request.kv_failure_policy != pb.KV_FAILURE_POLICY_RECOMPUTE:
                 raise  # Decode aborts the request and releases the producer
             self.background(self._release_producer(handle, done=False))
-            logger.warning("request %s: KV transfer failed (%s); recomputing the prompt", rid, e)
+            logger.warning(
+                "request %s (engine id %s): KV transfer failed (%s); recomputing the prompt", label, rid, e
+            )
             await self.engine.call(lambda core: core.recompute_import(rid))
             return 0, time.monotonic() - start, False
         seconds = time.monotonic() - start
