@@ -14,6 +14,7 @@ import json
 import re
 from functools import cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate
@@ -43,6 +44,7 @@ EXPANSIONS = {
     "POD_INDEX": "3",
     "LWS_LEADER_ADDRESS": "demo-pdserve-decode-0.demo-pdserve-decode.ml",
     "PDSERVE_REGISTRY_URL": "redis://from-secret:6379/0",
+    "REDIS_PASSWORD": "redis-pw",
 }
 INJECTED_BY_LWS = {"LWS_LEADER_ADDRESS"}  # set in the pod by the LeaderWorkerSet webhook
 PVC = {"source": "pvc", "pvc": {"claimName": "deepseek-weights"}, "name": "DeepSeek-V3"}
@@ -64,9 +66,22 @@ SCENARIOS: dict[str, dict] = {
     },
     "auth": {"auth": {"enabled": True}},
     "auth-existing-secret": {"auth": {"enabled": True, "existingSecret": "pdserve-token", "secretKey": "t"}},
+    "no-auth": {"auth": {"enabled": False}},
+    "network-policy": {
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ],
+        },
+        "workers": {"colocated": {"enabled": True}},
+    },
+    "redis-existing-secret": {"redis": {"auth": {"existingSecret": "redis-pw", "secretKey": "pw"}}},
+    "redis-no-auth": {"redis": {"auth": {"enabled": False}}},
     "monitoring": {"monitoring": {"enabled": True}},
     "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/2"}},
     "external-redis-secret": {"redis": {"enabled": False, "externalUrlSecret": {"name": "redis-url"}}},
+    "external-rediss": {"redis": {"enabled": False, "externalUrl": "rediss://:pw@redis.infra:6380/0"}},
     "hostpath-hpa-colocated": {
         "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}, "servedModelName": "tiny"},
         "router": {"autoscaling": {"enabled": True}, "extraArgs": ["--max-in-flight", "512"]},
@@ -97,6 +112,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "dp-without-ep": ({"workers": {"decode": {"dp": 2}}}, "without ep"),
     "bad-port": ({"router": {"grpcPort": 70000}}, "maximum"),
     "typo": ({"routr": {"replicas": 1}}, "routr"),
+    "redis-password-not-url-safe": ({"redis": {"auth": {"password": "p@ss/word"}}}, "password"),
+    "external-http-redis": ({"redis": {"enabled": False, "externalUrl": "http://redis:6379"}}, "externalUrl"),
 }
 
 
@@ -187,6 +204,8 @@ def ports_of(container: dict) -> dict[str, int]:
 
 def registry_url(values: dict) -> str:
     redis = values.get("redis", {})
+    if redis.get("enabled", True) and redis.get("auth", {}).get("enabled", True):
+        return f"redis://:{EXPANSIONS['REDIS_PASSWORD']}@{FULLNAME}-redis:6379/0"
     if redis.get("enabled", True):
         return f"redis://{FULLNAME}-redis:6379/0"
     return redis.get("externalUrl") or EXPANSIONS["PDSERVE_REGISTRY_URL"]
@@ -442,16 +461,18 @@ def test_internal_token_from_a_secret_when_auth_is_on(name, monkeypatch):
     assert env.internal_token() == "s3cret"  # the variable pdserve reads
     values, docs = SCENARIOS[name], scenario(name)
     auth = values.get("auth", {})
+    enabled = auth.get("enabled", True)  # on by default
     secrets = {s["metadata"]["name"]: s for s in by_kind(docs, "Secret")}
+    secrets.pop(f"{FULLNAME}-redis", None)  # the Redis password's
     refs = []
     for _, _, c in pdserve_containers(docs):
         token = env_of(c).get("PDSERVE_INTERNAL_TOKEN")
-        if not auth.get("enabled"):
+        if not enabled:
             assert token is None
             continue
         ref = token["valueFrom"]["secretKeyRef"]
         refs.append((ref["name"], ref["key"]))
-    if not auth.get("enabled"):
+    if not enabled:
         assert secrets == {}
         return
     assert len(refs) == len(list(pdserve_containers(docs))) and len(set(refs)) == 1
@@ -509,3 +530,133 @@ def test_dockerfile_runs_pdserve_as_the_charts_user_on_its_ports():
         chart().metadata["appVersion"]
         == re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(), re.M)[1]
     )
+
+
+# --- Secure by default ----------------------------------------------------------------------------
+
+
+def notes(values: dict) -> str:
+    raw = _native.call_string(
+        "helm_render",
+        chart()._raw(),
+        json.dumps(values),
+        json.dumps({"name": RELEASE, "namespace": NAMESPACE}),
+    )
+    (text,) = [t for name, t in json.loads(raw).items() if name.endswith("NOTES.txt")]
+    return text
+
+
+def redis_container(docs: list[dict]) -> dict:
+    (c,) = named(docs, "Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_default_render_protects_internal_rpcs_and_redis():
+    docs = scenario("default")
+    secrets = {s["metadata"]["name"]: s for s in by_kind(docs, "Secret")}
+    assert secrets[f"{FULLNAME}-internal-token"]["data"]["token"]
+    assert len(secrets[f"{FULLNAME}-redis"]["data"]["password"]) > 0
+    redis = redis_container(docs)
+    password_ref = {"name": f"{FULLNAME}-redis", "key": "password"}
+    assert env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password_ref
+    assert expand(redis["args"], redis)[-2:] == ["--requirepass", EXPANSIONS["REDIS_PASSWORD"]]
+    assert "--protected-mode" not in redis["args"]
+    containers = list(pdserve_containers(docs))
+    assert {c["name"] for _, _, c in containers} == {"router", "worker"}
+    for _, _, c in containers:
+        env_ = env_of(c)
+        assert (
+            env_["PDSERVE_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+            == f"{FULLNAME}-internal-token"
+        )
+        assert env_["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == password_ref
+        args = parse(c)
+        assert urlsplit(args.registry).password == EXPANSIONS["REDIS_PASSWORD"]
+        assert args.insecure_internal is False and "--insecure-internal" not in c["args"]
+    assert "WARNING" not in notes({})
+
+
+def test_redis_password_from_an_existing_secret_or_off():
+    docs = scenario("redis-existing-secret")
+    assert f"{FULLNAME}-redis" not in {s["metadata"]["name"] for s in by_kind(docs, "Secret")}
+    for c in [redis_container(docs)] + [c for _, _, c in pdserve_containers(docs)]:
+        assert env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "redis-pw", "key": "pw"}
+    docs = scenario("redis-no-auth")
+    assert "--requirepass" not in redis_container(docs)["args"]
+    for _, _, c in pdserve_containers(docs):
+        assert "REDIS_PASSWORD" not in env_of(c) and urlsplit(parse(c).registry).password is None
+    assert "redis.auth.enabled=false" in notes(SCENARIOS["redis-no-auth"])
+    for _, _, c in pdserve_containers(scenario("external-rediss")):
+        assert parse(c).registry == "rediss://:pw@redis.infra:6380/0"
+
+
+def test_auth_disabled_passes_insecure_internal_and_the_notes_warn():
+    docs = scenario("no-auth")
+    for _, _, c in pdserve_containers(docs):
+        assert "PDSERVE_INTERNAL_TOKEN" not in env_of(c)
+        assert parse(c).insecure_internal is True
+    assert "WARNING: auth.enabled=false" in notes(SCENARIOS["no-auth"])
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_pdserve_pod_passes_the_exposure_check(name, monkeypatch):
+    """What `pdserve worker/router` checks at start: a pod-IP or 0.0.0.0 --host needs the token
+    (or mutual TLS) unless the chart says --insecure-internal, which it does only without auth."""
+    from services.security import Security, check_exposure
+
+    enabled = SCENARIOS[name].get("auth", {}).get("enabled", True)
+    for _, _, c in pdserve_containers(scenario(name)):
+        args = parse(c)
+        token = "t" if "PDSERVE_INTERNAL_TOKEN" in env_of(c) else None
+        assert (token is not None) == enabled and args.insecure_internal == (not enabled)
+        check_exposure(args.host, Security(token=token), args.insecure_internal)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In"
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_network_policies_admit_only_the_release_to_workers_and_redis():
+    assert by_kind(scenario("default"), "NetworkPolicy") == []
+    docs = scenario("network-policy")
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(docs, "NetworkPolicy")}
+    assert set(policies) == {f"{FULLNAME}-{n}" for n in ("workers", "redis", "router")}
+    labels = {
+        tpl["metadata"]["labels"]["app.kubernetes.io/component"]: (tpl["metadata"]["labels"], tpl)
+        for _, tpl in pods(docs)
+    }
+    assert set(labels) == {"router", "prefill", "decode", "colocated", "redis"}
+    other_release = {**labels["router"][0], "app.kubernetes.io/instance": "other"}
+
+    def covered(spec):
+        return {comp for comp, (lab, _) in labels.items() if _selects(spec["podSelector"], lab)}
+
+    workers, redis, router = (policies[f"{FULLNAME}-{n}"] for n in ("workers", "redis", "router"))
+    assert covered(workers) == {"prefill", "decode", "colocated"}
+    assert covered(redis) == {"redis"} and covered(router) == {"router"}
+    for spec in (workers, redis, router):
+        assert spec["policyTypes"] == ["Ingress"]
+    internal, metrics = workers["ingress"]
+    for rule in (internal, redis["ingress"][0]):
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}  # this namespace only
+        assert {c for c, (lab, _) in labels.items() if _selects(peer["podSelector"], lab)} == set(labels)
+        assert not _selects(peer["podSelector"], other_release)
+    assert {p["port"] for p in internal["ports"]} == {"grpc", "dist"}
+    assert {p["port"] for p in redis["ingress"][0]["ports"]} == {"redis"}
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert metrics["from"] == SCENARIOS["network-policy"]["networkPolicy"]["metricsFrom"]
+    ((rule),) = router["ingress"]
+    assert "from" not in rule and {p["port"] for p in rule["ports"]} == {"grpc", "http"}
+    # The named ports exist on the pods they admit to.
+    for comp in ("prefill", "decode", "colocated"):
+        (c,) = labels[comp][1]["spec"]["containers"]
+        assert {"grpc", "metrics"} <= set(ports_of(c))
+    assert "redis" in ports_of(labels["redis"][1]["spec"]["containers"][0])
+    assert {"grpc", "http"} <= set(ports_of(labels["router"][1]["spec"]["containers"][0]))

@@ -62,9 +62,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* The registry URL given to --registry: the in-release Redis, an external URL, or $(PDSERVE_REGISTRY_URL) from a Secret. */}}
+{{/* The registry URL given to --registry: the in-release Redis (with $(REDIS_PASSWORD), which Kubernetes expands from the pod's env), an external URL, or $(PDSERVE_REGISTRY_URL) from a Secret. */}}
 {{- define "pdserve.registryUrl" -}}
-{{- if .Values.redis.enabled }}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.port) }}
+{{- else if .Values.redis.enabled }}
 {{- printf "redis://%s-redis:%d/0" (include "pdserve.fullname" .) (int .Values.redis.port) }}
 {{- else if .Values.redis.externalUrlSecret.name }}
 {{- print "$(PDSERVE_REGISTRY_URL)" }}
@@ -83,7 +85,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-internal-token" (include "pdserve.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
 
-{{/* Environment shared by router and workers: threads sized to the CPU limit, caches under /tmp, the internal token and the registry URL Secret. ctx: {root, container} */}}
+{{- define "pdserve.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "pdserve.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/* REDIS_PASSWORD from the in-release Redis's Secret (nothing when that Redis has no password). */}}
+{{- define "pdserve.redisPasswordEnv" -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisSecretName" . }}
+      key: {{ .Values.redis.auth.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* Environment shared by router and workers: threads sized to the CPU limit, caches under /tmp, the internal token, the Redis password and the registry URL Secret. ctx: {root, container} */}}
 {{- define "pdserve.commonEnv" -}}
 {{- $root := .root -}}
 - name: HOME
@@ -109,6 +126,7 @@ app.kubernetes.io/component: {{ .component }}
       name: {{ include "pdserve.authSecretName" $root }}
       key: {{ $root.Values.auth.secretKey }}
 {{- end }}
+{{- include "pdserve.redisPasswordEnv" $root }}
 {{- if and (not $root.Values.redis.enabled) $root.Values.redis.externalUrlSecret.name }}
 - name: PDSERVE_REGISTRY_URL
   valueFrom:

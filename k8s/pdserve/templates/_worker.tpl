@@ -54,6 +54,10 @@ spec:
         - {{ $w.metricsPort | quote }}
         - --registry
         - {{ include "pdserve.registryUrl" $root | quote }}
+        {{- if not $root.Values.auth.enabled }}
+        # No internal token (auth.enabled=false): pdserve refuses a pod IP without this.
+        - --insecure-internal
+        {{- end }}
         - --grace-s
         - {{ $root.Values.drain.graceSeconds | quote }}
         {{- if $group }}
