@@ -163,13 +163,13 @@ def validate_request(
     router both call this): raise ValueError naming the field and the limit."""
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
+    n = len(prompt_token_ids)
+    if n > max_model_len:  # first: what follows costs time linear in the prompt
+        raise ValueError(f"prompt has {n} tokens, more than max_model_len ({max_model_len})")
     for i, tok in enumerate(prompt_token_ids):
         if not _is_int(tok) or not 0 <= tok < vocab_size:
             raise ValueError(f"prompt_token_ids[{i}] = {tok!r} is outside the vocabulary [0, {vocab_size})")
     params.validate(vocab_size)
-    n = len(prompt_token_ids)
-    if n > max_model_len:
-        raise ValueError(f"prompt has {n} tokens, more than max_model_len ({max_model_len})")
     if n + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
