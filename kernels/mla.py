@@ -433,7 +433,9 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     hidden = ~_visible(seq_lens, s_q, kv.shape[1])
     scores.view(batch, s_q, heads, kv.shape[1]).masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty sequence gives zeros
-    return torch.bmm(probs, kv[:, :, :kv_lora_rank]).view(batch, s_q, heads, kv_lora_rank)
+    # Against all L+R columns, then the L wanted: the latent half kv[..., :L] is strided, and the
+    # CPU bmm copied it first (1.75x the product's time at 52 sequences x 140 keys, bf16).
+    return torch.bmm(probs, kv)[..., :kv_lora_rank].view(batch, s_q, heads, kv_lora_rank)
 
 
 def mla_decode_ref(
