@@ -8,13 +8,13 @@ environment (that is `engine/env.py`).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from engine.spec_decode.config import SpeculativeConfig
+from kernels.rotary import yarn_mscale
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -65,10 +65,6 @@ class RopeConfig:
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
         )
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,36 @@ pairs' two members as two [BLOCK_H, R/2] tiles and writes them back as the two h
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.config import RopeConfig, yarn_mscale
 from kernels.dispatch import resolve_impl
 
 
-def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+class RopeParams(Protocol):
+    """The rotary settings the tables are built from (engine.config.RopeConfig is one)."""
+
+    theta: float
+    type: str
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float | None
+    mscale_all_dim: float | None
+    attention_factor: float | None
+    truncate: bool
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-scale correction for a context extended `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rope: RopeParams, dim: int) -> tuple[torch.Tensor, float]:
     """-> (inv_freq [dim/2] float32, attention_factor)."""
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if rope.type == "default":
@@ -60,7 +80,7 @@ def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def rope_cos_sin_cache(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin_cache(rope: RopeParams, dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (cos, sin), each [max_positions, dim/2] float32, attention factor folded in."""
     inv_freq, attention_factor = rope_inv_freq(rope, dim)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
