@@ -271,6 +271,9 @@ class EngineConfig:
     """redis://host:port/db of the shared Redis tier."""
     kv_redis_ttl_s: int = 3600
     """Lifetime of a block in Redis."""
+    heap_free_limit_mib: int = 256
+    """Free host heap kept for reuse between steps; above it the allocator's free pages go back to
+    the system after a step (0: never). See engine/heap.py."""
     speculative_config: dict | None = None
     """{"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": n (optional)}: draft
     k tokens per step with the checkpoint's MTP layer and verify them in one forward, except in
@@ -295,7 +298,7 @@ class EngineConfig:
             raise ValueError("kv_offload needs enable_prefix_caching (blocks are found by their prefix hash)")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
-        for name in ("num_redundant_experts", "eplb_interval", "eplb_window"):
+        for name in ("num_redundant_experts", "eplb_interval", "eplb_window", "heap_free_limit_mib"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not self.enable_expert_parallel and (

@@ -20,6 +20,7 @@ import torch
 from engine import env
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.heap import HeapTrimmer
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.offload import make_offloader
@@ -113,6 +114,7 @@ class EngineCore:
         self.importing: dict[str, Request] = {}
         """Requests holding blocks whose prompt KV is being written from outside (a KV transfer)."""
         self.step_count = 0
+        self.heap = HeapTrimmer(cfg.heap_free_limit_mib << 20)
         torch.manual_seed(cfg.seed)
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -291,6 +293,7 @@ class EngineCore:
             raise
         self.step_count += 1
         self._after_forward()
+        self.heap.maybe_trim()
         now = time.monotonic()
         outputs = []
         for item in sched.scheduled:

@@ -28,6 +28,11 @@ ENGINE_FLAGS: dict[str, dict] = {
     "kv_host_blocks": dict(type=int, default=4096),
     "kv_redis_url": dict(default=None, help="redis://host:port/db for the shared KV tier"),
     "kv_redis_ttl_s": dict(type=int, default=3600),
+    "heap_free_limit_mib": dict(
+        type=int,
+        default=256,
+        help="free host heap kept between steps before it goes back to the system (0: keep all)",
+    ),
 }
 SAMPLING_FLAGS: dict[str, dict] = {
     "max_tokens": dict(type=int, default=64),
