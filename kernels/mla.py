@@ -433,7 +433,9 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
         # off instead of masking it (five fewer ops per layer in a batch-1 decode).
         kv = kv[:, :max_len]
         scores = torch.bmm(q.reshape(1, heads, width), kv.transpose(1, 2)).mul_(scale)
-        return torch.bmm(torch.softmax(scores, dim=-1), kv)[..., :kv_lora_rank].view(1, 1, heads, kv_lora_rank)
+        return torch.bmm(torch.softmax(scores, dim=-1), kv)[..., :kv_lora_rank].view(
+            1, 1, heads, kv_lora_rank
+        )
     scores = torch.bmm(q.reshape(batch, s_q * heads, width), kv.transpose(1, 2))  # [B, s_q*H, S]
     scores.mul_(scale)
     hidden = ~_visible(seq_lens, s_q, kv.shape[1])
