@@ -25,10 +25,6 @@ import time
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LIMIT_MIB = 256
-"""Free heap kept for reuse before it is handed back (EngineConfig.heap_free_limit_mib)."""
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
