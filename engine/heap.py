@@ -25,6 +25,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
