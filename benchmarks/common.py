@@ -80,3 +80,28 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def plot_decode_curves(series: dict[str, list[tuple[int, float]]], title: str, png: Path) -> Path:
+    """Decode tokens/s against batch size (log2 axis), one line per label; a legend when there are
+    several. Needs matplotlib (ImportError without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in series.items():
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests decoding together)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import hardware_slug, result_path, save  # noqa: E402
+from benchmarks.common import hardware_slug, plot_decode_curves, result_path, save  # noqa: E402
 from benchmarks.offline_throughput import random_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -89,25 +89,17 @@ def main() -> None:
         "decode_curve", {"model": args.model, "dtype": args.dtype, "context": args.context, "rows": rows}
     )
     print(f"saved {path}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["batch"] for r in rows], [r["tok_per_s"] for r in rows], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (requests decoding together)")
-    ax.set_ylabel("decode tokens / s")
-    ax.set_title(
+    title = (
         f"pdserve decode, context {args.context}, {args.dtype}\n{hardware_slug()}, torch {torch.__version__}"
     )
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    png = result_path("decode_curve", "png")
-    fig.savefig(png, dpi=120)
+    try:
+        png = plot_decode_curves(
+            {"pdserve": [(r["batch"], r["tok_per_s"]) for r in rows]},
+            title,
+            result_path("decode_curve", "png"),
+        )
+    except ImportError:
+        return
     print(f"saved {png}")
 
 

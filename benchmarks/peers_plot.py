@@ -14,6 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import plot_decode_curves  # noqa: E402
+
 LABELS = {"pdserve": "pdserve", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp", "hf": "HF transformers"}
 
 
@@ -32,31 +36,12 @@ def curves(out_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot(out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     data = curves(out_dir)
     if not data:
         raise SystemExit(f"no curve results in {out_dir}")
     first = json.loads(next(iter(sorted(out_dir.glob("*.json")))).read_text())
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in data.items():
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (requests decoding together)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(
-        f"{first.get('model')} on {first.get('cpu')}, {first.get('cores')} cores, {first.get('date', '')[:10]}"
-    )
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    out = out_dir / "decode_curve.png"
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
+    title = f"{first.get('model')} on {first.get('cpu')}, {first.get('cores')} cores, {first.get('date', '')[:10]}"
+    return plot_decode_curves(data, title, out_dir / "decode_curve.png")
 
 
 def main(argv: list[str] | None = None) -> int:
