@@ -5,10 +5,12 @@ Each pair of rotary dimensions (x_a, x_b) at position p is rotated by the angle 
     (x_a, x_b) -> (x_a cos - x_b sin, x_b cos + x_a sin) * attention_factor
 
 DeepSeek pairs adjacent dimensions (x0, x1), (x2, x3), ... ("interleaved"); the other layout pairs
-dimension i with i + R/2. The output is always written with all first members, then all second
-members (the fast float32 CPU path keeps pairs interleaved instead). q and k go through the same
-permutation, so their dot product -- the only thing attention reads -- is unchanged, and the
-cache stores k_pe in this layout.
+dimension i with i + R/2. Every implementation here writes the output with all first members, then
+all second members (`OUTPUT_LAYOUT`, "halves"). q and k go through the same permutation, so their
+dot product -- the only thing attention reads -- is unchanged; but the cache stores k_pe in this
+layout, so it must be the same on every path and device (KV moves between CPU and GPU workers),
+and the KV cache spec names it (engine/kv_cache/spec.py), so changing it changes the compatibility
+hash.
 
 YaRN (arXiv 2309.00071) blends interpolated (divided by `factor`) and original frequencies with
 a linear ramp between the correction dimensions of beta_fast and beta_slow rotations, and scales
@@ -28,6 +30,9 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import resolve_impl
+
+OUTPUT_LAYOUT = "halves"
+"""The element order of every rotated output: the pairs' first members, then their second members."""
 
 
 class RopeParams(Protocol):
@@ -192,14 +197,14 @@ def apply_rotary(
     if resolve_impl(impl, x, has_triton=True) == "triton":
         return _apply_rotary_triton(x, cos, sin, interleaved, out)
     if interleaved and x.dtype == torch.float32:
-        # One complex multiply per pair; the output keeps pairs interleaved (a fixed permutation of
-        # the layout below, which q.k does not see). A slice that cannot be viewed as complex (odd
-        # offset or stride, e.g. q[..., nope:] with an odd nope width) is copied rather than sent to
-        # the reference: the layout must not depend on strides, or q and k could disagree.
+        # One complex multiply per pair, written out as OUTPUT_LAYOUT (real parts, then imaginary).
+        # A slice that cannot be viewed as complex (odd offset or stride, e.g. q[..., nope:] with
+        # an odd nope width) is copied first.
         xc = x if _complex_viewable(x) else x.clone(memory_format=torch.contiguous_format)
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         rot = torch.complex(cos, sin).view(shape)
-        result = torch.view_as_real(torch.view_as_complex(xc.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+        pairs = torch.view_as_real(torch.view_as_complex(xc.unflatten(-1, (-1, 2))) * rot)  # [..., R/2, 2]
+        result = pairs.transpose(-1, -2).flatten(-2)
     else:
         result = apply_rotary_ref(x, cos, sin, interleaved)
     return result if out is None else out.copy_(result)
