@@ -29,7 +29,7 @@ from engine.outputs import RequestOutput
 from engine.parallel.groups import ParallelGroup
 from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, kv_cache_spec
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.spec_decode.stats import SpecStats, speculation_allowed
@@ -79,7 +79,8 @@ class EngineCore:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
 
-        per_block = ModelRunner.kv_bytes_per_block(self.model_cfg, cfg)
+        self.kv_spec = kv_cache_spec(self.model_cfg, cfg)
+        per_block = self.kv_spec.bytes_per_block
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         self.num_kv_blocks = cfg.num_kv_blocks or max(
             1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block))
@@ -87,14 +88,22 @@ class EngineCore:
         self.group = group
         self.ep = make_expert_parallel(cfg, self.model_cfg, group) if group is not None else None
         self.runner = ModelRunner(
-            self.model_cfg, cfg, self.max_model_len, self.num_kv_blocks, self.eos_token_ids, ep=self.ep
+            self.model_cfg,
+            cfg,
+            self.kv_spec,
+            self.max_model_len,
+            self.num_kv_blocks,
+            self.eos_token_ids,
+            ep=self.ep,
         )
         self.rebalancer = (
             Rebalancer(self.ep, self.runner.model, cfg) if self.ep is not None and cfg.eplb_interval else None
         )
         self.stop_requested = False
         """Set on every rank of a group at the step where all ranks asked to stop (see step)."""
-        self.block_manager = BlockManager(self.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, self.kv_spec.block_size, cfg.enable_prefix_caching
+        )
         self.spec = cfg.spec
         self.scheduler = Scheduler(
             self.block_manager,
@@ -103,7 +112,7 @@ class EngineCore:
             num_speculative=self.spec.num_speculative_tokens if self.spec else 0,
         )
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
-        self.offloader = make_offloader(cfg, self.runner.kv_caches)
+        self.offloader = make_offloader(cfg, self.kv_spec, self.runner.kv_caches)
         if self.offloader is not None:
             self.block_manager.pool.on_evict = self.offloader.on_evict
             self.scheduler.offloader = self.offloader

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
+from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype
@@ -23,6 +24,32 @@ from engine.spec_decode.drafter import draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
+
+
+def num_mtp_layers(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
+    """MTP layers the engine runs: one when speculative decoding drafts with MTP, else none."""
+    if cfg.spec is None:
+        return 0
+    if model_cfg.num_nextn_predict_layers < 1:
+        raise ValueError(
+            "speculative_config method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers >= 1)"
+        )
+    return 1
+
+
+def kv_cache_spec(model_cfg: ModelConfig, cfg: EngineConfig) -> KVCacheSpec:
+    """What this engine's KV cache holds: the model's latent cache and, when drafting, the MTP layer's."""
+    spec = mla_spec(
+        num_layers=model_cfg.num_hidden_layers,
+        num_mtp_layers=num_mtp_layers(model_cfg, cfg),
+        block_size=cfg.block_size,
+        kv_lora_rank=model_cfg.kv_lora_rank,
+        rope_dim=model_cfg.qk_rope_head_dim,
+        dtype=compute_dtype(cfg.torch_dtype, torch.device(cfg.device)),
+        fingerprint=model_fingerprint(cfg.model),
+    )
+    spec.check_runnable()
+    return spec
 
 
 @dataclass
@@ -43,19 +70,21 @@ class ModelRunner:
         self,
         model_cfg: ModelConfig,
         cfg: EngineConfig,
+        kv_spec: KVCacheSpec,
         max_model_len: int,
         num_kv_blocks: int,
         eos_token_ids: tuple[int, ...],
         ep=None,
     ):
-        """ep: an engine.parallel.ep_moe.ExpertParallel; this rank then loads only its experts."""
+        """kv_spec: from kv_cache_spec(); ep: an engine.parallel.ep_moe.ExpertParallel (this rank
+        then loads only its experts)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.block_size = cfg.block_size
+        self.block_size = kv_spec.block_size
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.spec = cfg.spec
-        self.num_mtp_layers = self.mtp_layers(model_cfg, cfg)
+        self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)
         self.max_model_len = max_model_len
         model_cls = get_model_class(model_cfg.architecture)
         with torch.device(self.device):
@@ -71,32 +100,9 @@ class ModelRunner:
         )
         self.model.process_weights()
         self.model.eval()
-        # Written in full up front (not lazily zero-mapped) so the kernel can back it with huge
-        # pages: decode gathers blocks from all over the cache, and 4 KiB pages made every block
-        # a string of TLB misses (a 5x slower gather measured in a VM).
-        self.kv_caches = [
-            torch.empty(
-                num_kv_blocks, cfg.block_size, model_cfg.kv_cache_width, dtype=self.dtype, device=self.device
-            ).zero_()
-            for _ in range(model_cfg.num_hidden_layers + self.num_mtp_layers)  # the MTP layer's cache last
-        ]
+        self.kv_spec = kv_spec
+        self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device)  # the MTP layer's group last
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
-
-    @staticmethod
-    def mtp_layers(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
-        if cfg.spec is None:
-            return 0
-        if model_cfg.num_nextn_predict_layers < 1:
-            raise ValueError(
-                "speculative_config method 'mtp' needs a checkpoint with MTP layers (num_nextn_predict_layers >= 1)"
-            )
-        return 1
-
-    @staticmethod
-    def kv_bytes_per_block(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
-        itemsize = compute_dtype(cfg.torch_dtype, torch.device(cfg.device)).itemsize
-        layers = model_cfg.num_hidden_layers + ModelRunner.mtp_layers(model_cfg, cfg)
-        return cfg.block_size * model_cfg.kv_cache_width * layers * itemsize
 
     def _build_batch(
         self, items: list[ScheduledRequest]

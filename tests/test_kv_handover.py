@@ -1,5 +1,5 @@
 """Disaggregated prefill inside one process: a producer EngineCore prefills with kv_export=True,
-its prompt KV is moved block by block (kv_io read_blocks -> write_blocks, what a KvTransfer pull
+its prompt KV is moved block by block (codec read_slab -> write_slab, what a KvTransfer pull
 does) into a consumer EngineCore that continues the request (STYLE 9: disaggregated gives the
 same tokens as colocated).
 
@@ -24,8 +24,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache.codec import read_slab, write_slab
 from engine.kv_cache.hashing import hash_blocks
-from engine.kv_cache.kv_io import read_blocks, write_blocks
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -120,8 +120,8 @@ def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_bl
     assert len(dst) == len(kv.block_ids)
     end = len(dst) if end is None else end
     if first_block < end:
-        data = read_blocks(producer.runner.kv_caches, kv.block_ids[first_block:end], 0, _num_layers(producer))
-        write_blocks(consumer.runner.kv_caches, dst[first_block:end], 0, data)
+        data = read_slab(producer.runner.kv_caches, kv.block_ids[first_block:end], 0, _num_layers(producer))
+        write_slab(consumer.kv_spec, consumer.runner.kv_caches, dst[first_block:end], 0, data)
 
 
 def _hand_over(
@@ -234,10 +234,10 @@ def test_export_pins_blocks_until_release(pd):
 
     # Pinned blocks are never handed out: a request that needs every other block (238 + 2 tokens
     # = 60 blocks) runs without touching their contents.
-    pinned = read_blocks(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p))
+    pinned = read_slab(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p))
     filler = _whole(p, _prompt(238, seed=1), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert filler.metrics.num_preemptions == 0
-    assert read_blocks(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p)) == pinned
+    assert read_slab(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p)) == pinned
     assert bm.num_free_blocks == NUM_BLOCKS - 4
 
     assert p.release_export("x") is True

@@ -1,5 +1,6 @@
 """KV transfer pieces without an engine or a network: slab planning, chunk building and checking
-(with kv_io underneath), and the producer's TransferTable state machine under a fake clock.
+(with the KV codec underneath), the KV cache spec on the wire, and the producer's TransferTable
+state machine under a fake clock.
 
 Legend: `per` is the bytes of one block of one layer (block_size * width * itemsize); a slab is
 layers [layer_start, +num_layers) x blocks [block_start, +num_blocks) of a transfer.
@@ -15,37 +16,71 @@ import pytest
 import torch
 
 import services.kv_transfer.transfer as transfer_mod
-from engine.kv_cache.kv_io import read_blocks, write_blocks
+from engine.kv_cache.codec import DTYPE_CODES, read_slab, write_slab
+from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from services.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from services.kv_transfer.transfer import TransferState, TransferTable, caller_key
-from services.kv_transfer.wire import MAX_CHUNK_BYTES, Geometry, Slab, check_chunk, make_chunk, plan
+from services.kv_transfer.wire import (
+    MAX_CHUNK_BYTES,
+    Slab,
+    check_chunk,
+    make_chunk,
+    plan,
+    spec_from_proto,
+    spec_to_proto,
+)
 
 # ---- plan ---------------------------------------------------------------------------------------
 
+
+def _one_group(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> KVCacheSpec:
+    """A spec of one latent cache group (what every engine without MTP has)."""
+    group = CacheGroupSpec(CacheKind.LATENT, tuple(range(num_layers)), block_size, width, dtype)
+    return KVCacheSpec((group,), "test-model")
+
+
+def _per(spec: KVCacheSpec) -> int:
+    return spec.groups[0].block_bytes
+
+
+# A latent group and a test-only second group of another kind, block size, width and dtype (the
+# shape DeepSeek-V3.2's indexer-key cache will have beside the latent cache).
+TWO_GROUPS = KVCacheSpec(
+    (
+        CacheGroupSpec(
+            CacheKind.LATENT, (0, 1, 2), 4, 80, torch.float32, rope_width=16, rotary_layout="halves"
+        ),
+        CacheGroupSpec(CacheKind.INDEXER_KEYS, (3, 4), 8, 12, torch.bfloat16),
+    ),
+    "test-model",
+)
+
+
 DT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 GEOS = [
-    Geometry(3, 4, 80, torch.float32),  # the tiny model: per = 1280
-    Geometry(5, 3, 7, torch.float16),  # odd everything: per = 42
-    Geometry(61, 64, 576, torch.bfloat16),  # DeepSeek-V3: per = 73728, all layers > MAX_CHUNK_BYTES
+    _one_group(3, 4, 80, torch.float32),  # the tiny model: per = 1280
+    _one_group(5, 3, 7, torch.float16),  # odd everything: per = 42
+    _one_group(61, 64, 576, torch.bfloat16),  # DeepSeek-V3: per = 73728, all layers > MAX_CHUNK_BYTES
+    TWO_GROUPS,  # per = 1280 (layers 0-2) and 192 (layers 3-4)
 ]
 # max_bytes as a function of the geometry: below one block-layer, exactly one, between, one block
 # of all layers, just over it, several blocks, and far over the gRPC cap.
 MAXES = {
-    "half-block-layer": lambda g: g.block_layer_bytes // 2,
-    "block-layer": lambda g: g.block_layer_bytes,
-    "2.5-block-layers": lambda g: g.block_layer_bytes * 5 // 2,
-    "block-all-layers": lambda g: g.num_layers * g.block_layer_bytes,
-    "block-all-layers+1": lambda g: g.num_layers * g.block_layer_bytes + 1,
-    "3.5-blocks": lambda g: g.num_layers * g.block_layer_bytes * 7 // 2,
+    "half-block-layer": lambda g: _per(g) // 2,
+    "block-layer": lambda g: _per(g),
+    "2.5-block-layers": lambda g: _per(g) * 5 // 2,
+    "block-all-layers": lambda g: g.num_layers * _per(g),
+    "block-all-layers+1": lambda g: g.num_layers * _per(g) + 1,
+    "3.5-blocks": lambda g: g.num_layers * _per(g) * 7 // 2,
     "huge": lambda g: 1 << 62,
 }
 RANGES = [(0, 1), (0, 5), (2, 7), (6, 7)]
 PLAN_CASES = [(g, m(g), r) for g in GEOS for m in MAXES.values() for r in RANGES]
 
 
-def _geo_id(g: Geometry) -> str:
-    return f"L{g.num_layers}-bs{g.block_size}-w{g.width}-{DT[g.dtype]}"
+def _geo_id(g: KVCacheSpec) -> str:
+    return "+".join(f"L{x.num_layers}-bs{x.block_size}-w{x.width}-{DT[x.dtype]}" for x in g.groups)
 
 
 def _plan_id(case) -> str:
@@ -56,7 +91,6 @@ def _plan_id(case) -> str:
 @pytest.mark.parametrize("case", PLAN_CASES, ids=[_plan_id(c) for c in PLAN_CASES])
 def test_plan_covers_every_layer_block_once_within_the_cap(case):
     geo, max_bytes, (first, num) = case
-    per = geo.block_layer_bytes
     slabs = plan(geo, first, num, max_bytes)
     cells = Counter(
         (layer, b)
@@ -70,6 +104,9 @@ def test_plan_covers_every_layer_block_once_within_the_cap(case):
     limit = min(max_bytes, MAX_CHUNK_BYTES)
     for s in slabs:
         assert s.num_layers >= 1 and s.num_blocks >= 1
+        group = geo.group_of(s.layer_start)
+        assert s.layer_start + s.num_layers <= group.layer_start + group.num_layers, "a slab spans groups"
+        per = group.block_bytes
         size = s.num_layers * s.num_blocks * per
         if limit >= per:
             assert size <= limit, s
@@ -82,7 +119,7 @@ def test_plan_of_an_empty_range_is_empty(geo):
     assert plan(geo, 4, 4, 1 << 20) == []
 
 
-G3 = Geometry(3, 4, 80, torch.float32)  # per = 1280, one block of all layers = 3840
+G3 = _one_group(3, 4, 80, torch.float32)  # per = 1280, one block of all layers = 3840
 EXACT_PLANS = {
     "below-block-layer": (100, 2, 4, [Slab(layer, 1, b, 1) for b in (2, 3) for layer in range(3)]),
     "two-block-layers": (2560, 0, 2, [Slab(0, 2, b, 1) for b in (0, 1)] + [Slab(2, 1, b, 1) for b in (0, 1)]),
@@ -104,7 +141,7 @@ def test_plan_exact_slabs(name):
 
 def test_plan_caps_slabs_at_the_grpc_message_limit():
     geo = GEOS[2]  # 61 layers of 73728 bytes: 56 block-layers fit under MAX_CHUNK_BYTES
-    assert MAX_CHUNK_BYTES // geo.block_layer_bytes == 56
+    assert MAX_CHUNK_BYTES // _per(geo) == 56
     assert plan(geo, 0, 2, 1 << 62) == [
         Slab(0, 56, 0, 1),
         Slab(56, 5, 0, 1),
@@ -113,23 +150,25 @@ def test_plan_caps_slabs_at_the_grpc_message_limit():
     ]
 
 
-# ---- make_chunk / check_chunk with kv_io --------------------------------------------------------
+# ---- make_chunk / check_chunk with the codec --------------------------------------------------------
 
 
-def _caches(geo: Geometry, num_blocks: int, seed: int) -> list[torch.Tensor]:
+def _caches(geo: KVCacheSpec, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    # [num_blocks, block_size, width] per layer
-    return [
-        torch.randn(num_blocks, geo.block_size, geo.width, generator=gen).to(geo.dtype)
-        for _ in range(geo.num_layers)
-    ]
+    # [num_blocks, block_size, width] per layer, each layer of its group's geometry
+    caches = geo.allocate(num_blocks, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    return caches
 
 
 ROUND_TRIPS = [
-    (Geometry(3, 4, 80, torch.float32), 1280),
-    (Geometry(3, 4, 80, torch.float32), 3840 * 2),
-    (Geometry(5, 3, 7, torch.bfloat16), 100),
-    (Geometry(5, 3, 7, torch.float16), 1 << 62),
+    (_one_group(3, 4, 80, torch.float32), 1280),
+    (_one_group(3, 4, 80, torch.float32), 3840 * 2),
+    (_one_group(5, 3, 7, torch.bfloat16), 100),
+    (_one_group(5, 3, 7, torch.float16), 1 << 62),
+    (TWO_GROUPS, 1000),
+    (TWO_GROUPS, 1 << 62),
 ]
 
 
@@ -142,11 +181,11 @@ def test_chunks_round_trip_through_the_wire(geo, max_bytes):
     src_ids, dst_ids, first = [7, 2, 9, 4, 0], [1, 3, 5, 6, 8], 1
     for slab in plan(geo, first, len(src_ids), max_bytes):
         blocks = slice(slab.block_start, slab.block_start + slab.num_blocks)
-        data = read_blocks(src, src_ids[blocks], slab.layer_start, slab.num_layers)
+        data = read_slab(src, src_ids[blocks], slab.layer_start, slab.num_layers)
         wire = make_chunk(geo, slab, data).SerializeToString()
         chunk = kv_pb.KvChunk.FromString(wire)
         assert check_chunk(geo, chunk, first, len(src_ids)) == slab
-        write_blocks(dst, dst_ids[blocks], slab.layer_start, chunk.data)
+        write_slab(geo, dst, dst_ids[blocks], slab.layer_start, chunk.data)
     for layer in range(geo.num_layers):
         for s, d in zip(src_ids[first:], dst_ids[first:], strict=True):
             assert torch.equal(dst[layer][d], src[layer][s]), (layer, d)
@@ -156,7 +195,7 @@ def test_chunks_round_trip_through_the_wire(geo, max_bytes):
 
 def _valid_chunk() -> tuple[kv_pb.KvChunk, int, int]:
     """Layers [1, 3) x blocks [2, 4) of G3, for a transfer of 5 blocks pulled from block 1."""
-    data = random.Random(0).randbytes(2 * 2 * G3.block_layer_bytes)
+    data = random.Random(0).randbytes(2 * 2 * _per(G3))
     return make_chunk(G3, Slab(1, 2, 2, 2), data), 1, 5
 
 
@@ -188,7 +227,8 @@ def _resize(n):
 
 REJECTED_CHUNKS = {
     "data-byte-flipped": (_flip, r"layers 1\+2 blocks 2\+2: checksum mismatch"),
-    "dtype": (_set(dtype=kv_pb.KV_DTYPE_BFLOAT16), r"dtype KV_DTYPE_BFLOAT16 != KV_DTYPE_FLOAT32"),
+    "dtype": (_set(dtype=kv_pb.KV_DTYPE_BFLOAT16), r"dtype bfloat16 != float32"),
+    "dtype-unknown": (_set(dtype=9), r"dtype 9 != float32"),
     "shape-width": (_set(shape=[2, 2, 4, 81]), r"shape \[2, 2, 4, 81\] != expected \[2, 2, 4, 80\]"),
     "shape-block-size": (_set(shape=[2, 2, 8, 80]), r"shape \[2, 2, 8, 80\] != expected \[2, 2, 4, 80\]"),
     "shape-disagrees-with-header": (_set(num_layers=1), r"shape \[2, 2, 4, 80\] != expected \[1, 2, 4, 80\]"),
@@ -215,6 +255,75 @@ def test_check_chunk_rejects(case):
     mutate(chunk)
     with pytest.raises(DataLoss, match=message):
         check_chunk(G3, chunk, first, num)
+
+
+def test_a_chunk_crossing_a_cache_group_is_rejected():
+    data = bytes(2 * 1 * _per(TWO_GROUPS))
+    chunk = make_chunk(_one_group(5, 4, 80, torch.float32), Slab(2, 2, 0, 1), data)
+    with pytest.raises(DataLoss, match=r"layers \[2, \+2\) cross the end of their cache group \[0, 3\)"):
+        check_chunk(TWO_GROUPS, chunk, 0, 1)
+
+
+def test_a_chunk_of_the_second_group_is_checked_against_its_geometry():
+    slab = Slab(3, 2, 0, 2)
+    chunk = make_chunk(TWO_GROUPS, slab, bytes(2 * 2 * 8 * 12 * 2))
+    assert list(chunk.shape) == [2, 2, 8, 12] and chunk.dtype == kv_pb.KV_DTYPE_BFLOAT16
+    assert check_chunk(TWO_GROUPS, chunk, 0, 2) == slab
+    del chunk.shape[:]
+    chunk.shape.extend([2, 2, 4, 80])  # the first group's geometry
+    with pytest.raises(DataLoss, match=r"shape \[2, 2, 4, 80\] != expected \[2, 2, 8, 12\]"):
+        check_chunk(TWO_GROUPS, chunk, 0, 2)
+
+
+# ---- the KV cache spec on the wire ----------------------------------------------------------------
+
+
+def test_dtype_codes_are_the_proto_enum():
+    assert DTYPE_CODES == {
+        torch.float32: kv_pb.KV_DTYPE_FLOAT32,
+        torch.bfloat16: kv_pb.KV_DTYPE_BFLOAT16,
+        torch.float16: kv_pb.KV_DTYPE_FLOAT16,
+    }
+
+
+@pytest.mark.parametrize("spec", [GEOS[0], TWO_GROUPS], ids=_geo_id)
+def test_spec_round_trips_through_the_wire(spec):
+    wire = spec_to_proto(spec).SerializeToString()
+    back = spec_from_proto(kv_pb.KvCacheSpec.FromString(wire))
+    assert back == spec
+    assert back.compat_hash() == spec.compat_hash()
+
+
+BAD_SPECS = {
+    "unknown-kind": (
+        lambda m: setattr(m.groups[0], "kind", "paged_banana"),
+        r"'paged_banana' is not a valid CacheKind",
+    ),
+    "unknown-dtype": (
+        lambda m: setattr(m.groups[1], "dtype", 7),
+        r"groups\[1\]\.dtype 7 is not a known KvDtype",
+    ),
+    "zero-block-size": (lambda m: setattr(m.groups[0], "block_size", 0), r"block_size must be >= 1, got 0"),
+    "layer-gap": (lambda m: m.groups[1].layers.__setitem__(0, 4), r"non-empty ascending range, got \(4, 4\)"),
+    "groups-out-of-order": (
+        lambda m: (m.groups[1].layers.__setitem__(0, 5), m.groups[1].layers.__setitem__(1, 6)),
+        r"a group starts at 5, expected 3",
+    ),
+    "no-groups": (lambda m: m.ClearField("groups"), r"at least one cache group"),
+    "rope-without-layout": (
+        lambda m: setattr(m.groups[0], "rotary_layout", "none"),
+        r"rope_width 16 with rotary_layout 'none'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SPECS)
+def test_a_malformed_spec_from_the_wire_is_refused_naming_the_field(case):
+    mutate, message = BAD_SPECS[case]
+    msg = spec_to_proto(TWO_GROUPS)
+    mutate(msg)
+    with pytest.raises(ValueError, match=message):
+        spec_from_proto(msg)
 
 
 # ---- TransferTable --------------------------------------------------------------------------------

@@ -3,12 +3,13 @@ written behind, to a Redis tier shared by every worker on the same Redis; a late
 prefix misses the device cache loads the longest run of blocks found there instead of
 recomputing it.
 
-Every tier addresses a block by `<compat>:<chained block hash>` (hashing.py), where `compat`
-fingerprints the model config, cache dtype and geometry, so incompatible engines never read each
-other's blocks. A stored block is raw bytes with a typed header — magic, version, dtype, shape
-[layers, block_size, width], CRC32 — never pickle; a block whose header or checksum does not
-match is treated as missing (and its run ends there, the rest is recomputed). A tier that fails
-(Redis down) is skipped: offloading can only save work, never fail a request.
+Every tier addresses a block by `<compat>:<chained block hash>` (hashing.py), where `compat` is
+the KV cache spec's compatibility hash (spec.py: model, every cache group's geometry, dtype and
+layout), so incompatible engines never read each other's blocks. A stored block is the codec's
+blob (codec.py: a typed header with the compat hash and a CRC32, then raw bytes) -- never pickle;
+a block whose header or checksum does not match is treated as missing (and its run ends there,
+the rest is recomputed). A tier that fails (Redis down) is skipped: offloading can only save work,
+never fail a request.
 
 Threads: the engine thread calls everything here except the Redis writer's own thread, which
 drains a bounded queue of pending writes (dropping the oldest when full).
@@ -16,79 +17,20 @@ drains a bounded queue of pending writes (dropping the oldest when full).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from engine.kv_cache.kv_io import read_blocks, write_blocks
+from engine.kv_cache.codec import decode_block, encode_block
+from engine.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
-
-_MAGIC = b"PDKV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHBxIIII")  # magic, version, dtype code, pad, layers, block_size, width, crc32
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-def compat_key(model_dir: str | Path, caches: list[torch.Tensor]) -> str:
-    """Model config + cache dtype and geometry fingerprint: blocks only move between equal keys."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    _, block_size, width = caches[0].shape
-    blob = json.dumps(
-        {
-            "config": config,
-            "layers": len(caches),
-            "block_size": block_size,
-            "width": width,
-            "dtype": str(caches[0].dtype),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def encode_block(caches: list[torch.Tensor], block_id: int) -> bytes:
-    """One block of every layer -> header + [layers, block_size, width] raw little-endian bytes."""
-    data = read_blocks(caches, [block_id], 0, len(caches))  # [L, 1, bs, W], the KV transfer's layout
-    _, block_size, width = caches[0].shape
-    header = _HEADER.pack(
-        _MAGIC, _VERSION, _DTYPE_CODES[caches[0].dtype], len(caches), block_size, width, zlib.crc32(data)
-    )
-    return header + data
-
-
-def decode_into(blob: bytes, caches: list[torch.Tensor], block_id: int) -> bool:
-    """Write a stored block into device block `block_id`; False (nothing written) if its header
-    does not match this cache or its checksum fails."""
-    if len(blob) < _HEADER.size:
-        return False
-    magic, version, dtype_code, layers, block_size, width, crc = _HEADER.unpack_from(blob)
-    _, bs, w = caches[0].shape
-    if (magic, version, dtype_code, layers, block_size, width) != (
-        _MAGIC,
-        _VERSION,
-        _DTYPE_CODES[caches[0].dtype],
-        len(caches),
-        bs,
-        w,
-    ):
-        return False
-    data = memoryview(blob)[_HEADER.size :]
-    if len(data) != layers * block_size * width * caches[0].element_size() or zlib.crc32(data) != crc:
-        return False
-    write_blocks(caches, [block_id], 0, bytes(data))
-    return True
 
 
 class HostTier:
@@ -258,9 +200,11 @@ class OffloadStats:
 class KVOffloader:
     """Owned by the engine (its thread): copies evicted blocks out, finds and loads prefixes."""
 
-    def __init__(self, caches: list[torch.Tensor], compat: str, tiers: list):
+    def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor], tiers: list):
+        spec.check_caches(caches)
+        self.spec = spec
         self.caches = caches
-        self.compat = compat
+        self.compat = spec.compat_hash()
         self.tiers = tiers
         self.stats = OffloadStats()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-fetch")
@@ -333,7 +277,7 @@ class KVOffloader:
 
     def on_evict(self, block_hash: bytes, block_id: int) -> None:
         """A cached full block is about to be reused: keep its bytes in the tiers."""
-        blob = encode_block(self.caches, block_id)
+        blob = encode_block(self.spec, self.caches, block_id)
         key = self.key(block_hash)
         for tier in self.tiers:
             tier.put(key, blob)
@@ -382,7 +326,7 @@ class KVOffloader:
             for name, blob in sources:
                 if blob is None:
                     continue
-                if decode_into(blob, self.caches, block_id):
+                if decode_block(self.spec, blob, self.caches, block_id):
                     ok = True
                     self.stats.loaded_blocks[name] = self.stats.loaded_blocks.get(name, 0) + 1
                     self.stats.loaded_bytes += len(blob)
@@ -404,7 +348,7 @@ class KVOffloader:
             tier.close()
 
 
-def make_offloader(cfg, caches: list[torch.Tensor]) -> KVOffloader | None:
+def make_offloader(cfg, spec: KVCacheSpec, caches: list[torch.Tensor]) -> KVOffloader | None:
     """The tiers an EngineConfig asks for (kv_offload), or None."""
     names = cfg.offload_tiers
     if not names:
@@ -414,4 +358,4 @@ def make_offloader(cfg, caches: list[torch.Tensor]) -> KVOffloader | None:
         tiers.append(HostTier(cfg.kv_host_blocks))
     if "redis" in names:
         tiers.append(RedisTier(cfg.kv_redis_url, ttl_s=cfg.kv_redis_ttl_s))
-    return KVOffloader(caches, compat_key(cfg.model, caches), tiers)
+    return KVOffloader(spec, caches, tiers)

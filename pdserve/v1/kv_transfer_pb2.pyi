@@ -71,6 +71,34 @@ class PullRequest(_message.Message):
     max_chunk_bytes: int
     def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_block: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class KvCacheGroup(_message.Message):
+    __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ROTARY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    width: int
+    dtype: KvDtype
+    rope_width: int
+    rotary_layout: str
+    tokens_per_entry: int
+    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., rope_width: _Optional[int] = ..., rotary_layout: _Optional[str] = ..., tokens_per_entry: _Optional[int] = ...) -> None: ...
+
+class KvCacheSpec(_message.Message):
+    __slots__ = ("groups", "model_fingerprint")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[KvCacheGroup]
+    model_fingerprint: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
 class KvChunk(_message.Message):
     __slots__ = ("layer_start", "num_layers", "block_start", "num_blocks", "dtype", "shape", "data", "crc32")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]

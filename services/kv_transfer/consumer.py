@@ -6,17 +6,18 @@ import asyncio
 
 import grpc
 
-from engine.kv_cache.kv_io import write_blocks
+from engine.kv_cache.codec import write_slab
+from engine.kv_cache.spec import KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.errors import DataLoss, ServiceError
-from services.kv_transfer.wire import Geometry, check_chunk
+from services.kv_transfer.wire import check_chunk
 
 
 async def pull(
     stub: kv_grpc.KvTransferStub,
     handle: kv_pb.KvHandle,
-    geo: Geometry,
+    spec: KVCacheSpec,
     caches,
     local_block_ids: list[int],
     first_block: int,
@@ -28,7 +29,7 @@ async def pull(
     Raises ServiceError with the failing status (DATA_LOSS for a corrupt or incomplete stream)."""
     num_blocks = handle.num_blocks
     assert len(local_block_ids) == num_blocks
-    missing = {(layer, b) for layer in range(geo.num_layers) for b in range(first_block, num_blocks)}
+    missing = {(layer, b) for layer in range(spec.num_layers) for b in range(first_block, num_blocks)}
     received = 0
     request = kv_pb.PullRequest(
         transfer_id=handle.transfer_id,
@@ -39,7 +40,7 @@ async def pull(
     call = stub.Pull(request, timeout=timeout)
     try:
         async for chunk in call:
-            slab = check_chunk(geo, chunk, first_block, num_blocks)
+            slab = check_chunk(spec, chunk, first_block, num_blocks)
             cells = {
                 (layer, b)
                 for layer in range(slab.layer_start, slab.layer_start + slab.num_layers)
@@ -50,7 +51,7 @@ async def pull(
                     f"KV chunk layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks} was sent twice"
                 )
             ids = local_block_ids[slab.block_start : slab.block_start + slab.num_blocks]
-            await asyncio.to_thread(write_blocks, caches, ids, slab.layer_start, chunk.data)
+            await asyncio.to_thread(write_slab, spec, caches, ids, slab.layer_start, chunk.data)
             missing -= cells
             received += len(chunk.data)
     except grpc.aio.AioRpcError as e:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.kv_cache.kv_io import read_blocks
+from engine.kv_cache.codec import read_slab
+from engine.kv_cache.spec import KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.kv_transfer.transfer import TransferTable
-from services.kv_transfer.wire import Geometry, make_chunk, plan
+from services.kv_transfer.wire import make_chunk, plan
 from services.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -22,13 +23,13 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         self.identity = identity
         self.metrics = metrics
         self.caches = None
-        self.geo: Geometry | None = None
+        self.kv_spec: KVCacheSpec | None = None
 
-    def engine_ready(self, caches, geo: Geometry) -> None:
-        self.caches, self.geo = caches, geo
+    def engine_ready(self, caches, kv_spec: KVCacheSpec) -> None:
+        self.caches, self.kv_spec = caches, kv_spec
 
     async def Pull(self, request: kv_pb.PullRequest, context):
-        if self.geo is None:
+        if self.kv_spec is None:
             raise Unavailable("engine is not ready")
         if request.epoch != self.identity.epoch:
             raise FailedPrecondition(
@@ -41,15 +42,13 @@ class KvTransferService(kv_grpc.KvTransferServicer):
                 raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
             max_bytes = request.max_chunk_bytes or 1 << 62
             sent = self.metrics.labels(self.metrics.kv_transfer_bytes, "sent")
-            for slab in plan(self.geo, request.first_block, num_blocks, max_bytes):
+            for slab in plan(self.kv_spec, request.first_block, num_blocks, max_bytes):
                 ids = t.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
                 # Pinned blocks are never written by the engine, so reading them off its thread is safe.
-                data = await asyncio.to_thread(
-                    read_blocks, self.caches, ids, slab.layer_start, slab.num_layers
-                )
+                data = await asyncio.to_thread(read_slab, self.caches, ids, slab.layer_start, slab.num_layers)
                 t.bytes_sent += len(data)
                 sent.inc(len(data))
-                yield make_chunk(self.geo, slab, data)
+                yield make_chunk(self.kv_spec, slab, data)
         finally:
             self.table.end_pull(t)
 

@@ -1,110 +1,104 @@
-"""KV chunks on the wire: planning slabs under the message cap, building and verifying chunks.
+"""KV chunks on the wire: planning slabs under the message cap, framing them as protobuf chunks,
+and the KV cache spec as a protobuf message.
 
-A chunk is a raw-bytes slab of [layers, blocks, block_size, width] with a typed header (layer and
-block ranges, dtype, shape) and a CRC32. The consumer checks every header field against its own
-geometry and the checksum against the bytes before writing anything.
+A chunk is a slab (engine/kv_cache/codec.py: layers of one cache group x blocks, raw bytes) with
+its header fields and CRC32 in a `KvChunk`. The consumer checks every field against its own spec
+and the checksum against the bytes (codec.check_slab) before writing anything.
 """
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
-
-import torch
-
+from engine.kv_cache.codec import DTYPE_CODES, KVCodecError, Slab, check_slab, crc32, slab_shape
+from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from services.errors import DataLoss
 
 MAX_CHUNK_BYTES = 4 * 2**20 - 64 * 2**10
 """Largest slab payload: under gRPC's 4 MiB default message cap with room for the header."""
 
-DTYPES = {
-    torch.float32: kv_pb.KV_DTYPE_FLOAT32,
-    torch.bfloat16: kv_pb.KV_DTYPE_BFLOAT16,
-    torch.float16: kv_pb.KV_DTYPE_FLOAT16,
-}
+__all__ = ["MAX_CHUNK_BYTES", "Slab", "check_chunk", "make_chunk", "plan", "spec_from_proto", "spec_to_proto"]
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """The paged KV cache of one engine: [num_layers][num_blocks, block_size, width] of dtype."""
-
-    num_layers: int
-    block_size: int
-    width: int
-    dtype: torch.dtype
-
-    @property
-    def block_layer_bytes(self) -> int:
-        return self.block_size * self.width * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class Slab:
-    layer_start: int
-    num_layers: int
-    block_start: int
-    num_blocks: int
-
-
-def plan(geo: Geometry, first_block: int, num_blocks: int, max_bytes: int) -> list[Slab]:
-    """Cover layers x blocks [first_block, num_blocks) with slabs of at most max_bytes each
-    (whole layers of several blocks when they fit, else layer ranges of one block)."""
-    per = geo.block_layer_bytes
-    max_bytes = max(min(max_bytes, MAX_CHUNK_BYTES), per)
-    layers = min(geo.num_layers, max_bytes // per)
-    blocks = max(1, max_bytes // (layers * per))
+def plan(spec: KVCacheSpec, first_block: int, num_blocks: int, max_bytes: int) -> list[Slab]:
+    """Cover every layer x blocks [first_block, num_blocks) with slabs of at most max_bytes each:
+    per cache group, whole layer runs of several blocks when they fit, else layer ranges of one
+    block (one block of one layer is the smallest slab)."""
     out = []
-    for b in range(first_block, num_blocks, blocks):
-        nb = min(blocks, num_blocks - b)
-        for layer in range(0, geo.num_layers, layers):
-            out.append(Slab(layer, min(layers, geo.num_layers - layer), b, nb))
+    for g in spec.groups:
+        per = g.block_bytes
+        cap = max(min(max_bytes, MAX_CHUNK_BYTES), per)
+        layers = min(g.num_layers, cap // per)
+        blocks = max(1, cap // (layers * per))
+        for b in range(first_block, num_blocks, blocks):
+            nb = min(blocks, num_blocks - b)
+            for layer in range(g.layer_start, g.layer_start + g.num_layers, layers):
+                out.append(Slab(layer, min(layers, g.layer_start + g.num_layers - layer), b, nb))
     return out
 
 
-def make_chunk(geo: Geometry, slab: Slab, data: bytes) -> kv_pb.KvChunk:
+def make_chunk(spec: KVCacheSpec, slab: Slab, data: bytes) -> kv_pb.KvChunk:
     return kv_pb.KvChunk(
         layer_start=slab.layer_start,
         num_layers=slab.num_layers,
         block_start=slab.block_start,
         num_blocks=slab.num_blocks,
-        dtype=DTYPES[geo.dtype],
-        shape=[slab.num_layers, slab.num_blocks, geo.block_size, geo.width],
+        dtype=DTYPE_CODES[spec.group_of(slab.layer_start).dtype],
+        shape=slab_shape(spec, slab),
         data=data,
-        crc32=zlib.crc32(data),
+        crc32=crc32(data),
     )
 
 
-def check_chunk(geo: Geometry, chunk: kv_pb.KvChunk, first_block: int, num_blocks: int) -> Slab:
-    """Validate a received chunk against our geometry and the requested range; DataLoss if not."""
-    if zlib.crc32(chunk.data) != chunk.crc32:
-        raise DataLoss(
-            f"KV chunk layers {chunk.layer_start}+{chunk.num_layers} blocks {chunk.block_start}+"
-            f"{chunk.num_blocks}: checksum mismatch"
+def check_chunk(spec: KVCacheSpec, chunk: kv_pb.KvChunk, first_block: int, num_blocks: int) -> Slab:
+    """Validate a received chunk against our spec and the requested range; DataLoss if not."""
+    slab = Slab(chunk.layer_start, chunk.num_layers, chunk.block_start, chunk.num_blocks)
+    try:
+        check_slab(
+            spec,
+            slab,
+            dtype_code=chunk.dtype,
+            shape=list(chunk.shape),
+            data=chunk.data,
+            crc=chunk.crc32,
+            first_block=first_block,
+            end_block=num_blocks,
         )
-    if chunk.dtype != DTYPES[geo.dtype]:
-        raise DataLoss(
-            f"KV chunk dtype {kv_pb.KvDtype.Name(chunk.dtype)} != {kv_pb.KvDtype.Name(DTYPES[geo.dtype])}"
-        )
-    shape = [chunk.num_layers, chunk.num_blocks, geo.block_size, geo.width]
-    if list(chunk.shape) != shape:
-        raise DataLoss(f"KV chunk shape {list(chunk.shape)} != expected {shape}")
-    if not (
-        0 <= chunk.layer_start
-        and chunk.num_layers > 0
-        and chunk.layer_start + chunk.num_layers <= geo.num_layers
-    ):
-        raise DataLoss(
-            f"KV chunk layers [{chunk.layer_start}, +{chunk.num_layers}) outside [0, {geo.num_layers})"
-        )
-    if not (
-        first_block <= chunk.block_start
-        and chunk.num_blocks > 0
-        and chunk.block_start + chunk.num_blocks <= num_blocks
-    ):
-        raise DataLoss(
-            f"KV chunk blocks [{chunk.block_start}, +{chunk.num_blocks}) outside [{first_block}, {num_blocks})"
-        )
-    if len(chunk.data) != chunk.num_layers * chunk.num_blocks * geo.block_layer_bytes:
-        raise DataLoss(f"KV chunk has {len(chunk.data)} bytes, its header says {shape}")
-    return Slab(chunk.layer_start, chunk.num_layers, chunk.block_start, chunk.num_blocks)
+    except KVCodecError as e:
+        raise DataLoss(str(e)) from None
+    return slab
+
+
+def spec_to_proto(spec: KVCacheSpec) -> kv_pb.KvCacheSpec:
+    return kv_pb.KvCacheSpec(
+        model_fingerprint=spec.model_fingerprint,
+        groups=[
+            kv_pb.KvCacheGroup(
+                kind=g.kind.value,
+                layers=g.layers,
+                block_size=g.block_size,
+                width=g.width,
+                dtype=DTYPE_CODES[g.dtype],
+                rope_width=g.rope_width,
+                rotary_layout=g.rotary_layout,
+                tokens_per_entry=g.tokens_per_entry,
+            )
+            for g in spec.groups
+        ],
+    )
+
+
+def spec_from_proto(msg: kv_pb.KvCacheSpec) -> KVCacheSpec:
+    """ValueError naming the field when the message does not describe a valid spec."""
+    names = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
+    groups = []
+    for i, g in enumerate(msg.groups):
+        if g.dtype not in names:
+            raise ValueError(f"kv_cache_spec.groups[{i}].dtype {g.dtype} is not a known KvDtype")
+        d = {field.name: value for field, value in g.ListFields()}
+        d.update(layers=list(g.layers), dtype=names[g.dtype])
+        for name in ("kind", "rotary_layout"):
+            d.setdefault(name, "")
+        for name in ("block_size", "width", "rope_width", "tokens_per_entry"):
+            d.setdefault(name, 0)
+        groups.append(d)
+    return KVCacheSpec.from_description({"model": msg.model_fingerprint, "groups": groups})

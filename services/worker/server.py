@@ -30,7 +30,7 @@ from services.metrics import Metrics
 from services.registry import Heartbeat, WorkerRecord, make_registry
 from services.security import Security
 from services.worker.async_engine import AsyncEngine
-from services.worker.identity import compat_hash, geometry, new_identity
+from services.worker.identity import new_identity
 from services.worker.service import WorkerService, WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -118,9 +118,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         await set_health(health, live=False, ready=False)
         await server.stop(0)
         return 1
-    geo = geometry(core)
-    service.engine_ready(geo, compat_hash(core))
-    kv_service.engine_ready(core.runner.kv_caches, geo)
+    service.engine_ready(core.kv_spec)
+    kv_service.engine_ready(core.runner.kv_caches, core.kv_spec)
     bm = core.block_manager
     metrics.gauge(
         "pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running)

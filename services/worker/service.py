@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from engine.kv_cache.codec import DTYPE_CODES
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.spec import KVCacheSpec
 from engine.outputs import RequestOutput
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
@@ -30,7 +32,7 @@ from services.grpc_utils import remaining
 from services.kv_transfer import consumer
 from services.kv_transfer.peers import PeerStubs, check_handle
 from services.kv_transfer.transfer import DEFAULT_MAX_TOTAL_LEASE_S, TransferTable, caller_key
-from services.kv_transfer.wire import DTYPES, MAX_CHUNK_BYTES, Geometry
+from services.kv_transfer.wire import MAX_CHUNK_BYTES, spec_to_proto
 from services.metrics import Metrics
 from services.security import Security
 from services.worker.async_engine import AsyncEngine, EngineDead
@@ -96,12 +98,12 @@ class WorkerService(wgrpc.WorkerServicer):
         self.on_drain = on_drain
         """Called by Drain: starts the process's graceful stop (the same as SIGTERM)."""
         self.draining = False
-        self.geo: Geometry | None = None
+        self.kv_spec: KVCacheSpec | None = None
         self.compat_hash = ""
         self._tasks: set[asyncio.Task] = set()
 
-    def engine_ready(self, geo: Geometry, compat_hash: str) -> None:
-        self.geo, self.compat_hash = geo, compat_hash
+    def engine_ready(self, kv_spec: KVCacheSpec) -> None:
+        self.kv_spec, self.compat_hash = kv_spec, kv_spec.compat_hash()
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -118,7 +120,7 @@ class WorkerService(wgrpc.WorkerServicer):
             )
         if self.draining:
             raise Unavailable("worker is draining")
-        if self.geo is None or not self.engine.alive:
+        if self.kv_spec is None or not self.engine.alive:
             raise Unavailable("engine is not ready")
 
     async def _abort(self, request_id: str) -> None:
@@ -151,19 +153,21 @@ class WorkerService(wgrpc.WorkerServicer):
 
     async def GetEngineInfo(self, request, context) -> wpb.EngineInfo:
         core = await self.engine.wait_ready() if self.engine.core is None else self.engine.core
-        geo = self.geo
+        spec = self.kv_spec
+        first = spec.groups[0]
         return wpb.EngineInfo(
             role=ROLES[self.settings.role],
             model=self.settings.model_name,
             dp_rank=self.settings.dp_rank,
             identity=self.identity,
             kv_cache=wpb.KvCacheGeometry(
-                num_layers=geo.num_layers,
+                num_layers=spec.num_layers,
                 num_blocks=core.num_kv_blocks,
-                block_size=geo.block_size,
-                width=geo.width,
-                dtype=DTYPES[geo.dtype],
+                block_size=first.block_size,
+                width=first.width,
+                dtype=DTYPE_CODES[first.dtype],
             ),
+            kv_cache_spec=spec_to_proto(spec),
             compat_hash=self.compat_hash,
             max_model_len=core.max_model_len,
             vocab_size=core.model_cfg.vocab_size,
@@ -202,7 +206,7 @@ class WorkerService(wgrpc.WorkerServicer):
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_from_proto(request.sampling)
         caller = caller_key(context.peer())
-        num_blocks = -(-len(prompt) // self.geo.block_size)
+        num_blocks = -(-len(prompt) // self.kv_spec.block_size)
         limit = int(self.settings.max_pinned_fraction * self.engine.core.num_kv_blocks)
         self.table.reserve(caller, num_blocks, limit)  # RESOURCE_EXHAUSTED before the prompt runs
         stream = self.engine.open_stream(rid)
@@ -237,7 +241,7 @@ class WorkerService(wgrpc.WorkerServicer):
                         block_hashes=kv.block_hashes,
                         num_tokens=kv.num_tokens,
                         num_blocks=len(kv.block_ids),
-                        block_size=self.geo.block_size,
+                        block_size=self.kv_spec.block_size,
                         lease_expiry_unix_ms=int(t.lease_expiry * 1000),
                         compat_hash=self.compat_hash,
                     )
@@ -336,21 +340,21 @@ class WorkerService(wgrpc.WorkerServicer):
         """Allocate blocks, pull the missing prompt KV and join the batch -> (bytes, seconds,
         pulled). pulled is False when the pull failed and the prompt is recomputed instead."""
         handle = request.kv_handle
-        geo = self.geo
+        block_size = self.kv_spec.block_size
         if handle.compat_hash != self.compat_hash:
             raise FailedPrecondition(
                 f"KV from {handle.producer.endpoint} has compat hash {handle.compat_hash}, ours is {self.compat_hash}"
             )
         if (
-            handle.block_size != geo.block_size
+            handle.block_size != block_size
             or handle.num_tokens != len(prompt)
-            or handle.num_blocks != -(-len(prompt) // geo.block_size)
+            or handle.num_blocks != -(-len(prompt) // block_size)
         ):
             raise InvalidArgument(
                 f"kv_handle covers {handle.num_tokens} tokens in {handle.num_blocks} blocks of {handle.block_size}; "
-                f"the prompt has {len(prompt)} tokens and our blocks hold {geo.block_size}"
+                f"the prompt has {len(prompt)} tokens and our blocks hold {block_size}"
             )
-        if list(handle.block_hashes) != hash_blocks(prompt, geo.block_size):
+        if list(handle.block_hashes) != hash_blocks(prompt, block_size):
             raise FailedPrecondition("kv_handle block hashes do not match the prompt's")
         state = (
             torch.frombuffer(bytearray(request.sampler_state), dtype=torch.uint8)
@@ -378,7 +382,7 @@ class WorkerService(wgrpc.WorkerServicer):
             return await consumer.pull(
                 self.peers.kv(handle.producer.endpoint),
                 handle,
-                geo,
+                self.kv_spec,
                 self.engine.core.runner.kv_caches,
                 block_ids,
                 first_block,

@@ -1,0 +1,183 @@
+"""KV blocks as bytes, one format for every way KV leaves or enters an engine.
+
+A slab is layers [layer_start, layer_start + L) of one cache group x some blocks, laid out as
+[L, num_blocks, block_size, width] row-major in the group's dtype, little-endian. Two framings
+carry slabs:
+
+- a KV transfer chunk (services/kv_transfer/wire.py) puts the slab's header fields in a protobuf
+  message; `check_slab` verifies them against our spec before anything is written;
+- an offload tier stores one block of every layer as `encode_block`'s blob: a fixed header (magic,
+  version, the spec's compatibility hash, payload length, CRC32) then each group's slab in group
+  order. `decode_block` writes it back only if every header field matches and the CRC holds.
+
+Bytes only: nothing is pickled, so bytes from the network or Redis can at worst be wrong numbers,
+never code -- and wrong numbers are caught by the CRC32 before they reach the cache.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
+
+assert sys.byteorder == "little", "the KV byte format is little-endian"
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+"""Element dtype on the wire and in stored blocks (the values of pdserve.v1.KvDtype)."""
+_DTYPE_BY_CODE = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
+
+_MAGIC = b"PDKV"
+_VERSION = 2
+_BLOCK_HEADER = struct.Struct("<4sH2x8sQI")  # magic, version, compat hash (8 bytes), payload bytes, crc32
+BLOCK_HEADER_BYTES = _BLOCK_HEADER.size
+
+
+class KVCodecError(ValueError):
+    """Bytes or header fields that do not fit this engine's spec; the message says which."""
+
+
+def crc32(data: bytes | memoryview) -> int:
+    return zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Layers [layer_start, +num_layers) of one cache group x blocks [block_start, +num_blocks)
+    (block indices of a transfer, not block ids of either side)."""
+
+    layer_start: int
+    num_layers: int
+    block_start: int
+    num_blocks: int
+
+
+def slab_shape(spec: KVCacheSpec, slab: Slab) -> list[int]:
+    g = spec.group_of(slab.layer_start)
+    return [slab.num_layers, slab.num_blocks, g.block_size, g.width]
+
+
+def read_slab(caches: list[torch.Tensor], block_ids: list[int], layer_start: int, num_layers: int) -> bytes:
+    """Copy out layers [layer_start, +num_layers) (one group) x the given blocks as bytes."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=caches[layer_start].device)
+    slab = torch.stack(
+        [caches[layer].index_select(0, index) for layer in range(layer_start, layer_start + num_layers)]
+    )
+    return slab.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def write_slab(
+    spec: KVCacheSpec,
+    caches: list[torch.Tensor],
+    block_ids: list[int],
+    layer_start: int,
+    data: bytes | memoryview,
+) -> None:
+    """Write a slab produced by read_slab into the given blocks; its layer count follows from its
+    length. KVCodecError (nothing written) if it is not whole layers of one group."""
+    g = _group_at(spec, layer_start)
+    per_layer = len(block_ids) * g.block_bytes
+    if not block_ids or len(data) % per_layer:
+        raise KVCodecError(
+            f"KV slab has {len(data)} bytes, not a whole number of layers of {len(block_ids)} blocks"
+        )
+    num_layers = len(data) // per_layer
+    if layer_start + num_layers > g.layer_start + g.num_layers:
+        raise KVCodecError(
+            f"KV slab layers [{layer_start}, {layer_start + num_layers}) cross the end of their cache group "
+            f"[{g.layer_start}, {g.layer_start + g.num_layers})"
+        )
+    slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(g.dtype)
+    slab = slab.view(num_layers, len(block_ids), g.block_size, g.width)
+    index = torch.tensor(block_ids, dtype=torch.long, device=caches[layer_start].device)
+    for i in range(num_layers):
+        cache = caches[layer_start + i]
+        cache.index_copy_(0, index, slab[i].to(cache.device))
+
+
+def check_slab(
+    spec: KVCacheSpec,
+    slab: Slab,
+    *,
+    dtype_code: int,
+    shape: list[int],
+    data: bytes,
+    crc: int,
+    first_block: int,
+    end_block: int,
+) -> None:
+    """A received slab's header and bytes against our spec and the requested block range
+    [first_block, end_block); KVCodecError naming what differs."""
+    where = f"layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks}"
+    if crc32(data) != crc:
+        raise KVCodecError(f"KV chunk {where}: checksum mismatch")
+    if not (
+        0 <= slab.layer_start
+        and slab.num_layers > 0
+        and slab.layer_start + slab.num_layers <= spec.num_layers
+    ):
+        raise KVCodecError(
+            f"KV chunk layers [{slab.layer_start}, +{slab.num_layers}) outside [0, {spec.num_layers})"
+        )
+    g = spec.group_of(slab.layer_start)
+    if slab.layer_start + slab.num_layers > g.layer_start + g.num_layers:
+        raise KVCodecError(
+            f"KV chunk layers [{slab.layer_start}, +{slab.num_layers}) cross the end of their cache group "
+            f"[{g.layer_start}, {g.layer_start + g.num_layers})"
+        )
+    if dtype_code != DTYPE_CODES[g.dtype]:
+        raise KVCodecError(
+            f"KV chunk dtype {_DTYPE_BY_CODE.get(dtype_code, dtype_code)} != {DTYPE_NAMES[g.dtype]}"
+        )
+    expected = slab_shape(spec, slab)
+    if list(shape) != expected:
+        raise KVCodecError(f"KV chunk shape {list(shape)} != expected {expected}")
+    if not (
+        first_block <= slab.block_start
+        and slab.num_blocks > 0
+        and slab.block_start + slab.num_blocks <= end_block
+    ):
+        raise KVCodecError(
+            f"KV chunk blocks [{slab.block_start}, +{slab.num_blocks}) outside [{first_block}, {end_block})"
+        )
+    if len(data) != slab.num_layers * slab.num_blocks * g.block_bytes:
+        raise KVCodecError(f"KV chunk has {len(data)} bytes, its header says {expected}")
+
+
+def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int) -> bytes:
+    """One block of every layer -> header + each group's [layers, 1, block_size, width] slab."""
+    payload = b"".join(read_slab(caches, [block_id], g.layer_start, g.num_layers) for g in spec.groups)
+    header = _BLOCK_HEADER.pack(
+        _MAGIC, _VERSION, bytes.fromhex(spec.compat_hash()), len(payload), crc32(payload)
+    )
+    return header + payload
+
+
+def decode_block(spec: KVCacheSpec, blob: bytes, caches: list[torch.Tensor], block_id: int) -> bool:
+    """Write a stored block into block `block_id`; False (nothing written) if its header is not
+    this spec's or its bytes fail the checksum."""
+    if len(blob) < _BLOCK_HEADER.size:
+        return False
+    magic, version, compat, size, crc = _BLOCK_HEADER.unpack_from(blob)
+    payload = memoryview(blob)[_BLOCK_HEADER.size :]
+    if (magic, version, compat.hex(), size) != (_MAGIC, _VERSION, spec.compat_hash(), spec.bytes_per_block):
+        return False
+    if len(payload) != size or crc32(payload) != crc:
+        return False
+    offset = 0
+    for g in spec.groups:
+        n = g.num_layers * g.block_bytes
+        write_slab(spec, caches, [block_id], g.layer_start, payload[offset : offset + n])
+        offset += n
+    return True
+
+
+def _group_at(spec: KVCacheSpec, layer_start: int):
+    try:
+        return spec.group_of(layer_start)
+    except ValueError as e:
+        raise KVCodecError(f"KV slab: {e}") from None

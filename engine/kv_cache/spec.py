@@ -1,0 +1,272 @@
+"""What the paged KV cache holds, described once: a KVCacheSpec made of cache groups.
+
+A cache group is a set of layers whose caches share one geometry: `block_size` entries per block,
+`width` elements per entry, one dtype and one element layout. Every layer's cache is a tensor
+[num_blocks, block_size, width]; the engine keeps them in one list, indexed by the spec's layer
+numbers (a group's layers are a contiguous range of that list).
+
+For DeepSeek-V2/V3 an entry is one token's MLA latent row, `c_kv` (kv_lora_rank) then the rotary
+key `k_pe` (qk_rope_head_dim), and there are at most two groups: the model's layers, and the MTP
+layer's after them. The kinds reserved for the next models (DeepSeek-V3.2's indexer keys,
+DeepSeek-V4's sliding-window, compressed and compressor-state caches) are named here so their
+specs can be written down; the engine refuses a spec it cannot run yet (see `check_runnable`).
+
+The spec is what two engines compare before KV moves between them, over a transfer or an offload
+tier: `compat_hash()` covers the model, every group's geometry, dtype and element layout --
+including the order `k_pe`'s rotated pairs are stored in, so a change to the rotary kernels'
+output changes the hash instead of silently mixing layouts. The block manager, the runner, the
+KV byte codec, the wire check, the offload tiers and a worker's identity read geometry from here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from kernels.rotary import OUTPUT_LAYOUT
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""The cache dtypes a spec may name."""
+
+ROTARY_LAYOUTS = ("none", "halves", "interleaved")
+"""How an entry's rotary part orders its rotated pairs (x_a, x_b): "halves" stores every first
+member, then every second member; "interleaved" stores each pair side by side; "none": no rotary
+part."""
+
+
+class CacheKind(StrEnum):
+    LATENT = "latent"
+    """MLA: one token's [c_kv | k_pe] per entry, attended in full."""
+    MTP_LATENT = "mtp_latent"
+    """The same rows, for the MTP layers that draft speculative tokens."""
+    INDEXER_KEYS = "indexer_keys"
+    """DeepSeek-V3.2: the lightning indexer's key per token (not run yet)."""
+    SLIDING_WINDOW = "sliding_window"
+    """DeepSeek-V4: latent rows kept only for the last window of tokens (not run yet)."""
+    COMPRESSED = "compressed"
+    """DeepSeek-V4: one entry summarises `tokens_per_entry` tokens (not run yet)."""
+    STATE = "state"
+    """DeepSeek-V4: per-request compressor state, not per token (not run yet)."""
+
+
+RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT})
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    kind: CacheKind
+    layers: tuple[int, ...]
+    """Indices into the engine's list of layer caches (contiguous, ascending)."""
+    block_size: int
+    """Entries per block: tokens, or compressed entries for a COMPRESSED group."""
+    width: int
+    """Elements per entry."""
+    dtype: torch.dtype
+    rope_width: int = 0
+    """The entry's last rope_width elements are the rotary key k_pe."""
+    rotary_layout: str = "none"
+    tokens_per_entry: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.layers or list(self.layers) != list(
+            range(self.layers[0], self.layers[0] + len(self.layers))
+        ):
+            raise ValueError(f"a cache group's layers must be a non-empty ascending range, got {self.layers}")
+        if self.layers[0] < 0:
+            raise ValueError(f"cache group layers must be >= 0, got {self.layers}")
+        for name in ("block_size", "width", "tokens_per_entry"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cache group {name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"cache group dtype must be one of {sorted(DTYPE_NAMES.values())}, got {self.dtype}"
+            )
+        if self.rotary_layout not in ROTARY_LAYOUTS:
+            raise ValueError(f"rotary_layout must be one of {ROTARY_LAYOUTS}, got {self.rotary_layout!r}")
+        if not 0 <= self.rope_width <= self.width or (self.rope_width > 0) != (self.rotary_layout != "none"):
+            raise ValueError(
+                f"rope_width {self.rope_width} with rotary_layout {self.rotary_layout!r}: a group has a "
+                f"rotary part of width in (0, {self.width}] exactly when it names its layout"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer_start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer."""
+        return self.block_size * self.width * self.dtype.itemsize
+
+    def describe(self) -> dict:
+        """Every field as plain JSON values (the compatibility hash and the wire carry this)."""
+        return {
+            "kind": self.kind.value,
+            "layers": list(self.layers),
+            "block_size": self.block_size,
+            "width": self.width,
+            "dtype": DTYPE_NAMES[self.dtype],
+            "rope_width": self.rope_width,
+            "rotary_layout": self.rotary_layout,
+            "tokens_per_entry": self.tokens_per_entry,
+        }
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    groups: tuple[CacheGroupSpec, ...]
+    model_fingerprint: str
+    """Fingerprint of the model's config: KV only means the same thing under the same weights'
+    architecture (see `model_fingerprint`)."""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a KV cache spec needs at least one cache group")
+        expected = 0
+        for g in self.groups:
+            if g.layer_start != expected:
+                raise ValueError(
+                    f"cache groups must cover layers 0.. in order without gaps: a group starts at "
+                    f"{g.layer_start}, expected {expected}"
+                )
+            expected += g.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return sum(g.num_layers for g in self.groups)
+
+    def group_of(self, layer: int) -> CacheGroupSpec:
+        for g in self.groups:
+            if g.layer_start <= layer < g.layer_start + g.num_layers:
+                return g
+        raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+
+    @property
+    def block_size(self) -> int:
+        """The one block size of an engine whose groups share it (all the runnable kinds today)."""
+        sizes = {g.block_size for g in self.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"cache groups have different block sizes {sorted(sizes)}")
+        return sizes.pop()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block id's bytes over every layer of every group."""
+        return sum(g.num_layers * g.block_bytes for g in self.groups)
+
+    def describe(self) -> dict:
+        return {"model": self.model_fingerprint, "groups": [g.describe() for g in self.groups]}
+
+    def compat_hash(self) -> str:
+        """Equal hashes <=> KV blocks mean the same thing in both engines (16 hex digits)."""
+        return self._compat_hash
+
+    @functools.cached_property
+    def _compat_hash(self) -> str:
+        blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @staticmethod
+    def from_description(d: dict) -> KVCacheSpec:
+        """Inverse of describe(); ValueError naming the field on anything malformed."""
+        try:
+            groups = tuple(
+                CacheGroupSpec(
+                    kind=CacheKind(g["kind"]),
+                    layers=tuple(int(x) for x in g["layers"]),
+                    block_size=int(g["block_size"]),
+                    width=int(g["width"]),
+                    dtype=_dtype_named(g["dtype"]),
+                    rope_width=int(g["rope_width"]),
+                    rotary_layout=str(g["rotary_layout"]),
+                    tokens_per_entry=int(g["tokens_per_entry"]),
+                )
+                for g in d["groups"]
+            )
+            return KVCacheSpec(groups, str(d["model"]))
+        except KeyError as e:
+            raise ValueError(f"KV cache spec lacks the field {e.args[0]!r}") from None
+
+    def check_runnable(self) -> None:
+        """Refuse, by name, what this engine cannot run yet: the next models' cache kinds and
+        groups with different block sizes (one block table per group is not built)."""
+        for g in self.groups:
+            if g.kind not in RUNNABLE_KINDS:
+                raise NotImplementedError(f"cache group kind {g.kind.value!r} is described but not run yet")
+        self.block_size  # noqa: B018 - raises on mixed block sizes
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+        """The layer caches, zeroed: [num_blocks, block_size, width] per layer, in layer order.
+
+        Written in full up front (not lazily zero-mapped) so the kernel can back them with huge
+        pages: decode gathers blocks from all over the cache, and 4 KiB pages made every block a
+        string of TLB misses (a 5x slower gather measured in a VM)."""
+        return [
+            torch.empty(num_blocks, g.block_size, g.width, dtype=g.dtype, device=device).zero_()
+            for g in self.groups
+            for _ in g.layers
+        ]
+
+    def check_caches(self, caches: list[torch.Tensor]) -> None:
+        """The tensors are this spec's (after allocate, or caches handed in from outside)."""
+        if len(caches) != self.num_layers:
+            raise ValueError(f"{len(caches)} layer caches, the spec has {self.num_layers} layers")
+        for layer, cache in enumerate(caches):
+            g = self.group_of(layer)
+            if cache.dim() != 3 or cache.shape[1:] != (g.block_size, g.width) or cache.dtype != g.dtype:
+                raise ValueError(
+                    f"layer {layer} cache is {tuple(cache.shape)} {cache.dtype}, the spec says "
+                    f"[num_blocks, {g.block_size}, {g.width}] {g.dtype}"
+                )
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    for dtype, n in DTYPE_NAMES.items():
+        if n == name:
+            return dtype
+    raise ValueError(f"cache group dtype must be one of {sorted(DTYPE_NAMES.values())}, got {name!r}")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """The model's config.json, canonicalised and hashed."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mla_spec(
+    *,
+    num_layers: int,
+    num_mtp_layers: int,
+    block_size: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype: torch.dtype,
+    fingerprint: str,
+) -> KVCacheSpec:
+    """DeepSeek-V2/V3: the model's latent cache, then the MTP layers' (when drafting)."""
+
+    def group(kind: CacheKind, start: int, count: int) -> CacheGroupSpec:
+        return CacheGroupSpec(
+            kind=kind,
+            layers=tuple(range(start, start + count)),
+            block_size=block_size,
+            width=kv_lora_rank + rope_dim,
+            dtype=dtype,
+            rope_width=rope_dim,
+            rotary_layout=OUTPUT_LAYOUT if rope_dim else "none",
+        )
+
+    groups = [group(CacheKind.LATENT, 0, num_layers)]
+    if num_mtp_layers:
+        groups.append(group(CacheKind.MTP_LATENT, num_layers, num_mtp_layers))
+    return KVCacheSpec(tuple(groups), fingerprint)
