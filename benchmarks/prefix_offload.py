@@ -85,9 +85,9 @@ def run(
             prompt_total += len(out.prompt_token_ids)
             history[c] = prompts[c] + out.token_ids
     wall = time.perf_counter() - start
-    stats = llm.engine.offloader.stats if llm.engine.offloader else None
-    if llm.engine.offloader:
-        llm.engine.offloader.close()
+    stats = llm.engine.connector.stats if llm.engine.connector else None
+    if llm.engine.connector:
+        llm.engine.connector.close()
     ttfts.sort()
     return {
         "ttft_p50_ms": 1000 * statistics.median(ttfts),

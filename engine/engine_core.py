@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.connector import KVConnector
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.offload import make_offloader
+from engine.kv_cache.spec import KVCacheSpec
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
 from engine.parallel.groups import ParallelGroup
@@ -60,9 +63,15 @@ class ExportedKv:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, group: ParallelGroup | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        group: ParallelGroup | None = None,
+        connector: Callable[[KVCacheSpec, list[torch.Tensor]], KVConnector] | None = None,
+    ):
         """group: this rank's DP/EP group (expert parallelism); every rank of it must call step()
-        the same number of times."""
+        the same number of times. connector: builds the KV connector from the spec and the
+        caches, instead of the one cfg asks for (embedders, tests)."""
         torch.set_num_threads(cfg.num_threads or env.num_threads() or env.available_cores())
         folder = check_model_folder(cfg.model)
         self.cfg = cfg
@@ -101,8 +110,14 @@ class EngineCore:
         )
         self.stop_requested = False
         """Set on every rank of a group at the step where all ranks asked to stop (see step)."""
+        make_connector = connector or (lambda spec, caches: make_offloader(cfg, spec, caches))
+        self.connector = make_connector(self.kv_spec, self.runner.kv_caches)
+        """The KV connector (the offload tiers) when one is configured."""
         self.block_manager = BlockManager(
-            self.num_kv_blocks, self.kv_spec.block_size, cfg.enable_prefix_caching
+            self.num_kv_blocks,
+            self.kv_spec.block_size,
+            cfg.enable_prefix_caching,
+            on_evict=self.connector.on_evict if self.connector is not None else None,
         )
         self.spec = cfg.spec
         self.scheduler = Scheduler(
@@ -110,12 +125,9 @@ class EngineCore:
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
             num_speculative=self.spec.num_speculative_tokens if self.spec else 0,
+            connector=self.connector,
         )
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
-        self.offloader = make_offloader(cfg, self.kv_spec, self.runner.kv_caches)
-        if self.offloader is not None:
-            self.block_manager.pool.on_evict = self.offloader.on_evict
-            self.scheduler.offloader = self.offloader
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.exported: dict[str, ExportedKv] = {}
@@ -185,7 +197,7 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self.importing.pop(request_id, None)
+        self.importing.pop(request_id, None)  # (finish frees its blocks and releases the connector)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._finalize(req, [], "")
 
@@ -234,25 +246,34 @@ class EngineCore:
         for tok in output_token_ids:
             req.append_token(tok)
         self.detokenizers[request_id].step(list(output_token_ids))  # that text was sent by the producer
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.importing[request_id] = req
         return req
 
     def allocate_import(self, request_id: str) -> int | None:
-        """Give an importing request blocks for its prompt, reusing prefix-cache hits. Returns how
-        many leading prompt blocks were hits (their KV need not be transferred), or None when the
-        cache has no room yet (retry after a step)."""
+        """Give an importing request blocks for its prompt, reusing prefix-cache hits and what the
+        connector holds. Returns how many leading prompt blocks need no transfer, or None when
+        that is not known yet (the connector is looking them up) or the cache has no room yet:
+        retry after a step."""
         req = self.importing[request_id]
         hits, num_hit_tokens = self.block_manager.get_computed_blocks(req)
         num_prompt = req.num_prompt_tokens
+        external = 0
+        if self.connector is not None:  # blocks an offload tier holds need not be transferred either
+            external = self.connector.lookup(
+                request_id, req.block_hashes[len(hits) : num_prompt // self.cfg.block_size]
+            )
+            if external is None:
+                return None
         if not self.block_manager.allocate_slots(req, num_prompt - num_hit_tokens, hits, cache_blocks=False):
             return None
         loaded = 0
-        if self.offloader is not None:  # blocks an offload tier holds need not be transferred either
-            run = self.offloader.find(req.block_hashes[len(hits) : num_prompt // self.cfg.block_size])
-            if run:
-                ids = req.block_ids[len(hits) : len(hits) + run]
-                loaded = self.offloader.load(req.block_hashes[len(hits) : len(hits) + run], ids)
-            self.offloader.unstage(req.block_hashes)  # what was fetched for it and not used
+        if external:
+            ids = req.block_ids[len(hits) : len(hits) + external]
+            loaded = self.connector.load(request_id, req.block_hashes[len(hits) : len(hits) + external], ids)
+        if self.connector is not None:
+            self.connector.release(request_id)
+        req.status = RequestStatus.LOADING_REMOTE_KV
         req.metrics.num_cached_tokens = num_hit_tokens + loaded * self.cfg.block_size
         return len(hits) + loaded
 
@@ -268,7 +289,10 @@ class EngineCore:
         """The transfer failed: drop the blocks and compute the prompt here instead."""
         req = self.importing.pop(request_id)
         self.block_manager.free(req)
+        if self.connector is not None:
+            self.connector.release(request_id)
         req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
         self.scheduler.add(req)
 
     def has_unfinished_requests(self) -> bool:

@@ -13,6 +13,11 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """Not admitted until KV from outside arrives: a connector's off-thread lookup of its prefix
+    blocks (Scheduler.waiting_for_kv), or an import whose blocks are not allocated yet."""
+    LOADING_REMOTE_KV = "loading_remote_kv"
+    """Blocks allocated, being written from outside (a KV transfer into an importing request)."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

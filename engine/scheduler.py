@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.connector import KVConnector
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_speculative: int = 0,
+        connector: KVConnector | None = None,
     ):
         self.block_manager = block_manager
-        self.offloader = None
-        """An engine.kv_cache.offload.KVOffloader when KV offloading is on."""
+        self.connector = connector
+        """Where prefix blocks missing from the device cache may come from (KV offload tiers)."""
         self.num_speculative = num_speculative
         """k of speculative decoding (0: off): a step that samples reserves slots for the verify
         of k drafts and for drafting the next k."""
@@ -82,23 +84,24 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: list[Request] = []
-        """Requests whose offloaded prefix blocks are being fetched from a remote tier."""
+        self.waiting_for_kv: list[Request] = []
+        """Requests (WAITING_FOR_REMOTE_KV) whose prefix blocks the connector is looking up."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.loading)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
-    def _offloaded_run(self, req: Request, num_device_hits: int) -> int:
-        """Blocks after the device-cache hits that an offload tier holds (0 when off)."""
-        if self.offloader is None or req.params.prompt_logprobs is not None:
+    def _external_run(self, req: Request, num_device_hits: int) -> int | None:
+        """Blocks after the device-cache hits that the connector can load (0 without one); None
+        while it is looking them up off the engine thread."""
+        if self.connector is None or req.params.prompt_logprobs is not None:
             return 0
         limit = (req.num_tokens - 1) // self.block_manager.block_size  # the last token is always computed
         candidates = req.block_hashes[num_device_hits:limit]
-        return self.offloader.find(candidates) if candidates else 0
+        return self.connector.lookup(req.request_id, candidates) if candidates else 0
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
@@ -114,17 +117,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
 
-    def _admit_loaded(self) -> None:
-        """Requests whose remote blocks arrived go back to the head of the queue, in order."""
-        done = [r for r in self.loading if self.offloader.fetch_done(r.request_id)]
+    def _requeue_looked_up(self) -> None:
+        """Requests whose lookups finished go back to the head of the queue, in order."""
+        ready = self.connector.poll()
+        done = [r for r in self.waiting_for_kv if r.request_id in ready]
         for req in reversed(done):
-            self.loading.remove(req)
+            self.waiting_for_kv.remove(req)
+            req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.loading:
-            self._admit_loaded()
+        if self.waiting_for_kv:
+            self._requeue_looked_up()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
@@ -149,12 +154,10 @@ class Scheduler:
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = bm.get_computed_blocks(req)
-            offloaded = self._offloaded_run(req, len(hits))
-            run = req.block_hashes[len(hits) : len(hits) + offloaded]
-            if offloaded and self.offloader.needs_fetch(req.request_id, run):
-                # Its prefix is in a remote tier: fetch it in the background, let others run.
-                self.offloader.start_fetch(req.request_id, run)
-                self.loading.append(self.waiting.popleft())
+            external = self._external_run(req, len(hits))
+            if external is None:  # its prefix is being looked up off the engine thread; others go on
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv.append(self.waiting.popleft())
                 continue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             samples = req.spec_enabled and num_hit_tokens + num_new == req.num_tokens
@@ -162,17 +165,17 @@ class Scheduler:
             if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
                 break
             self.waiting.popleft()
-            if self.offloader is not None:
-                self.offloader.admitted(req.request_id)
-            if offloaded:  # load what the tiers hold into the blocks just allocated after the hits
+            if external:  # load what the connector holds into the blocks just allocated after the hits
                 bs = bm.block_size
                 start = len(hits)
-                ids = req.block_ids[start : start + min(offloaded, num_new // bs)]
-                loaded = self.offloader.load(req.block_hashes[start : start + len(ids)], ids)
+                ids = req.block_ids[start : start + min(external, num_new // bs)]
+                loaded = self.connector.load(req.request_id, req.block_hashes[start : start + len(ids)], ids)
                 num_hit_tokens += loaded * bs
                 num_new -= loaded * bs
+            if self.connector is not None:
+                self.connector.release(req.request_id)
             req.num_computed_tokens = num_hit_tokens
-            if req.status == RequestStatus.WAITING:
+            if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
                 req.metrics.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
@@ -197,10 +200,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        elif req in self.loading:
-            self.loading.remove(req)
-        if self.offloader is not None:
-            self.offloader.cancel_fetch(req.request_id)
+        elif req in self.waiting_for_kv:
+            self.waiting_for_kv.remove(req)
+        if self.connector is not None:
+            self.connector.release(req.request_id)
         if free_blocks:
             self.block_manager.free(req)
         req.status = status

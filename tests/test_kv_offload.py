@@ -47,12 +47,12 @@ def _same(out, ref) -> None:
 
 
 def _loaded(llm, tier: str) -> int:
-    return llm.engine.offloader.stats.loaded_blocks[tier]
+    return llm.engine.connector.stats.loaded_blocks[tier]
 
 
 def test_host_then_redis_tier_give_the_prefix_back_exactly(tiny_model, reference, redis_server):
     llm = LLM(tiny_model, kv_offload="host,redis", kv_redis_url=redis_server.url, kv_host_blocks=64, **SMALL)
-    off = llm.engine.offloader
+    off = llm.engine.connector
     _same(llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0], reference)
     _evict(llm)
     before = _loaded(llm, "host")
@@ -81,7 +81,7 @@ def test_another_process_sharing_redis_reuses_the_blocks(tiny_model, redis_serve
     redis.Redis.from_url(redis_server.url).flushall()
     writer.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
     _evict(writer)  # evictions are what get written
-    assert writer.engine.offloader.tiers[0].flush()
+    assert writer.engine.connector.tiers[0].flush()
     script = textwrap.dedent(f"""
         from engine import LLM, SamplingParams
         llm = LLM({tiny_model!r}, kv_offload="redis", kv_redis_url={redis_server.url!r}, dtype="float32",
@@ -93,7 +93,7 @@ def test_another_process_sharing_redis_reuses_the_blocks(tiny_model, redis_serve
     assert proc.returncode == 0, proc.stderr[-2000:]
     cached, tokens = proc.stdout.strip().split(" ", 1)
     assert int(cached) == 48 and tokens == str(reference.token_ids)
-    writer.engine.offloader.close()
+    writer.engine.connector.close()
 
 
 def test_an_incompatible_model_never_reads_the_blocks(tiny_model, redis_server, tmp_path):
@@ -106,16 +106,16 @@ def test_an_incompatible_model_never_reads_the_blocks(tiny_model, redis_server, 
     a = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
     a.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
     _evict(a)
-    assert a.engine.offloader.tiers[0].flush()
+    assert a.engine.connector.tiers[0].flush()
     b = LLM(other, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
-    assert b.engine.offloader.compat != a.engine.offloader.compat
+    assert b.engine.connector.compat != a.engine.connector.compat
     out = b.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)[0]
-    assert out.num_cached_tokens == 0 and b.engine.offloader.stats.loaded_bytes == 0
+    assert out.num_cached_tokens == 0 and b.engine.connector.stats.loaded_bytes == 0
     assert redis.Redis.from_url(redis_server.url).keys(
-        f"pdkv:{a.engine.offloader.compat}:*"
+        f"pdkv:{a.engine.connector.compat}:*"
     )  # they were there
     for llm in (a, b):
-        llm.engine.offloader.close()
+        llm.engine.connector.close()
 
 
 def test_a_corrupt_block_is_recomputed_and_a_dead_redis_costs_nothing(tiny_model, redis_server, reference):
@@ -124,7 +124,7 @@ def test_a_corrupt_block_is_recomputed_and_a_dead_redis_costs_nothing(tiny_model
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     llm = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
-    off = llm.engine.offloader
+    off = llm.engine.connector
     llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
     _evict(llm)
     assert off.tiers[0].flush() and len(client.keys(f"pdkv:{off.compat}:*")) >= 12
@@ -170,7 +170,7 @@ def test_a_request_waits_for_its_remote_blocks_while_others_run(
 
     redis.Redis.from_url(redis_server.url).flushall()
     llm = LLM(tiny_model, kv_offload="redis", kv_redis_url=redis_server.url, **SMALL)
-    off = llm.engine.offloader
+    off = llm.engine.connector
     llm.generate(prompt_token_ids=[PROMPT], sampling_params=PARAMS)
     _evict(llm)
     assert off.tiers[0].flush()
@@ -192,7 +192,7 @@ def test_a_request_waits_for_its_remote_blocks_while_others_run(
         if "other" in finished:
             break
     assert "other" in finished and "slow" not in finished
-    assert [r.request_id for r in engine.scheduler.loading] == ["slow"]
+    assert [r.request_id for r in engine.scheduler.waiting_for_kv] == ["slow"]
     gate.set()
     while engine.has_unfinished_requests():
         for out in engine.step():

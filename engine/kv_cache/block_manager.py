@@ -9,6 +9,8 @@ the model to produce logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.hashing import hash_block
 from engine.request import Request
@@ -17,9 +19,16 @@ from engine.request import Request
 class BlockManager:
     """Not thread-safe: only the engine's step loop may call it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_evict: Callable[[bytes, int], None] | None = None,
+    ):
+        """on_evict(block hash, block id): a cached block's contents are about to be dropped."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, on_evict)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found

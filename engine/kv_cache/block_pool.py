@@ -24,7 +24,12 @@ class Block:
 class BlockPool:
     """Not thread-safe: only the engine's step loop may call it."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        on_evict: Callable[[bytes, int], None] | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -32,7 +37,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
         self.num_evictions = 0
-        self.on_evict: Callable[[bytes, int], None] | None = None
+        self.on_evict = on_evict
         """Called with (block hash, block id) just before a cached block's contents are dropped
         (KV offloading copies them out)."""
 

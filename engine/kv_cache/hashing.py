@@ -29,3 +29,17 @@ def hash_blocks(token_ids: list[int], block_size: int, start: int = 0, parent: b
         parent = hash_block(parent, token_ids[begin : begin + block_size])
         out.append(parent)
     return out
+
+
+REDIS_KEY_PREFIX = "pdkv:"
+"""Namespace of stored blocks in Redis (offload.RedisTier; the router reads it)."""
+
+
+def tier_key(compat: str, block_hash: bytes) -> str:
+    """How every offload tier names a stored block: the KV cache spec's compatibility hash, so
+    incompatible engines never read each other's blocks, then the chained block hash."""
+    return f"{compat}:{block_hash.hex()}"
+
+
+def redis_key(compat: str, block_hash: bytes) -> str:
+    return REDIS_KEY_PREFIX + tier_key(compat, block_hash)

@@ -11,8 +11,14 @@ a block whose header or checksum does not match is treated as missing (and its r
 the rest is recomputed). A tier that fails (Redis down) is skipped: offloading can only save work,
 never fail a request.
 
-Threads: the engine thread calls everything here except the Redis writer's own thread, which
-drains a bounded queue of pending writes (dropping the oldest when full).
+The tiers are the engine's KV connector (connector.py): the scheduler asks `lookup` how many of
+a request's prefix blocks they hold; a request whose blocks may be in Redis waits (in
+RequestStatus.WAITING_FOR_REMOTE_KV) while one MGET fetches them on the fetch thread, and is
+admitted with them once `poll` says the fetch is done.
+
+Threads: the engine thread calls everything here except `KVOffloader._fetch` (the fetch thread)
+and the Redis writer's own thread, which drains a bounded queue of pending writes (dropping the
+oldest when full).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache.codec import decode_block, encode_block
+from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.hashing import REDIS_KEY_PREFIX, tier_key
 from engine.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -73,7 +81,7 @@ class HostTier:
 
 
 class RedisTier:
-    """Blocks in Redis under `pdkv:<key>` with a TTL; writes go through a background thread."""
+    """Blocks in Redis under REDIS_KEY_PREFIX + key (hashing.py) with a TTL; writes go through a background thread."""
 
     name = "redis"
     local = False
@@ -100,7 +108,7 @@ class RedisTier:
 
     @staticmethod
     def _rkey(key: str) -> str:
-        return f"pdkv:{key}"
+        return REDIS_KEY_PREFIX + key
 
     @property
     def pending(self) -> int:
@@ -197,8 +205,10 @@ class OffloadStats:
     lookups: int = 0
 
 
-class KVOffloader:
-    """Owned by the engine (its thread): copies evicted blocks out, finds and loads prefixes."""
+class KVOffloader(KVConnector):
+    """The offload tiers as the engine's KV connector. The engine thread calls everything except
+    `_fetch`, which runs on the fetch thread: a request's remote lookup is one MGET there (the
+    blocks come back with the answer), so no Redis round trip ever happens on the engine thread."""
 
     def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor], tiers: list):
         spec.check_caches(caches)
@@ -206,74 +216,50 @@ class KVOffloader:
         self.caches = caches
         self.compat = spec.compat_hash()
         self.tiers = tiers
+        self.local = [t for t in tiers if t.local]
+        self.remote = [t for t in tiers if not t.local]
         self.stats = OffloadStats()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-fetch")
         self._fetches: dict[str, Future] = {}
-        """request_id -> background fetch of its remote blocks."""
-        self._staged: dict[str, tuple[str, bytes]] = {}
-        self._fetched: set[str] = set()
-        """Requests whose fetch finished and that are waiting to be admitted."""
-        """Fetched remote blocks waiting for their request's admission: key -> (tier name, blob)."""
+        """request_id -> its remote lookup in flight on the fetch thread."""
+        self._found: dict[str, dict[str, tuple[str, bytes]]] = {}
+        """request_id -> what its finished remote lookup brought: key -> (tier name, blob). Kept
+        until the request is admitted or ends (release), so a request waiting for free blocks
+        does not look up again."""
 
-    # ---- remote blocks are fetched off the engine thread; the request waits meanwhile ---------
-
-    def needs_fetch(self, request_id: str, block_hashes: list[bytes]) -> bool:
-        """Some of these blocks are only in a remote tier and the request has not been fetched for
-        yet (one fetch per admission: what it did not bring is recomputed)."""
-        if request_id in self._fetched:
-            return False
-        keys = [self.key(h) for h in block_hashes if self.key(h) not in self._staged]
-        local = [t for t in self.tiers if t.local]
-        for tier in local:
-            keys = [k for k, hit in zip(keys, tier.contains(keys), strict=True) if not hit]
-        return bool(keys)
-
-    def start_fetch(self, request_id: str, block_hashes: list[bytes]) -> None:
-        if request_id in self._fetches:
-            return
-        keys = [self.key(h) for h in block_hashes]
-        remote = [t for t in self.tiers if not t.local]
-        self._fetches[request_id] = self._fetcher.submit(self._fetch, remote, keys)
-
-    @staticmethod
-    def _fetch(tiers: list, keys: list[str]) -> dict[str, tuple[str, bytes]]:
-        got: dict[str, tuple[str, bytes]] = {}
-        for tier in tiers:
-            missing = [k for k in keys if k not in got]
-            blobs = tier.get_many(missing) if hasattr(tier, "get_many") else [tier.get(k) for k in missing]
-            for k, blob in zip(missing, blobs, strict=True):
-                if blob is not None:
-                    got[k] = (tier.name, blob)
-        return got
-
-    def fetch_done(self, request_id: str) -> bool:
-        """True once the request's fetch finished; its blocks are then staged for load()."""
-        fut = self._fetches.get(request_id)
-        if fut is None or not fut.done():
-            return fut is None
-        del self._fetches[request_id]
-        self._fetched.add(request_id)
-        try:
-            self._staged.update(fut.result())
-        except Exception as e:  # noqa: BLE001 - the request just recomputes
-            logger.debug("KV offload fetch failed: %s", e)
-        return True
-
-    def cancel_fetch(self, request_id: str) -> None:
-        fut = self._fetches.pop(request_id, None)
-        if fut is not None:
-            fut.cancel()
-        self._fetched.discard(request_id)
-
-    def admitted(self, request_id: str) -> None:
-        self._fetched.discard(request_id)
+    def key(self, block_hash: bytes) -> str:
+        return tier_key(self.compat, block_hash)
 
     @property
     def num_fetching(self) -> int:
         return len(self._fetches)
 
-    def key(self, block_hash: bytes) -> str:
-        return f"{self.compat}:{block_hash.hex()}"
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
+        fut = self._fetches.get(request_id)
+        if fut is not None:
+            if not fut.done():
+                return None
+            del self._fetches[request_id]
+            try:
+                self._found[request_id] = fut.result()
+            except Exception as e:  # noqa: BLE001 - the request just recomputes
+                logger.debug("KV offload fetch failed: %s", e)
+                self._found[request_id] = {}
+        keys = [self.key(h) for h in block_hashes]
+        found = self._found.get(request_id)
+        held = [k in found for k in keys] if found else [False] * len(keys)
+        for tier in self.local:
+            for i, hit in enumerate(tier.contains(keys)):
+                held[i] = held[i] or hit
+        run = held.index(False) if False in held else len(held)
+        remote = [t for t in self.remote if t.available]
+        if found is None and run < len(keys) and remote:
+            self._fetches[request_id] = self._fetcher.submit(self._fetch, remote, keys[run:])
+            return None
+        self.stats.lookups += 1
+        return run
 
     def on_evict(self, block_hash: bytes, block_id: int) -> None:
         """A cached full block is about to be reused: keep its bytes in the tiers."""
@@ -284,63 +270,55 @@ class KVOffloader:
         self.stats.stored_blocks += 1
         self.stats.stored_bytes += len(blob)
 
-    def stage(self, blobs: dict[str, tuple[str, bytes]]) -> None:
-        """Blocks fetched from a remote tier off the engine thread (see fetch), for load()."""
-        self._staged.update(blobs)
+    def release(self, request_id: str) -> None:
+        fut = self._fetches.pop(request_id, None)
+        if fut is not None:
+            fut.cancel()
+        self._found.pop(request_id, None)
 
-    def unstage(self, block_hashes: list[bytes]) -> None:
-        for h in block_hashes:
-            self._staged.pop(self.key(h), None)
+    # ---- worker side ------------------------------------------------------------------------
 
-    def fetch(self, block_hashes: list[bytes]) -> dict[str, tuple[str, bytes]]:
-        """Read these blocks from the remote tiers (any thread; blocking)."""
-        return self._fetch([t for t in self.tiers if not t.local], [self.key(h) for h in block_hashes])
-
-    def find(self, block_hashes: list[bytes]) -> int:
-        """How many of these (consecutive) blocks some tier (or the staged fetches) holds, from
-        the first on."""
-        self.stats.lookups += 1
-        keys = [self.key(h) for h in block_hashes]
-        found = [k in self._staged for k in keys]
-        for tier in self.tiers:
-            missing = [i for i, f in enumerate(found) if not f]
-            for i, hit in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
-                found[i] = hit
-        run = 0
-        while run < len(found) and found[run]:
-            run += 1
-        return run
-
-    def load(self, block_hashes: list[bytes], block_ids: list[int]) -> int:
-        """Load blocks into the given device blocks, in order; stops at the first block no tier
-        can give intact. Returns how many were loaded."""
+    def load(self, request_id: str, block_hashes: list[bytes], block_ids: list[int]) -> int:
         start = time.perf_counter()
+        found = self._found.get(request_id, {})
+        host = self.local[0] if self.local else None
         loaded = 0
-        host = next((t for t in self.tiers if t.local), None)
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             key = self.key(block_hash)
-            ok = False
-            sources = [(t.name, t.get(key)) for t in self.tiers if t.local]
-            if key in self._staged:
-                sources.append(self._staged.pop(key))
-            for name, blob in sources:
-                if blob is None:
-                    continue
-                if decode_block(self.spec, blob, self.caches, block_id):
-                    ok = True
-                    self.stats.loaded_blocks[name] = self.stats.loaded_blocks.get(name, 0) + 1
-                    self.stats.loaded_bytes += len(blob)
-                    if host is not None and name != host.name:
-                        host.put(key, blob)  # promote to the host tier
-                    break
-                self.stats.checksum_failures += 1
-            if not ok:
+            sources = [(t.name, t.get(key)) for t in self.local]
+            if key in found:
+                sources.append(found[key])
+            if not self._write_first_intact(sources, key, block_id, host):
                 break
             loaded += 1
-        for block_hash in block_hashes[loaded:]:
-            self._staged.pop(self.key(block_hash), None)
         self.stats.load_seconds += time.perf_counter() - start
         return loaded
+
+    def _write_first_intact(self, sources: list, key: str, block_id: int, host) -> bool:
+        for name, blob in sources:
+            if blob is None:
+                continue
+            if decode_block(self.spec, blob, self.caches, block_id):
+                self.stats.loaded_blocks[name] = self.stats.loaded_blocks.get(name, 0) + 1
+                self.stats.loaded_bytes += len(blob)
+                if host is not None and name != host.name:
+                    host.put(key, blob)  # promote to the host tier
+                return True
+            self.stats.checksum_failures += 1
+        return False
+
+    def poll(self) -> set[str]:
+        return {request_id for request_id, fut in self._fetches.items() if fut.done()}
+
+    @staticmethod
+    def _fetch(tiers: list, keys: list[str]) -> dict[str, tuple[str, bytes]]:
+        got: dict[str, tuple[str, bytes]] = {}
+        for tier in tiers:
+            missing = [k for k in keys if k not in got]
+            for k, blob in zip(missing, tier.get_many(missing), strict=True):
+                if blob is not None:
+                    got[k] = (tier.name, blob)
+        return got
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)

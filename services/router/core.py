@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.hashing import hash_blocks, redis_key
 from engine.sampling_params import SamplingParams, validate_request
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
@@ -192,7 +192,7 @@ class RouterCore(Frontend):
         try:
             pipe = self.kv_redis.pipeline(transaction=False)
             for h in hashes:
-                pipe.exists(f"pdkv:{compat}:{h.hex()}")
+                pipe.exists(redis_key(compat, h))
             found = await pipe.execute()
         except Exception:  # noqa: BLE001 - routing without it is still correct
             return 0

@@ -132,8 +132,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
-    if core.offloader is not None:
-        off = core.offloader.stats
+    if core.connector is not None:
+        off = core.connector.stats
         metrics.gauge(
             "pdserve_kv_offload_stored_bytes",
             "KV bytes copied out of the device cache",
@@ -152,7 +152,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
             "Offloaded blocks rejected by checksum",
             lambda: off.checksum_failures,
         )
-        for tier in core.offloader.tiers:
+        for tier in core.connector.tiers:
             metrics.gauge(
                 f"pdserve_kv_offload_hits_{tier.name}",
                 f"Blocks loaded from the {tier.name} tier",

@@ -362,13 +362,6 @@ class WorkerService(wgrpc.WorkerServicer):
             else None
         )
         outputs = list(request.output_token_ids)
-        offloader = self.engine.core.offloader
-        if offloader is not None and handle.block_hashes:
-            # Blocks in the shared Redis tier are loaded instead of pulled from the prefill worker;
-            # read them here, off the engine thread.
-            fetched = await asyncio.to_thread(offloader.fetch, list(handle.block_hashes))
-            if fetched:
-                await self.engine.call(lambda core: core.offloader.stage(fetched))
         await self.engine.call(lambda core: core.begin_import(rid, prompt, outputs, params, state))
 
         def allocate(core):

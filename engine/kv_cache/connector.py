@@ -1,0 +1,54 @@
+"""The KV connector interface: how KV bytes from outside the engine's device cache come in.
+
+Split the way vLLM splits its KVConnector, into what the scheduler asks and what the worker does:
+
+- scheduler side, on the engine thread, never waiting on I/O:
+  `lookup` -- how many of a request's blocks after its device-cache hits the connector can supply
+  now, or None when it does not know yet (it has started finding out off the engine thread; the
+  request waits in RequestStatus.WAITING_FOR_REMOTE_KV meanwhile);
+  `on_evict` -- a cached block is about to be reused;
+  `release` -- the request was admitted (its blocks loaded) or ended: forget what was kept for it;
+- worker side: `load` writes supplied blocks into the blocks the scheduler allocated, `poll`
+  names the requests whose lookups finished (they go back to the head of the waiting queue).
+
+The engine holds at most one connector (`EngineCore.connector`) and hands it to the scheduler and
+the block pool when it builds them. The offload tiers (offload.py: host memory and a shared
+Redis) are one; the tests add slow and failing test doubles of this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class KVConnector(ABC):
+    # ---- scheduler side -------------------------------------------------------------------
+
+    @abstractmethod
+    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
+        """How many of these consecutive blocks, from the first, can be loaded now; None while an
+        off-thread lookup for this request is in flight (ask again once `poll` names it). At most
+        one off-thread lookup per admission: afterwards the answer comes from what it found."""
+
+    @abstractmethod
+    def on_evict(self, block_hash: bytes, block_id: int) -> None:
+        """A full cached block is about to be reused for other tokens."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """The request was admitted (after `load`), finished or aborted: cancel its lookup and drop
+        what was kept for it."""
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    @abstractmethod
+    def load(self, request_id: str, block_hashes: list[bytes], block_ids: list[int]) -> int:
+        """Write the blocks `lookup` counted for the request into these device blocks, in order;
+        stops at the first one that cannot be given intact. Returns how many were written."""
+
+    @abstractmethod
+    def poll(self) -> set[str]:
+        """Requests whose off-thread lookups have finished since they were started."""
+
+    def close(self) -> None:  # noqa: B027 - optional: most connectors hold nothing to stop
+        """Stop background threads and release resources."""
