@@ -1,0 +1,174 @@
+"""Is a change slower? The engine's offline workload on two revisions, interleaved, in one run.
+
+    python benchmarks/ab_revisions.py --baseline dea7569 --model models/pdserve-bench --rounds 3
+
+Each round runs the same driver once against each side -- a git checkout of `--baseline` and the
+working tree (or `--candidate REV`) -- in fresh processes with this interpreter, alternating
+which side goes first so the drift of a shared VM falls on both alike. The driver is the offline
+throughput workload (issue 2: `--num-prompts` prompts of `--prompt-len` random ids, `--output-len`
+new tokens each, greedy, ignore_eos) plus batch-1 decode (median of 3 requests), through the
+offline `LLM` API, so any revision that has that API can be measured. Reported per side: the
+medians of output tok/s, batch-1 ms/token and the process's CPU seconds (user + system, the
+steadier figure on a noisy VM); and candidate / baseline ratios. Results go to
+benchmarks/results/ab_revisions_<hardware>_<date>.json unless `--output` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import result_path, save  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+DRIVER = r"""
+import json, random, statistics, sys, time
+from engine import LLM, SamplingParams
+model, dtype, n, plen, olen, threads, gib = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]), float(sys.argv[7])
+vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+rng = random.Random(0)
+prompts = [[rng.randrange(10, vocab) for _ in range(plen)] for _ in range(n)]
+llm = LLM(model, dtype=dtype, num_threads=threads, kv_cache_memory_gib=gib)
+llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+start = time.perf_counter()
+outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
+seconds = time.perf_counter() - start
+assert sum(len(o.token_ids) for o in outs) == n * olen
+runs = []
+for r in range(3):
+    llm.engine.block_manager.pool.reset_prefix_cache()
+    one = llm.generate(prompt_token_ids=[prompts[r % n][::-1]], sampling_params=SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True))[0]
+    runs.append((one.metrics.finished_time - one.metrics.first_token_time) / 64 * 1000)
+print("RESULT " + json.dumps({"tok_per_s": n * olen / seconds, "batch1_ms_per_token": statistics.median(runs)}))
+"""
+
+
+def _checkout(rev: str, into: Path) -> Path:
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
+        check=True,
+        capture_output=True,
+    )
+    return into
+
+
+def _run_side(tree: Path, args) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(Path(args.model).resolve()), args.dtype]
+        + [
+            str(x)
+            for x in (args.num_prompts, args.prompt_len, args.output_len, args.threads, args.kv_cache_gib)
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)},
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise RuntimeError(f"driver failed in {tree}:\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    result["cpu_seconds"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return result
+
+
+def _summary(runs: list[dict]) -> dict:
+    return {
+        key: statistics.median(r[key] for r in runs)
+        for key in ("tok_per_s", "batch1_ms_per_token", "cpu_seconds")
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", required=True, help="git revision to compare against")
+    p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
+    p.add_argument("--model", default="models/pdserve-bench")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="the offline benchmark's KV cache size")
+    p.add_argument(
+        "--output", default=None, help="JSON path (default: benchmarks/results/, by hardware and date)"
+    )
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pdserve-ab-") as tmp:
+        base = _checkout(args.baseline, Path(tmp) / "baseline")
+        cand = _checkout(args.candidate, Path(tmp) / "candidate") if args.candidate else REPO
+        try:
+            runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
+            for r in range(args.rounds):
+                order = [("baseline", base), ("candidate", cand)]
+                for side, tree in order if r % 2 == 0 else order[::-1]:
+                    runs[side].append(_run_side(tree, args))
+                    print(f"round {r + 1} {side}: {runs[side][-1]}", flush=True)
+        finally:
+            for tree in (base, cand):
+                if tree != REPO:
+                    subprocess.run(
+                        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False
+                    )
+    summary = {side: _summary(rs) for side, rs in runs.items()}
+    b, c = summary["baseline"], summary["candidate"]
+    ratios = {
+        "throughput": c["tok_per_s"] / b["tok_per_s"],
+        "batch1_speed": b["batch1_ms_per_token"] / c["batch1_ms_per_token"],
+        "cpu_seconds": b["cpu_seconds"] / c["cpu_seconds"],
+    }
+    for side, s in summary.items():
+        print(
+            f"{side}: {s['tok_per_s']:.1f} tok/s, batch-1 {s['batch1_ms_per_token']:.2f} ms/token, {s['cpu_seconds']:.1f} CPU s"
+        )
+    print("candidate / baseline (> 1 is faster): " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    candidate = (
+        args.candidate
+        or subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        + " + working tree"
+    )
+    path = Path(args.output) if args.output else result_path("ab_revisions")
+    save(
+        "ab_revisions",
+        {
+            "baseline": args.baseline,
+            "candidate": candidate,
+            "workload": {
+                k: getattr(args, k)
+                for k in (
+                    "model",
+                    "dtype",
+                    "num_prompts",
+                    "prompt_len",
+                    "output_len",
+                    "threads",
+                    "rounds",
+                    "kv_cache_gib",
+                )
+            },
+            "runs": runs,
+            "median": summary,
+            "ratios": ratios,
+        },
+        path,
+    )
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

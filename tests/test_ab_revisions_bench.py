@@ -1,0 +1,36 @@
+"""`benchmarks/ab_revisions.py` as a user runs it, on the tiny model: both sides run in their own
+checkouts, every round reports tokens/s, batch-1 latency and CPU time, and the ratios follow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.bench_testing import REPO, run_benchmark
+
+
+def test_ab_revisions_smoke(tiny_model, tmp_path):
+    out = tmp_path / "ab.json"
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    )
+    args = ["--baseline", head.stdout.strip(), "--model", tiny_model, "--dtype", "float32", "--threads", "1"]
+    args += ["--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--rounds", "1"]
+    args += ["--kv-cache-gib", "0.05", "--output", str(out)]
+    proc = run_benchmark("ab_revisions.py", *args, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert f"saved {out}" in proc.stdout.splitlines()
+    result = json.loads(out.read_text())
+    assert result["candidate"].endswith("+ working tree")
+    for side in ("baseline", "candidate"):
+        [run] = result["runs"][side]
+        assert run["tok_per_s"] > 0 and run["batch1_ms_per_token"] > 0 and run["cpu_seconds"] > 0
+    b, c = result["median"]["baseline"], result["median"]["candidate"]
+    assert result["ratios"]["throughput"] == pytest.approx(c["tok_per_s"] / b["tok_per_s"])
+    assert result["ratios"]["cpu_seconds"] == pytest.approx(b["cpu_seconds"] / c["cpu_seconds"])
+    worktrees = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True
+    ).stdout
+    assert "pdserve-ab-" not in worktrees  # the baseline checkout is gone again
