@@ -27,6 +27,7 @@ from engine.kv_cache.connector import KVConnector
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
+from engine.kv_cache.transfer import ImportSink, KVPort
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
 from engine.parallel.groups import ParallelGroup
@@ -47,6 +48,19 @@ def _generation_eos(folder: Path) -> list[int]:
         return []
     eos = json.loads(path.read_text()).get("eos_token_id")
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+@dataclass
+class KVImport:
+    """A request continued here whose prompt KV comes from another engine."""
+
+    request: Request
+    sink: ImportSink | None = None
+    """Writes into its blocks, from allocate_import until the import ends."""
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
 
 
 @dataclass
@@ -113,6 +127,8 @@ class EngineCore:
         make_connector = connector or (lambda spec, caches: make_offloader(cfg, spec, caches))
         self.connector = make_connector(self.kv_spec, self.runner.kv_caches)
         """The KV connector (the offload tiers) when one is configured."""
+        self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches)
+        """The services' only access to the cache (transfer.py says which thread may do what)."""
         self.block_manager = BlockManager(
             self.num_kv_blocks,
             self.kv_spec.block_size,
@@ -132,8 +148,8 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.exported: dict[str, ExportedKv] = {}
         """Prefill-only requests' pinned prompt blocks, by request id (disaggregated prefill)."""
-        self.importing: dict[str, Request] = {}
-        """Requests holding blocks whose prompt KV is being written from outside (a KV transfer)."""
+        self.importing: dict[str, KVImport] = {}
+        """Requests whose prompt KV is written from outside (a KV transfer), until it is in."""
         self.step_count = 0
         self.heap = HeapTrimmer(cfg.heap_free_limit_mib << 20)
         torch.manual_seed(cfg.seed)
@@ -197,7 +213,9 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self.importing.pop(request_id, None)  # (finish frees its blocks and releases the connector)
+        imp = self.importing.pop(request_id, None)
+        if imp is not None:
+            imp.close()  # no transfer writes into the blocks from here on; finish frees them
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._finalize(req, [], "")
 
@@ -247,7 +265,7 @@ class EngineCore:
             req.append_token(tok)
         self.detokenizers[request_id].step(list(output_token_ids))  # that text was sent by the producer
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.importing[request_id] = req
+        self.importing[request_id] = KVImport(req)
         return req
 
     def allocate_import(self, request_id: str) -> int | None:
@@ -255,7 +273,8 @@ class EngineCore:
         connector holds. Returns how many leading prompt blocks need no transfer, or None when
         that is not known yet (the connector is looking them up) or the cache has no room yet:
         retry after a step."""
-        req = self.importing[request_id]
+        imp = self.importing[request_id]
+        req = imp.request
         hits, num_hit_tokens = self.block_manager.get_computed_blocks(req)
         num_prompt = req.num_prompt_tokens
         external = 0
@@ -275,11 +294,21 @@ class EngineCore:
             self.connector.release(request_id)
         req.status = RequestStatus.LOADING_REMOTE_KV
         req.metrics.num_cached_tokens = num_hit_tokens + loaded * self.cfg.block_size
+        imp.sink = self.kv_port.sink(request_id, req.block_ids[: -(-num_prompt // self.cfg.block_size)])
         return len(hits) + loaded
+
+    def import_sink(self, request_id: str) -> ImportSink:
+        """Where the transfer writes an importing request's prompt KV (after allocate_import)."""
+        sink = self.importing[request_id].sink
+        if sink is None:
+            raise RuntimeError(f"request {request_id!r} has no blocks yet: call allocate_import first")
+        return sink
 
     def finish_import(self, request_id: str) -> None:
         """The prompt KV is in the request's blocks: cache them and join the running batch."""
-        req = self.importing.pop(request_id)
+        imp = self.importing.pop(request_id)
+        imp.close()
+        req = imp.request
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_blocks(req, req.num_computed_tokens)
         req.metrics.first_scheduled_time = time.monotonic()
@@ -287,7 +316,9 @@ class EngineCore:
 
     def recompute_import(self, request_id: str) -> None:
         """The transfer failed: drop the blocks and compute the prompt here instead."""
-        req = self.importing.pop(request_id)
+        imp = self.importing.pop(request_id)
+        imp.close()
+        req = imp.request
         self.block_manager.free(req)
         if self.connector is not None:
             self.connector.release(request_id)

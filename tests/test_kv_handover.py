@@ -1,5 +1,5 @@
 """Disaggregated prefill inside one process: a producer EngineCore prefills with kv_export=True,
-its prompt KV is moved block by block (codec read_slab -> write_slab, what a KvTransfer pull
+its prompt KV is moved block by block (KV port -> import sink, what a KvTransfer pull
 does) into a consumer EngineCore that continues the request (STYLE 9: disaggregated gives the
 same tokens as colocated).
 
@@ -24,8 +24,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.kv_cache.codec import read_slab, write_slab
+from engine.kv_cache.codec import Slab, read_slab
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.transfer import ImportClosed
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -114,14 +115,15 @@ def _num_layers(core: EngineCore) -> int:
 
 
 def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_block: int, end=None) -> None:
-    """What a KvTransfer pull does: all layers of the producer's blocks [first_block, end) into
-    the consumer's blocks at the same positions."""
-    dst = consumer.requests[rid].block_ids
-    assert len(dst) == len(kv.block_ids)
-    end = len(dst) if end is None else end
+    """What a KvTransfer pull does: every layer of the producer's blocks [first_block, end), read
+    through its KV port, written through the consumer's import sink at the same positions."""
+    sink = consumer.import_sink(rid)
+    assert sink.num_blocks == len(kv.block_ids)
+    end = sink.num_blocks if end is None else end
     if first_block < end:
-        data = read_slab(producer.runner.kv_caches, kv.block_ids[first_block:end], 0, _num_layers(producer))
-        write_slab(consumer.kv_spec, consumer.runner.kv_caches, dst[first_block:end], 0, data)
+        for group in producer.kv_spec.groups:
+            slab = Slab(group.layer_start, group.num_layers, first_block, end - first_block)
+            sink.write(slab, producer.kv_port.read_exported(kv.block_ids, slab))
 
 
 def _hand_over(
@@ -367,6 +369,64 @@ def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm)
     again = _whole(c, prompt, GREEDY, rid="again")
     assert again.num_cached_tokens == (8 if warm else 0)
     assert again.token_ids == _whole(pd.reference, prompt, GREEDY).token_ids
+
+
+def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypatch):
+    """A transfer cancelled mid-write (its handler gone, the engine aborting the request) cannot
+    land in blocks that were freed and handed to another request: the abort waits for the write,
+    and a write after it is refused."""
+    import threading
+    import time
+
+    import engine.kv_cache.transfer as transfer
+
+    c = pd.consumer
+    prompt = _prompt(13)
+    first = _export(pd.producer, "r", prompt, GREEDY)
+    c.begin_import("r", prompt, first.token_ids, GREEDY)
+    assert c.allocate_import("r") == 0
+    sink = c.import_sink("r")
+    started, written = threading.Event(), threading.Event()
+    real_write = transfer.write_slab
+
+    def slow_write(*args):
+        started.set()
+        time.sleep(0.3)
+        real_write(*args)
+        written.set()
+
+    monkeypatch.setattr(transfer, "write_slab", slow_write)
+    slab = Slab(0, _num_layers(c), 0, 4)
+    data = pd.producer.kv_port.read_exported(first.exported_kv.block_ids, slab)
+    writer = threading.Thread(target=sink.write, args=(slab, data))
+    writer.start()
+    assert started.wait(5)
+    c.abort_request("r")
+    assert written.is_set(), "the abort returned while a write into its blocks was in flight"
+    writer.join()
+    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    with pytest.raises(ImportClosed, match="the import of request 'r' has ended"):
+        sink.write(slab, data)
+    pd.producer.release_export("r")
+
+
+def test_once_the_import_joined_the_batch_its_sink_refuses_writes(pd):
+    """A late duplicate chunk cannot overwrite KV the model is already reading."""
+    c = pd.consumer
+    prompt = _prompt(13)
+    first = _export(pd.producer, "r", prompt, GREEDY)
+    c.begin_import("r", prompt, first.token_ids, GREEDY)
+    assert c.allocate_import("r") == 0
+    sink = c.import_sink("r")
+    _transfer(pd.producer, c, first.exported_kv, "r", 0)
+    c.finish_import("r")
+    slab = Slab(0, _num_layers(c), 0, 1)
+    with pytest.raises(ImportClosed):
+        sink.write(slab, bytes(len(pd.producer.kv_port.read_exported(first.exported_kv.block_ids, slab))))
+    with pytest.raises(KeyError):
+        c.import_sink("r")
+    assert pd.producer.release_export("r")
+    _assert_same(first, _run(c)["r"], _whole(pd.reference, prompt, GREEDY))
 
 
 def test_abort_before_allocate_import_leaves_no_trace(pd):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.kv_cache.codec import read_slab
-from engine.kv_cache.spec import KVCacheSpec
+from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -22,14 +21,13 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         self.table = table
         self.identity = identity
         self.metrics = metrics
-        self.caches = None
-        self.kv_spec: KVCacheSpec | None = None
+        self.port: KVPort | None = None
 
-    def engine_ready(self, caches, kv_spec: KVCacheSpec) -> None:
-        self.caches, self.kv_spec = caches, kv_spec
+    def engine_ready(self, port: KVPort) -> None:
+        self.port = port
 
     async def Pull(self, request: kv_pb.PullRequest, context):
-        if self.kv_spec is None:
+        if self.port is None:
             raise Unavailable("engine is not ready")
         if request.epoch != self.identity.epoch:
             raise FailedPrecondition(
@@ -42,13 +40,12 @@ class KvTransferService(kv_grpc.KvTransferServicer):
                 raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
             max_bytes = request.max_chunk_bytes or 1 << 62
             sent = self.metrics.labels(self.metrics.kv_transfer_bytes, "sent")
-            for slab in plan(self.kv_spec, request.first_block, num_blocks, max_bytes):
-                ids = t.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
-                # Pinned blocks are never written by the engine, so reading them off its thread is safe.
-                data = await asyncio.to_thread(read_slab, self.caches, ids, slab.layer_start, slab.num_layers)
+            for slab in plan(self.port.spec, request.first_block, num_blocks, max_bytes):
+                # Exported blocks are pinned: reading them off the engine thread is safe (transfer.py).
+                data = await asyncio.to_thread(self.port.read_exported, t.block_ids, slab)
                 t.bytes_sent += len(data)
                 sent.inc(len(data))
-                yield make_chunk(self.kv_spec, slab, data)
+                yield make_chunk(self.port.spec, slab, data)
         finally:
             self.table.end_pull(t)
 

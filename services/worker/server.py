@@ -119,7 +119,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         await server.stop(0)
         return 1
     service.engine_ready(core.kv_spec)
-    kv_service.engine_ready(core.runner.kv_caches, core.kv_spec)
+    kv_service.engine_ready(core.kv_port)
     bm = core.block_manager
     metrics.gauge(
         "pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running)

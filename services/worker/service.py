@@ -366,18 +366,16 @@ class WorkerService(wgrpc.WorkerServicer):
 
         def allocate(core):
             hits = core.allocate_import(rid)
-            return None if hits is None else (hits, list(core.requests[rid].block_ids))
+            return None if hits is None else (hits, core.import_sink(rid))
 
-        first_block, block_ids = await self.engine.call(allocate, retry_until_set=True)
+        first_block, sink = await self.engine.call(allocate, retry_until_set=True)
         start = time.monotonic()
 
         async def pull() -> int:
             return await consumer.pull(
                 self.peers.kv(handle.producer.endpoint),
                 handle,
-                self.kv_spec,
-                self.engine.core.runner.kv_caches,
-                block_ids,
+                sink,
                 first_block,
                 self.settings.kv_chunk_bytes,
                 timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S,
