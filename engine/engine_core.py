@@ -329,6 +329,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
     # ---- the step --------------------------------------------------------------------------
 
     def step(self, stop: bool = False) -> list[RequestOutput]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
@@ -20,7 +21,7 @@ class LLM:
         if cfg.data_parallel_size > 1:
             from engine.parallel.dp_engine import DPEngineClient
 
-            self.engine = DPEngineClient(cfg)  # rank processes behind the EngineCore interface
+            self.engine: EngineClient = DPEngineClient(cfg)  # rank processes behind the same interface
         else:
             self.engine = EngineCore(cfg)
         self.tokenizer = self.engine.tokenizer
@@ -91,7 +92,7 @@ class LLM:
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, prompt=text)
         try:
-            while request_id in self.engine.requests:
+            while self.engine.has_request(request_id):
                 for out in self.engine.step():
                     if out.request_id == request_id:
                         yield out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.client import EngineClient
 from engine.parallel.placement import ExpertPlacement
 
 # Uneven lengths, so one rank runs out of work while the other still decodes.
@@ -44,9 +45,10 @@ def _assert_same(outs, refs):
 def test_dp2_ep2_matches_one_process(tiny_model, reference):
     llm = LLM(tiny_model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     try:
+        assert isinstance(llm.engine, EngineClient)  # the interface EngineCore implements too
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params())
         _assert_same(outs, reference)
-        assert set(llm.engine.requests) == set()
+        assert set(llm.engine.requests) == set() and not llm.engine.has_request("0")
         # Streaming works too, with the other rank idle (it runs dummy batches to keep step).
         streamed = list(llm.stream(prompt_token_ids=PROMPTS[1], sampling_params=_params()[1]))
         assert streamed[-1].finished and streamed[-1].token_ids == reference[1].token_ids

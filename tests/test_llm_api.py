@@ -404,8 +404,8 @@ def test_closing_a_stream_early_aborts_its_request(llm):
         prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0.0, max_tokens=30)
     )
     first = next(stream)
-    assert not first.finished
+    assert not first.finished and llm.engine.has_request(first.request_id)
     stream.close()
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.has_request(first.request_id)
     pool = llm.engine.block_manager.pool
     assert pool.num_free_blocks == pool.num_blocks

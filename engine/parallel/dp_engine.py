@@ -1,6 +1,5 @@
-"""The offline face of a DP/EP group: N rank processes, each an EngineCore, behind the same
-interface as one EngineCore (validate / add_request / abort_request / step), so `LLM` drives
-either.
+"""The offline face of a DP/EP group: N rank processes, each an EngineCore, behind the
+EngineClient interface (engine/client.py) that EngineCore implements too, so `LLM` drives either.
 
 Requests go to the rank with the fewest in flight. Each rank process loops: take commands from
 its pipe, then `core.step()` in lockstep with the other ranks (an idle rank runs a dummy batch
@@ -21,6 +20,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
+from engine.client import run_step_loop
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import check_model_folder
 from engine.outputs import RequestOutput
@@ -62,8 +62,9 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
         core = EngineCore(cfg, group=group)
         conn.send(("ready", {"max_model_len": core.max_model_len, "num_kv_blocks": core.num_kv_blocks}))
         stop = False
-        while True:
-            timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
+
+        def take_commands(timeout: float) -> None:
+            nonlocal stop
             while conn.poll(timeout):
                 op, *args = conn.recv()
                 if op == "add":
@@ -75,18 +76,18 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
                 elif op == "stop":
                     stop = True
                 timeout = 0
-            if group is None:
-                if stop:
-                    break
-                outs = core.step()
-                if not core.has_unfinished_requests() and not outs:
-                    time.sleep(_IDLE_POLL_S)
-            else:
-                outs = core.step(stop=stop)
-                if core.stop_requested:
-                    break
+
+        def deliver(outs: list[RequestOutput]) -> None:
             if outs:
                 conn.send(("out", outs))
+
+        run_step_loop(
+            core,
+            take_commands=take_commands,
+            deliver=deliver,
+            stopping=lambda: stop,
+            idle_wait_s=_IDLE_POLL_S,
+        )
         conn.send(("stopped", core.parallel_stats()))
     except BaseException as e:  # noqa: BLE001 - reported to the client, then the process exits 1
         try:
@@ -100,7 +101,7 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
 
 
 class DPEngineClient:
-    """Drives N rank processes; single-threaded like EngineCore."""
+    """Drives N rank processes; an EngineClient, single-threaded like EngineCore."""
 
     def __init__(self, cfg: EngineConfig):
         folder = check_model_folder(cfg.model)
@@ -125,7 +126,7 @@ class DPEngineClient:
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in infos)
         self.requests: dict[str, int] = {}
-        """request_id -> the rank running it."""
+        """request_id -> the rank running it (see has_request)."""
         self._in_flight = [0] * cfg.data_parallel_size
         self.final_stats: dict[int, dict] = {}
 
@@ -178,6 +179,9 @@ class DPEngineClient:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def step(self) -> list[RequestOutput]:
         """Outputs from whichever ranks have some (waits until at least one output arrives)."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from engine.client import run_step_loop
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
 
@@ -154,21 +155,15 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(self._ready.set)
         try:
-            if self.lockstep:
-                self._run_lockstep()
-                return
-            while not self._stopping:
-                self._drain_commands(0.0 if self.core.has_unfinished_requests() else _IDLE_WAIT_S)
-                if self._stopping:
-                    break
-                if self.core.has_unfinished_requests():
-                    self._step()
-                else:
-                    self.last_step_time = time.monotonic()  # idle is healthy
-                if self._retrying:
-                    retrying, self._retrying = self._retrying, []
-                    for fn, fut in retrying:
-                        self._run_command(fn, fut, True)
+            run_step_loop(
+                self.core,
+                take_commands=self._drain_commands,
+                deliver=self._deliver_all,
+                stopping=lambda: self._stopping,
+                idle_wait_s=_LOCKSTEP_IDLE_S if self.lockstep else _IDLE_WAIT_S,
+                step=self._step,
+                after_step=self._after_step,
+            )
         except BaseException as e:  # noqa: BLE001 - the worker reports it through liveness
             logger.exception("engine thread died")
             self.error = e
@@ -186,32 +181,28 @@ class AsyncEngine:
         except queue.Empty:
             pass
 
-    def _run_lockstep(self) -> None:
-        """A rank of a DP/EP group: step every iteration (the step itself syncs with the other
-        ranks; idle ranks run dummy batches while any rank has work), and stop only when every
-        rank asked to."""
-        while True:
-            idle = not self.core.has_unfinished_requests() and not self._stopping
-            self._drain_commands(_LOCKSTEP_IDLE_S if idle else 0.0)
-            self._step(stop=self._stopping)
-            if self.core.stop_requested:
-                return
-            if self._retrying:
-                retrying, self._retrying = self._retrying, []
-                for fn, fut in retrying:
-                    self._run_command(fn, fut, True)
-
-    def _step(self, stop: bool = False) -> None:
+    def _step(self, stop: bool) -> list[RequestOutput]:
         if self._fault is not None and self.step_count >= self._fault[1]:
             if self._fault[0] == "engine_crash_after_steps":
                 raise RuntimeError(f"injected fault: engine crash after {self.step_count} steps")
             logger.error("injected fault: engine stalls after %d steps", self.step_count)
             while not self._stopping:  # a hung kernel, say: no progress, no error
                 time.sleep(0.1)
-            return
+            return []
         outputs = self.core.step(stop=stop) if self.lockstep else self.core.step()
         self.step_count += 1
         self.last_step_time = time.monotonic()
+        return outputs
+
+    def _after_step(self) -> None:
+        if not self.core.has_unfinished_requests():
+            self.last_step_time = time.monotonic()  # idle is healthy
+        if self._retrying:
+            retrying, self._retrying = self._retrying, []
+            for fn, fut in retrying:
+                self._run_command(fn, fut, True)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             self._deliver(out.request_id, out)
 
