@@ -26,8 +26,8 @@ protos: venv
 	$(PY) -m services.protogen
 
 lint: venv
-	$(VENV)/bin/ruff check engine kernels services tests benchmarks
-	$(VENV)/bin/ruff format --check engine kernels services tests benchmarks
+	$(VENV)/bin/ruff check engine kernels services modelkit tests benchmarks
+	$(VENV)/bin/ruff format --check engine kernels services modelkit tests benchmarks
 
 bench: venv
 	$(VENV)/bin/pdserve make-model bench --out $(MODEL_DIR)/pdserve-bench

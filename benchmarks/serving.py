@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         comparison = "an existing router (--router): colocated requests go to its least loaded decode worker"
     else:
         from engine import env
-        from engine.make_model import make_model
+        from modelkit.make_model import make_model
         from services.launcher import Stack, StackConfig
 
         model = args.model or str(make_model("tiny", Path(env.model_cache_dir()) / "pdserve-tiny"))

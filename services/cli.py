@@ -82,7 +82,7 @@ def _pick(args: argparse.Namespace, flags: dict[str, dict]) -> dict:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import make_model
+    from modelkit.make_model import make_model
 
     start = time.perf_counter()
     path = make_model(args.name, args.out, force=args.force)
@@ -91,7 +91,17 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    from engine.training.train_tiny import run
+    try:
+        from modelkit.training.train_tiny import run
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        print(
+            "pdserve train-tiny trains through HF transformers, which this install lacks: "
+            "install the 'train' extra (pip install -e '.[train]', or pip install transformers==5.23.0)",
+            file=sys.stderr,
+        )
+        return 2
 
     print(f"trained: {run(args, shlex.join(['pdserve', *args.argv]))}")
     return 0
@@ -138,7 +148,7 @@ def default_model(model_dir: str) -> Path:
     deterministic random tiny model built into model_dir."""
     if (SHIPPED_MODEL / "model.safetensors").is_file():
         return SHIPPED_MODEL
-    from engine.make_model import make_model
+    from modelkit.make_model import make_model
 
     return make_model("tiny", Path(model_dir) / "pdserve-tiny")
 
@@ -366,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("train-tiny", help="train the small DeepSeek-V3 + MTP model on the stdlib docs (CPU)")
-    from engine.training import add_arguments  # flags only: the trainer (torch) loads on use
+    from modelkit.training import add_arguments  # flags only: the trainer (torch) loads on use
 
     add_arguments(p)
     p.set_defaults(func=cmd_train_tiny)

@@ -16,7 +16,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The project's default model, built once per test session."""
-    from engine.make_model import make_model
+    from modelkit.make_model import make_model
 
     return str(make_model("tiny", tmp_path_factory.mktemp("models") / "pdserve-tiny"))
 

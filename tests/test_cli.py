@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.make_model import OUTPUT_FILES
+from modelkit.make_model import OUTPUT_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "def f(x):"
@@ -50,6 +50,21 @@ def _made(stdout: str) -> tuple[str, float]:
     match = re.fullmatch(r"tiny: (.+) \(([\d.]+) s\)\n", stdout)
     assert match, stdout
     return match.group(1), float(match.group(2))
+
+
+def test_train_tiny_without_transformers_says_which_extra_to_install(tmp_path):
+    """A plain install (no test/bench/train extras) has no transformers: the command says so."""
+    code = (
+        "import sys; sys.modules['transformers'] = None; from services.cli import main; "
+        f"sys.exit(main(['train-tiny', '--out', {str(tmp_path / 'out')!r}, '--steps', '1']))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "install the 'train' extra (pip install -e '.[train]'" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_make_model_builds_a_deepseek_v3_folder_then_reuses_it(tiny_model, tmp_path):

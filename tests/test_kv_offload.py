@@ -99,7 +99,7 @@ def test_another_process_sharing_redis_reuses_the_blocks(tiny_model, redis_serve
 def test_an_incompatible_model_never_reads_the_blocks(tiny_model, redis_server, tmp_path):
     """Same tokenizer, block size and prompt (so the same block hashes), but another model config:
     the compatibility hash differs and nothing is read."""
-    from engine.make_model import make_model
+    from modelkit.make_model import make_model
 
     other = str(make_model("tiny-mtp", tmp_path / "other"))
     redis.Redis.from_url(redis_server.url).flushall()

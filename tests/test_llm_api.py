@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN
 from engine.engine_core import EngineCore
+from modelkit.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN
 
 BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID = 0, 1, 3, 4
 MAX_TOKENS = 12

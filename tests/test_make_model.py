@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from engine.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
-from engine.make_model import FINGERPRINT_KEY, OUTPUT_FILES, PRESETS, make_model, weight_specs
+from modelkit.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
+from modelkit.make_model import FINGERPRINT_KEY, OUTPUT_FILES, PRESETS, make_model, weight_specs
 
 transformers = pytest.importorskip("transformers")
 

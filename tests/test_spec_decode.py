@@ -23,7 +23,7 @@ ENGINE = dict(dtype="float32", num_kv_blocks=256, block_size=4, num_threads=1)
 
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory) -> str:
-    from engine.make_model import make_model
+    from modelkit.make_model import make_model
 
     return str(make_model("tiny-mtp", tmp_path_factory.mktemp("models") / "tiny-mtp"))
 
@@ -307,7 +307,7 @@ def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
 
     from safetensors.torch import load_file
 
-    from engine.training.mtp import mtp_reference_logits
+    from modelkit.training.mtp import mtp_reference_logits
 
     llm = LLM(
         TRAINED,

@@ -1,4 +1,4 @@
-"""The CPU training recipe (engine/training) and the checkpoint it shipped (assets/pdserve-tiny).
+"""The CPU training recipe (modelkit/training) and the checkpoint it shipped (assets/pdserve-tiny).
 
 A smoke run (a tiny config, a few steps, one thread) must lower the loss, repeat itself exactly, and
 write a folder that the engine and transformers load, with the MTP layer under DeepSeek-V3's names.
@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.make_model import ModelPreset
-from engine.training.data import docstring_documents, topic_documents
-from engine.training.mtp import mtp_logits, mtp_reference_logits
-from engine.training.train_tiny import (
+from modelkit.make_model import ModelPreset
+from modelkit.training.data import docstring_documents, topic_documents
+from modelkit.training.mtp import mtp_logits, mtp_reference_logits
+from modelkit.training.train_tiny import (
     TrainConfig,
     TrainResult,
     checkpoint_tensors,
@@ -74,7 +74,7 @@ MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.bpe_tokenizer import train_tokenizer
+    from modelkit.bpe_tokenizer import train_tokenizer
 
     return train_tokenizer(SMALL.vocab_size)
 
@@ -184,7 +184,7 @@ def _shipped() -> Path:
 
 
 def test_shipped_checkpoint_is_the_project_model_with_one_mtp_layer(tokenizer):
-    from engine.bpe_tokenizer import tokenizer_config
+    from modelkit.bpe_tokenizer import tokenizer_config
 
     folder = _shipped()
     cfg = json.loads((folder / "config.json").read_text())

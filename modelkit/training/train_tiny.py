@@ -1,9 +1,9 @@
 """Train the project's small DeepSeek-V3 model (MLA, MoE, one MTP layer) on the stdlib docs, on CPU.
 
 `pdserve train-tiny --out assets/pdserve-tiny [--minutes 12] [--seed 0]` (or `python -m
-engine.training.train_tiny ...`). The main model is transformers' `DeepseekV3ForCausalLM`, the class
+modelkit.training.train_tiny ...`). The main model is transformers' `DeepseekV3ForCausalLM`, the class
 the engine is tested against for logits parity, so the checkpoint means the same thing to both; the
-MTP head is `engine.training.mtp.MTPLayer`. Loss = CE(next token) + mtp_weight * CE(token after next).
+MTP head is `modelkit.training.mtp.MTPLayer`. Loss = CE(next token) + mtp_weight * CE(token after next).
 Routing is DeepSeek-V3's auxiliary-loss-free balancing: after each step every router's
 e_score_correction_bias moves by `bias_update_speed` towards its under-loaded experts.
 
@@ -43,11 +43,11 @@ from tokenizers import Tokenizer
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from engine.bpe_tokenizer import tokenizer_config, train_tokenizer
-from engine.make_model import ModelPreset, _replace, generation_config, hf_config
-from engine.training import add_arguments
-from engine.training.data import build_corpus, fixed_windows, sample_windows
-from engine.training.mtp import MTPLayer, mtp_logits
+from modelkit.bpe_tokenizer import tokenizer_config, train_tokenizer
+from modelkit.make_model import ModelPreset, _replace, generation_config, hf_config
+from modelkit.training import add_arguments
+from modelkit.training.data import build_corpus, fixed_windows, sample_windows
+from modelkit.training.mtp import MTPLayer, mtp_logits
 
 logger = logging.getLogger(__name__)
 
@@ -539,7 +539,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     run(
         args,
-        shlex.join(["python", "-m", "engine.training.train_tiny", *(sys.argv[1:] if argv is None else argv)]),
+        shlex.join(
+            ["python", "-m", "modelkit.training.train_tiny", *(sys.argv[1:] if argv is None else argv)]
+        ),
     )
 
 

@@ -28,7 +28,7 @@ import tokenizers
 import torch
 from safetensors.torch import save_file
 
-from engine.bpe_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
+from modelkit.bpe_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
 
 __all__ = ["PRESETS", "ModelPreset", "make_model", "train_tokenizer", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN"]
 
@@ -422,7 +422,7 @@ def make_model(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m engine.make_model tiny models/tiny [--force]`."""
+    """`python -m modelkit.make_model tiny models/tiny [--force]`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `pdserve train-tiny` and `python -m engine.training.train_tiny`."""
+    """Flags of `pdserve train-tiny` and `python -m modelkit.training.train_tiny`."""
     p.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     p.add_argument(
         "--minutes", type=float, default=12.0, help="training budget, as a fixed step count (default 12)"
