@@ -192,7 +192,7 @@ def _engine_config(args: argparse.Namespace, **extra):
 def _security(args: argparse.Namespace):
     """The internal token / TLS of a worker or router; ValueError (exit 2) when its --host is not
     loopback and neither protects the internal RPCs, unless --insecure-internal."""
-    from services.security import Security, check_exposure
+    from services.common.security import Security, check_exposure
 
     security = Security.from_env(args.tls_cert, args.tls_key, args.tls_ca)
     check_exposure(args.host, security, args.insecure_internal)

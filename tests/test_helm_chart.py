@@ -24,8 +24,8 @@ from aiohttp import web
 from helm_python import _native
 
 from engine import env
-from services import grpc_utils
 from services.cli import build_parser
+from services.common import grpc_utils
 from services.router.server import RouterServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -602,7 +602,7 @@ def test_auth_disabled_passes_insecure_internal_and_the_notes_warn():
 def test_every_pdserve_pod_passes_the_exposure_check(name, monkeypatch):
     """What `pdserve worker/router` checks at start: a pod-IP or 0.0.0.0 --host needs the token
     (or mutual TLS) unless the chart says --insecure-internal, which it does only without auth."""
-    from services.security import Security, check_exposure
+    from services.common.security import Security, check_exposure
 
     enabled = SCENARIOS[name].get("auth", {}).get("enabled", True)
     for _, _, c in pdserve_containers(scenario(name)):

@@ -26,7 +26,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.tokenizer import Tokenizer
-from services.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
+from services.common.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
 from services.openai.limits import read_body
 from services.openai.server import build_app, server_ssl_context, start_http
 from services.router.server import RouterServerConfig

@@ -18,8 +18,8 @@ from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS, 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
-from services import convert
-from services.grpc_utils import new_server
+from services.common import convert
+from services.common.grpc_utils import new_server
 from services.openai.protocol import (
     MAX_JSON_DEPTH,
     MAX_TOP_K,
@@ -28,6 +28,7 @@ from services.openai.protocol import (
     parse_completion,
     parse_json,
 )
+from services.router import api_proto
 from services.router.api import KvFailurePolicy, ServingMode
 from services.router.grpc_service import InferenceService
 from tests.test_openai_front import MODEL, FakeFrontend
@@ -75,10 +76,10 @@ def test_openai_parse_refuses_long_stop_strings(frontend):
 @pytest.mark.parametrize(
     "convert_fn, value, message",
     [
-        (convert.serving_mode_from_proto, 99, "mode must be one of SERVING_MODE_AUTO, "),
-        (convert.serving_mode_from_proto, -1, "mode must be one of "),
+        (api_proto.serving_mode_from_proto, 99, "mode must be one of SERVING_MODE_AUTO, "),
+        (api_proto.serving_mode_from_proto, -1, "mode must be one of "),
         (
-            convert.kv_failure_policy_from_proto,
+            api_proto.kv_failure_policy_from_proto,
             7,
             "kv_failure_policy must be one of KV_FAILURE_POLICY_FAIL, ",
         ),
@@ -92,8 +93,8 @@ def test_unknown_proto_enum_is_a_value_error(convert_fn, value, message):
 
 
 def test_known_proto_enums_convert():
-    assert convert.serving_mode_from_proto(pb.SERVING_MODE_COLOCATED) is ServingMode.COLOCATED
-    policy = convert.kv_failure_policy_from_proto(pb.KV_FAILURE_POLICY_RECOMPUTE)
+    assert api_proto.serving_mode_from_proto(pb.SERVING_MODE_COLOCATED) is ServingMode.COLOCATED
+    policy = api_proto.kv_failure_policy_from_proto(pb.KV_FAILURE_POLICY_RECOMPUTE)
     assert policy is KvFailurePolicy.RECOMPUTE
 
 
@@ -231,7 +232,7 @@ def test_grpc_unknown_enum_is_invalid_argument(tiny_model, fields, message):
 def test_grpc_internal_error_hides_the_exception(tiny_model, caplog):
     core = _FailingFrontend(Tokenizer(tiny_model))
     request = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[5, 6]))
-    with caplog.at_level(logging.ERROR, logger="services.grpc_utils"):
+    with caplog.at_level(logging.ERROR, logger="services.common.grpc_utils"):
         err = asyncio.run(_generate(core, request))
     assert err.code() == grpc.StatusCode.INTERNAL
     match = re.fullmatch(r"internal error \(error id ([0-9a-f]{12})\)", err.details())

@@ -252,7 +252,7 @@ def test_the_router_counts_blocks_in_the_shared_tier(redis_server):
 
     from engine.kv_cache.hashing import hash_blocks
     from pdserve.v1 import worker_pb2 as wpb
-    from services.metrics import Metrics
+    from services.common.metrics import Metrics
     from services.registry import StaticRegistry
     from services.router.core import RouterCore, RouterSettings
     from services.router.pool import WorkerHandle, WorkerPool

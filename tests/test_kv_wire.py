@@ -19,7 +19,7 @@ import services.kv_transfer.transfer as transfer_mod
 from engine.kv_cache.codec import DTYPE_CODES, read_slab, write_slab
 from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
-from services.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
 from services.kv_transfer.transfer import TransferState, TransferTable, caller_key
 from services.kv_transfer.wire import (
     MAX_CHUNK_BYTES,

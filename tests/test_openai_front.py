@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from engine.tokenizer import Tokenizer
-from services.errors import ResourceExhausted, ServiceError, Unavailable
+from services.common.errors import ResourceExhausted, ServiceError, Unavailable
 from services.openai.protocol import MAX_N, MAX_STOP
 from services.openai.responses import LOGPROB_FLOOR, TokenStrings
 from services.openai.server import build_app, start_http

@@ -21,8 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
+from services.common.security import handle_mac
 from services.launcher import Stack, StackConfig, wait_ready
-from services.security import handle_mac
 from tests.service_testing import (
     ENGINE_ARGS,
     generate,
@@ -198,7 +198,7 @@ def test_a_new_channel_to_a_restarted_peer_connects_at_once():
     after the peer came back does not inherit the failed channel's reconnect backoff."""
     from grpc_health.v1 import health
 
-    from services.grpc_utils import channel
+    from services.common.grpc_utils import channel
     from services.launcher import free_port
 
     port = free_port()

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted
 from services.router import pool as pool_module
 from services.router.admission import Admission
 from services.router.pool import CircuitBreaker

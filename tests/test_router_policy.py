@@ -6,7 +6,7 @@ import pytest
 
 from engine.kv_cache.hashing import hash_blocks
 from pdserve.v1 import worker_pb2 as wpb
-from services.errors import Unavailable
+from services.common.errors import Unavailable
 from services.registry import StaticRegistry
 from services.router.api import ServingMode
 from services.router.policy import RoutingConfig, choose

@@ -16,8 +16,8 @@ from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
+from services.common.security import handle_mac
 from services.launcher import Stack, StackConfig, free_port, wait_ready
-from services.security import handle_mac
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSAFE = re.compile(
@@ -216,14 +216,14 @@ def test_mutual_tls_between_workers_and_against_strangers(tiny_model, certs):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"])
 def test_loopback_hosts_need_neither_token_nor_tls(host):
-    from services.security import Security, check_exposure
+    from services.common.security import Security, check_exposure
 
     check_exposure(host, Security(), insecure=False)
 
 
 @pytest.mark.parametrize("host", ["10.0.0.5", "0.0.0.0", "::", "pod.example", "128.0.0.1"])
 def test_exposed_host_without_token_or_tls_is_refused_unless_insecure(host):
-    from services.security import Security, check_exposure
+    from services.common.security import Security, check_exposure
 
     with pytest.raises(ValueError) as err:
         check_exposure(host, Security(), insecure=False)

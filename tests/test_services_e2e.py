@@ -26,8 +26,8 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
+from services.common.security import handle_mac
 from services.launcher import free_port
-from services.security import handle_mac
 from tests.service_testing import generate, inference, kv_transfer, load, metric, wait_until, worker
 
 PROMPTS = [

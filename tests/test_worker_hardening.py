@@ -24,10 +24,10 @@ from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
-from services.errors import ServiceError
+from services.common.errors import ServiceError
+from services.common.security import handle_mac, verify_handle_mac
 from services.kv_transfer.peers import PeerStubs, PermissionDenied, check_handle
 from services.launcher import Stack, StackConfig, free_port, wait_ready
-from services.security import handle_mac, verify_handle_mac
 from tests.service_testing import _TokenInterceptor, load, wait_until, worker
 
 TOKEN = "hardening-test-token"

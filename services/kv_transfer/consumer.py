@@ -9,7 +9,7 @@ import grpc
 from engine.kv_cache.transfer import ImportClosed, ImportSink
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
-from services.errors import DataLoss, ServiceError
+from services.common.errors import DataLoss, ServiceError
 from services.kv_transfer.wire import check_chunk
 
 

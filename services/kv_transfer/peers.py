@@ -4,7 +4,7 @@ any of them is dialed.
 A handle comes from the router inside a DecodeRequest; its producer endpoint is dialed and the
 bytes pulled become the prompt's KV (and enter the prefix cache). So before a connection is
 opened: with an internal token, the handle must carry the router's HMAC over every field
-(`services.security.handle_mac`), and with a list of known producers, its endpoint must be on it.
+(`services.common.security.handle_mac`), and with a list of known producers, its endpoint must be on it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import grpc
 
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
-from services.errors import ServiceError
-from services.grpc_utils import channel
-from services.security import Security, verify_handle_mac
+from services.common.errors import ServiceError
+from services.common.grpc_utils import channel
+from services.common.security import Security, verify_handle_mac
 
 logger = logging.getLogger(__name__)
 

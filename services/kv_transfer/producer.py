@@ -8,10 +8,10 @@ import logging
 from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
-from services.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.metrics import Metrics
 from services.kv_transfer.transfer import TransferTable
 from services.kv_transfer.wire import make_chunk, plan
-from services.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

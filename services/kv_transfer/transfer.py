@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.kv_cache.codec import DTYPE_CODES, KVCodecError, Slab, check_slab, crc32, slab_shape
 from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
-from services.errors import DataLoss
+from services.common.errors import DataLoss
 
 MAX_CHUNK_BYTES = 4 * 2**20 - 64 * 2**10
 """Largest slab payload: under gRPC's 4 MiB default message cap with room for the header."""

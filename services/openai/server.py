@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import prometheus_client
 from aiohttp import web
 
-from services.errors import ServiceError, http_status
+from services.common.errors import ServiceError, http_status
 from services.openai.limits import BODY_TIMEOUT_S, GuardedRunner, read_body
 from services.openai.protocol import (
     ApiError,

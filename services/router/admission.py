@@ -16,7 +16,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from services.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted
 
 
 @dataclass(eq=False)

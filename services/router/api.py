@@ -157,4 +157,4 @@ class Frontend(abc.ABC):
     @abc.abstractmethod
     def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         """Stream the request's deltas; the last one has finish_reason set. Raises
-        `services.errors.ServiceError` (with a status code) when the request fails."""
+        `services.common.errors.ServiceError` (with a status code) when the request fails."""

@@ -28,14 +28,15 @@ from engine.sampling_params import SamplingParams, validate_request
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
-from services import convert
-from services.errors import ServiceError, Unavailable
-from services.metrics import Metrics
+from services.common import convert
+from services.common.errors import ServiceError, Unavailable
+from services.common.metrics import Metrics
+from services.common.security import handle_mac
+from services.router import api_proto
 from services.router.admission import Admission
 from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage, check_api_limits
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
-from services.security import handle_mac
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class RouterCore(Frontend):
             request_id=rid,
             prompt_token_ids=prompt,
             sampling=sampling,
-            kv_failure_policy=convert.KV_FAILURE_POLICY_TO_PROTO[inp.kv_failure_policy],
+            kv_failure_policy=api_proto.KV_FAILURE_POLICY_TO_PROTO[inp.kv_failure_policy],
         )
         if route.prefill is not None:
             p = route.prefill
@@ -285,7 +286,7 @@ class RouterCore(Frontend):
                 p.in_flight -= 1
             timings.prefill = time.monotonic() - t0
             p.prefix.add(hashes)
-            first = convert.delta_from_proto(resp.output)
+            first = api_proto.delta_from_proto(resp.output)
             usage.cached_tokens = resp.output.usage.cached_tokens
             usage.completion_tokens = len(first.token_ids)
             if not resp.HasField("kv_handle"):  # finished at its first token
@@ -331,7 +332,7 @@ class RouterCore(Frontend):
         call = w.worker.Decode(req, timeout=max(deadline - time.monotonic(), 0.001))
         try:
             async for msg in call:
-                delta = convert.delta_from_proto(msg)
+                delta = api_proto.delta_from_proto(msg)
                 if prefilled:
                     delta.prompt_logprobs = None  # the prefill rank sent them
                 if msg.HasField("usage"):

@@ -6,8 +6,9 @@ import uuid
 
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
-from services import convert
-from services.errors import InvalidArgument, NotFound
+from services.common import convert
+from services.common.errors import InvalidArgument, NotFound
+from services.router import api_proto
 from services.router.api import GenerateInput, check_prompt_bytes
 from services.router.core import RouterCore
 
@@ -63,8 +64,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             request_id=label,
             prompt_token_ids=[],
             params=convert.sampling_from_proto(request.sampling),
-            mode=convert.serving_mode_from_proto(request.mode),
-            kv_failure_policy=convert.kv_failure_policy_from_proto(request.kv_failure_policy),
+            mode=api_proto.serving_mode_from_proto(request.mode),
+            kv_failure_policy=api_proto.kv_failure_policy_from_proto(request.kv_failure_policy),
         )
         self._check_prompt_bytes(which, request)
         async with self.core.admit(1, context.time_remaining()) as queued:
@@ -72,7 +73,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             inp.prompt_token_ids = await self.core.off_loop(self._encode, which, request)
             inp.timeout, inp.queued = context.time_remaining(), queued
             async for delta in self.core.generate(inp):
-                yield convert.delta_to_proto(label, delta)
+                yield api_proto.delta_to_proto(label, delta)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self._check_model(request.model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.errors import Unavailable
+from services.common.errors import Unavailable
 from services.router.api import ServingMode
 from services.router.pool import WorkerHandle, WorkerPool
 

@@ -21,9 +21,9 @@ import grpc
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
-from services.grpc_utils import channel
+from services.common.grpc_utils import channel
+from services.common.security import Security
 from services.registry import Registry
-from services.security import Security
 
 logger = logging.getLogger(__name__)
 

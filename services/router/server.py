@@ -14,14 +14,14 @@ from pathlib import Path
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
-from services.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
-from services.metrics import Metrics
+from services.common.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
+from services.common.metrics import Metrics
+from services.common.security import Security
 from services.openai.server import build_app, server_ssl_context, start_http
 from services.registry import make_registry
 from services.router.core import RouterCore, RouterSettings
 from services.router.grpc_service import InferenceService
 from services.router.pool import WorkerPool
-from services.security import Security
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from engine.engine_core import EngineCore
 from engine.parallel.groups import GroupConfig, ParallelGroup
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2_grpc as wgrpc
-from services.grpc_utils import add_health_and_reflection, bind, new_server, set_health
+from services.common.grpc_utils import add_health_and_reflection, bind, new_server, set_health
+from services.common.metrics import Metrics
+from services.common.security import Security
 from services.kv_transfer.producer import KvTransferService
 from services.kv_transfer.transfer import TransferTable
-from services.metrics import Metrics
 from services.registry import Heartbeat, WorkerRecord, make_registry
-from services.security import Security
 from services.worker.async_engine import AsyncEngine
 from services.worker.identity import new_identity
 from services.worker.service import WorkerService, WorkerSettings

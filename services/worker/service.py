@@ -26,15 +26,15 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
-from services import convert
-from services.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from services.grpc_utils import remaining
+from services.common import convert
+from services.common.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from services.common.grpc_utils import remaining
+from services.common.metrics import Metrics
+from services.common.security import Security
 from services.kv_transfer import consumer
 from services.kv_transfer.peers import PeerStubs, check_handle
 from services.kv_transfer.transfer import DEFAULT_MAX_TOTAL_LEASE_S, TransferTable, caller_key
 from services.kv_transfer.wire import MAX_CHUNK_BYTES, spec_to_proto
-from services.metrics import Metrics
-from services.security import Security
 from services.worker.async_engine import AsyncEngine, EngineDead
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Shared gRPC plumbing: the server (health, reflection, error mapping), channels and deadlines.
 
-Handlers stay thin: they raise `ValueError` (caller mistakes) or `services.errors.ServiceError`
+Handlers stay thin: they raise `ValueError` (caller mistakes) or `services.common.errors.ServiceError`
 (with a status code) and the one interceptor below turns them into statuses. Downstream RPC errors
 pass through with their own code.
 """
@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.errors import ServiceError
-from services.security import Security, client_interceptors, server_interceptors
+from services.common.errors import ServiceError
+from services.common.security import Security, client_interceptors, server_interceptors
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Errors that carry a gRPC status code; one interceptor (services/grpc_utils.py) maps them, and the
+"""Errors that carry a gRPC status code; one interceptor (services/common/grpc_utils.py) maps them, and the
 HTTP front maps the same codes to HTTP statuses."""
 
 from __future__ import annotations
