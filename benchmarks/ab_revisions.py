@@ -1,6 +1,7 @@
-"""Is a change slower? The engine's offline workload on two revisions, interleaved, in one run.
+"""Is a change slower? The offline or the serving workload on two revisions, interleaved, in one run.
 
     python benchmarks/ab_revisions.py --baseline dea7569 --model models/pdserve-bench --rounds 3
+    python benchmarks/ab_revisions.py --baseline dea7569 --workload serving --rounds 2
 
 Each round runs the same driver once against each side -- a git checkout of `--baseline` and the
 working tree (or `--candidate REV`) -- in fresh processes with this interpreter, alternating
@@ -9,8 +10,14 @@ throughput workload (issue 2: `--num-prompts` prompts of `--prompt-len` random i
 new tokens each, greedy, ignore_eos) plus batch-1 decode (median of 3 requests), through the
 offline `LLM` API, so any revision that has that API can be measured. Reported per side: the
 medians of output tok/s, batch-1 ms/token and the process's CPU seconds (user + system, the
-steadier figure on a noisy VM); and candidate / baseline ratios. Results go to
-benchmarks/results/ab_revisions_<hardware>_<date>.json unless `--output` says otherwise.
+steadier figure on a noisy VM); and candidate / baseline ratios (> 1 is better: rates as they
+are, times inverted).
+
+`--workload serving` runs each side's own `benchmarks/serving.py` instead (a router, a prefill and
+a decode worker as processes, Poisson arrivals at `--rate`, `--num-requests` per mode, both
+disaggregated and colocated) and compares each mode's output tok/s and TTFT and inter-token p50.
+Results go to benchmarks/results/ab_revisions[_serving]_<hardware>_<date>.json unless `--output`
+says otherwise.
 """
 
 from __future__ import annotations
@@ -84,16 +91,50 @@ def _run_side(tree: Path, args) -> dict:
     return result
 
 
+def _run_serving(tree: Path, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pdserve-ab-serving-") as tmp:
+        out = Path(tmp) / "serving.json"
+        cmd = [sys.executable, "benchmarks/serving.py", "--model", str(Path(args.model).resolve())]
+        cmd += ["--dtype", args.dtype, "--rates", str(args.rate), "--num-requests", str(args.num_requests)]
+        cmd += [
+            "--input-len",
+            str(args.prompt_len),
+            "--output-len",
+            str(args.output_len),
+            "--output",
+            str(out),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise RuntimeError(f"serving benchmark failed in {tree}:\n{proc.stderr[-3000:]}")
+        [row] = json.loads(out.read_text())["results"]
+    result = {}
+    for mode in ("disaggregated", "colocated"):
+        r = row[mode]
+        if r["failures"]:
+            raise RuntimeError(f"{r['failures']} {mode} requests failed in {tree}: {r['errors']}")
+        result[f"{mode}_tok_per_s"] = r["output_tok_per_s"]
+        result[f"{mode}_ttft_p50_ms"] = r["ttft_ms"]["p50"]
+        result[f"{mode}_itl_p50_ms"] = r["itl_ms"]["p50"]
+    return result
+
+
 def _summary(runs: list[dict]) -> dict:
-    return {
-        key: statistics.median(r[key] for r in runs)
-        for key in ("tok_per_s", "batch1_ms_per_token", "cpu_seconds")
-    }
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def _ratios(base: dict, cand: dict) -> dict:
+    """candidate / baseline, > 1 is better: rates as they are, times (ms, CPU seconds) inverted."""
+    return {key: cand[key] / base[key] if "per_s" in key else base[key] / cand[key] for key in base}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", required=True, help="git revision to compare against")
+    p.add_argument("--workload", choices=["offline", "serving"], default="offline")
+    p.add_argument("--rate", type=float, default=2.0, help="serving: requests/s (Poisson arrivals)")
+    p.add_argument("--num-requests", type=int, default=16, help="serving: requests per mode")
     p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
     p.add_argument("--model", default="models/pdserve-bench")
     p.add_argument("--dtype", default="bfloat16")
@@ -115,7 +156,8 @@ def main() -> None:
             for r in range(args.rounds):
                 order = [("baseline", base), ("candidate", cand)]
                 for side, tree in order if r % 2 == 0 else order[::-1]:
-                    runs[side].append(_run_side(tree, args))
+                    run = _run_side if args.workload == "offline" else _run_serving
+                    runs[side].append(run(tree, args))
                     print(f"round {r + 1} {side}: {runs[side][-1]}", flush=True)
         finally:
             for tree in (base, cand):
@@ -124,17 +166,10 @@ def main() -> None:
                         ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False
                     )
     summary = {side: _summary(rs) for side, rs in runs.items()}
-    b, c = summary["baseline"], summary["candidate"]
-    ratios = {
-        "throughput": c["tok_per_s"] / b["tok_per_s"],
-        "batch1_speed": b["batch1_ms_per_token"] / c["batch1_ms_per_token"],
-        "cpu_seconds": b["cpu_seconds"] / c["cpu_seconds"],
-    }
-    for side, s in summary.items():
-        print(
-            f"{side}: {s['tok_per_s']:.1f} tok/s, batch-1 {s['batch1_ms_per_token']:.2f} ms/token, {s['cpu_seconds']:.1f} CPU s"
-        )
-    print("candidate / baseline (> 1 is faster): " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    ratios = _ratios(summary["baseline"], summary["candidate"])
+    for side, values in summary.items():
+        print(f"{side}: " + ", ".join(f"{k} {v:.2f}" for k, v in values.items()))
+    print("candidate / baseline (> 1 is better): " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     candidate = (
         args.candidate
         or subprocess.run(
@@ -142,25 +177,18 @@ def main() -> None:
         ).stdout.strip()
         + " + working tree"
     )
-    path = Path(args.output) if args.output else result_path("ab_revisions")
+    name = "ab_revisions" + ("" if args.workload == "offline" else f"_{args.workload}")
+    path = Path(args.output) if args.output else result_path(name)
+    per_workload = (
+        ("num_prompts", "threads", "kv_cache_gib") if args.workload == "offline" else ("rate", "num_requests")
+    )
+    keys = ("workload", "model", "dtype", "prompt_len", "output_len", "rounds") + per_workload
     save(
-        "ab_revisions",
+        name,
         {
             "baseline": args.baseline,
             "candidate": candidate,
-            "workload": {
-                k: getattr(args, k)
-                for k in (
-                    "model",
-                    "dtype",
-                    "num_prompts",
-                    "prompt_len",
-                    "output_len",
-                    "threads",
-                    "rounds",
-                    "kv_cache_gib",
-                )
-            },
+            "workload": {k: getattr(args, k) for k in keys},
             "runs": runs,
             "median": summary,
             "ratios": ratios,
