@@ -7,6 +7,7 @@ pass through with their own code.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 from pathlib import Path
@@ -64,6 +65,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream and inspect.iscoroutinefunction(handler.unary_stream):
+            # A streaming handler that writes with `await context.write(...)` and returns (the
+            # standard grpc.health.v1 Watch is one) stays a coroutine: gRPC only takes writes from
+            # a coroutine handler, and only iterates an async generator one.
+            inner_writer = handler.unary_stream
+
+            async def unary_stream_writer(request, context):
+                try:
+                    await inner_writer(request, context)
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - mapped to a status
+                    await _map_error(context, method, e)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_writer, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream:
             inner_stream = handler.unary_stream

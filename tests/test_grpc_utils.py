@@ -1,0 +1,73 @@
+"""The services' gRPC server plumbing with real gRPC clients: the standard health service's Watch
+streams through the error interceptor (client-side health checking uses it), and a streaming
+handler that writes with `context.write` gets its errors mapped like any other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_utils import add_health_and_reflection, new_server, set_health
+from services.launcher import free_port
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_health_watch_streams_every_change():
+    async def scenario() -> list[int]:
+        server = new_server()
+        servicer = add_health_and_reflection(server, [])
+        endpoint = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(endpoint)
+        await server.start()
+        await set_health(servicer, live=True, ready=False)
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as ch:
+                call = health_pb2_grpc.HealthStub(ch).Watch(
+                    health_pb2.HealthCheckRequest(service="readiness")
+                )
+                seen = [(await call.read()).status]
+                await set_health(servicer, live=True, ready=True)
+                seen.append((await call.read()).status)
+                await set_health(servicer, live=True, ready=False)
+                seen.append((await call.read()).status)
+                call.cancel()
+                return seen
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(scenario()) == [NOT_SERVING, SERVING, NOT_SERVING]
+
+
+class _Writer(health_pb2_grpc.HealthServicer):
+    """A write-style streaming handler that fails after its first message."""
+
+    async def Watch(self, request, context):
+        await context.write(health_pb2.HealthCheckResponse(status=SERVING))
+        raise ValueError(f"service must be known, got {request.service!r}")
+
+
+def test_a_write_style_stream_error_is_mapped_to_its_status():
+    async def scenario():
+        server = new_server()
+        health_pb2_grpc.add_HealthServicer_to_server(_Writer(), server)
+        endpoint = f"127.0.0.1:{free_port()}"
+        server.add_insecure_port(endpoint)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as ch:
+                call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="nope"))
+                first = await call.read()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call.read()
+                return first.status, err.value.code(), err.value.details()
+        finally:
+            await server.stop(None)
+
+    status, code, details = asyncio.run(scenario())
+    assert status == SERVING
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "service must be known, got 'nope'"
