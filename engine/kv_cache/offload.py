@@ -155,16 +155,8 @@ class RedisTier:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    def get(self, key: str) -> bytes | None:
-        if not self.available:
-            return None
-        try:
-            return self.client.get(self._rkey(key))
-        except Exception as e:  # noqa: BLE001
-            self._failed("read from", e)
-            return None
-
     def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """One MGET (the fetch thread calls it; the engine thread never does)."""
         if not keys or not self.available:
             return [None] * len(keys)
         try:
@@ -172,18 +164,6 @@ class RedisTier:
         except Exception as e:  # noqa: BLE001
             self._failed("read from", e)
             return [None] * len(keys)
-
-    def contains(self, keys: list[str]) -> list[bool]:
-        if not keys or not self.available:
-            return [False] * len(keys)
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self._rkey(k))
-            return [bool(x) for x in pipe.execute()]
-        except Exception as e:  # noqa: BLE001
-            self._failed("lookup in", e)
-            return [False] * len(keys)
 
     def close(self) -> None:
         self._stop.set()
