@@ -31,6 +31,7 @@ from services.openai.protocol import (
 from services.router import api_proto
 from services.router.api import KvFailurePolicy, ServingMode
 from services.router.grpc_service import InferenceService
+from tests.engine_testing import run_finished
 from tests.test_openai_front import MODEL, FakeFrontend
 
 
@@ -252,22 +253,13 @@ def core(tiny_model) -> EngineCore:
     return EngineCore(cfg)
 
 
-def _run(core: EngineCore) -> dict:
-    final = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def test_exported_request_id_cannot_be_reused(core):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = list(range(10, 23))  # 13 tokens: 4 blocks of 4
     pool = core.block_manager
     free_at_start = pool.num_free_blocks
     core.add_request("p", prompt, params, kv_export=True)
-    assert _run(core)["p"].finish_reason == "exported"
+    assert run_finished(core)["p"].finish_reason == "exported"
     exported = list(core.exported["p"].block_ids)
     assert len(exported) == 4
     free_while_exported = pool.num_free_blocks
@@ -289,7 +281,7 @@ def test_exported_request_id_cannot_be_reused(core):
     assert pool.num_free_blocks == free_at_start  # everything back
     # Released, the id is free again.
     core.add_request("p", prompt, params)
-    assert _run(core)["p"].finish_reason == "length"
+    assert run_finished(core)["p"].finish_reason == "length"
     assert pool.num_free_blocks == free_at_start
 
 

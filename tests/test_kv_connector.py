@@ -21,6 +21,7 @@ from engine.kv_cache.connector import KVConnector
 from engine.kv_cache.hashing import hash_blocks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from tests.engine_testing import run_finished
 from tests.redis_server import RedisServer
 
 BS = 4
@@ -35,7 +36,7 @@ class Store:
 
     def __init__(self, core: EngineCore):
         core.add_request("fill", PROMPT, PARAMS)
-        _run(core)
+        run_finished(core)
         hashes = hash_blocks(PROMPT, BS)
         hit, _ = core.block_manager.get_computed_blocks(_probe(core))
         self.blobs = {
@@ -99,24 +100,13 @@ def _probe(core: EngineCore):
     return Request("probe", list(PROMPT), SamplingParams())
 
 
-def _run(core: EngineCore, steps: int | None = None) -> dict:
-    final = {}
-    n = 0
-    while core.has_unfinished_requests() and (steps is None or n < steps):
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-        n += 1
-    return final
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model):
     core = _core(tiny_model)
     store = Store(core)
     core.add_request("ref", PROMPT, PARAMS)
     core.add_request("other-ref", [7, 8, 9], OTHER)
-    refs = _run(core)
+    refs = run_finished(core)
     return store, refs["ref"], refs["other-ref"]
 
 
@@ -149,14 +139,14 @@ def test_a_pending_lookup_holds_up_no_one_and_its_blocks_load_exactly(tiny_model
     conn = made[0]
     core.add_request("slow", PROMPT, PARAMS)
     core.add_request("other", [7, 8, 9], OTHER)  # shorter than a block: nothing to look up
-    finished = _run(core, steps=10)
+    finished = run_finished(core, steps=10)
     assert list(finished) == ["other"]
     _same(finished["other"], other_ref)
     assert [r.request_id for r in core.scheduler.waiting_for_kv] == ["slow"]
     assert core.requests["slow"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert core.requests["slow"].block_ids == []  # nothing allocated while it waits
     conn.gate.set()
-    finished = _run(core)
+    finished = run_finished(core)
     _same(finished["slow"], ref)
     assert finished["slow"].num_cached_tokens == len(PREFIX)
     assert conn.loaded == [len(PREFIX) // BS]
@@ -167,7 +157,7 @@ def test_a_pending_lookup_holds_up_no_one_and_its_blocks_load_exactly(tiny_model
 def test_abort_while_the_lookup_is_pending_releases_once_and_holds_nothing(tiny_model, plain):
     core, made = _with(tiny_model, plain)
     core.add_request("slow", PROMPT, PARAMS)
-    _run(core, steps=3)
+    run_finished(core, steps=3)
     assert core.requests["slow"].status is RequestStatus.WAITING_FOR_REMOTE_KV
     out = core.abort_request("slow")
     assert out.finish_reason == "abort"
@@ -183,7 +173,7 @@ def test_blocks_the_connector_cannot_give_are_recomputed(tiny_model, plain):
     core, made = _with(tiny_model, plain, keep=2)
     made[0].gate.set()
     core.add_request("r", PROMPT, PARAMS)
-    out = _run(core)["r"]
+    out = run_finished(core)["r"]
     _same(out, ref)
     assert out.num_cached_tokens == 2 * BS and made[0].loaded == [len(PREFIX) // BS]
     _idle(core)
@@ -231,18 +221,18 @@ def test_the_engine_thread_never_talks_to_redis_even_when_it_is_down(tiny_model,
         )
         core = EngineCore(cfg)
         core.add_request("a", PROMPT, PARAMS)
-        first = _run(core)["a"]
+        first = run_finished(core)["a"]
         core.add_request("evict", [100 + j for j in range(60)], SamplingParams(max_tokens=2, temperature=0))
-        _run(core)
+        run_finished(core)
         assert core.connector.tiers[0].flush()
         core.add_request("b", PROMPT, PARAMS)
-        again = _run(core)["b"]
+        again = run_finished(core)["b"]
         assert again.num_cached_tokens == len(PREFIX) and again.token_ids == first.token_ids
         server.stop()
         core.add_request("evict2", [2000 + j for j in range(60)], SamplingParams(max_tokens=2, temperature=0))
-        _run(core)
+        run_finished(core)
         core.add_request("c", PROMPT, PARAMS)
-        down = _run(core)
+        down = run_finished(core)
         assert down["c"].token_ids == first.token_ids and down["c"].num_cached_tokens == 0
         assert core.connector.tiers[0].errors > 0
         core.connector.close()

@@ -30,6 +30,7 @@ from engine.kv_cache.transfer import ImportClosed
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from tests.engine_testing import run_finished
 
 BS = 4
 NUM_BLOCKS = 64
@@ -88,23 +89,14 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(5, 4000) for _ in range(n)]
 
 
-def _run(core: EngineCore) -> dict[str, RequestOutput]:
-    final = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
-
-
 def _whole(core: EngineCore, prompt: list[int], params: SamplingParams, rid: str = "whole") -> RequestOutput:
     core.add_request(rid, prompt, params)
-    return _run(core)[rid]
+    return run_finished(core)[rid]
 
 
 def _export(producer: EngineCore, rid: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
     producer.add_request(rid, prompt, params, kv_export=True)
-    out = _run(producer)[rid]
+    out = run_finished(producer)[rid]
     assert out.finish_reason == "exported"
     assert out.exported_kv is producer.exported[rid]
     return out
@@ -137,7 +129,7 @@ def _hand_over(
     _transfer(pd.producer, pd.consumer, kv, rid, hits)
     pd.consumer.finish_import(rid)
     assert pd.producer.release_export(rid)
-    return first, _run(pd.consumer)[rid], hits
+    return first, run_finished(pd.consumer)[rid], hits
 
 
 def _assert_same(first: RequestOutput, final: RequestOutput, ref: RequestOutput) -> None:
@@ -193,7 +185,7 @@ def test_seeded_handover_carries_the_generator_state(pd):
     assert pd.consumer.allocate_import("r") == 0
     _transfer(pd.producer, pd.consumer, first.exported_kv, "r", 0)
     pd.consumer.finish_import("r")
-    final = _run(pd.consumer)["r"]
+    final = run_finished(pd.consumer)["r"]
     assert final.token_ids[0] == first.token_ids[0]
     assert final.token_ids != _whole(pd.reference, prompt, SEEDED).token_ids
 
@@ -210,7 +202,7 @@ def test_handover_without_the_kv_write_goes_wrong(pd):
     pd.consumer.begin_import("r", prompt, first.token_ids, GREEDY)
     assert pd.consumer.allocate_import("r") == 0
     pd.consumer.finish_import("r")  # no _transfer
-    final = _run(pd.consumer)["r"]
+    final = run_finished(pd.consumer)["r"]
     assert final.token_ids != _whole(pd.reference, prompt, GREEDY).token_ids
 
 
@@ -287,7 +279,7 @@ def test_export_whose_first_token_ends_it_finishes_normally(pd, case):
     prompt = _prompt(13)
     tok = _whole(pd.reference, prompt, GREEDY).token_ids[0]
     pd.producer.add_request("x", prompt, make_params(tok), kv_export=True)
-    out = _run(pd.producer)["x"]
+    out = run_finished(pd.producer)["x"]
     assert (out.token_ids, out.finish_reason) == ([tok], reason)
     assert out.stop_reason == (tok if stopped_by_token else None)
     assert out.exported_kv is None
@@ -324,7 +316,7 @@ def test_import_reuses_the_consumers_cached_prefix(pd, mode):
     _transfer(pd.producer, c, kv, "r", 2)
     c.finish_import("r")
     pd.producer.release_export("r")
-    final = _run(c)["r"]
+    final = run_finished(c)["r"]
     assert final.num_cached_tokens == 8
     _assert_same(first, final, _whole(pd.reference, prompt, params))
     assert c.block_manager.num_free_blocks == NUM_BLOCKS
@@ -340,7 +332,7 @@ def test_import_of_a_fully_cached_prompt_transfers_nothing(pd):
     assert c.requests["r"].block_ids == [0, 1]
     c.finish_import("r")
     pd.producer.release_export("r")
-    _assert_same(first, _run(c)["r"], _whole(pd.reference, prompt, GREEDY))
+    _assert_same(first, run_finished(c)["r"], _whole(pd.reference, prompt, GREEDY))
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm2"])
@@ -426,7 +418,7 @@ def test_once_the_import_joined_the_batch_its_sink_refuses_writes(pd):
     with pytest.raises(KeyError):
         c.import_sink("r")
     assert pd.producer.release_export("r")
-    _assert_same(first, _run(c)["r"], _whole(pd.reference, prompt, GREEDY))
+    _assert_same(first, run_finished(c)["r"], _whole(pd.reference, prompt, GREEDY))
 
 
 def test_abort_before_allocate_import_leaves_no_trace(pd):
@@ -452,7 +444,7 @@ def test_recompute_import_after_a_failed_transfer(pd, mode):
     assert "r" not in c.importing
     assert c.block_manager.num_free_blocks == NUM_BLOCKS  # the blocks wait for the scheduler
     assert c.block_manager.pool.cached == {}  # the half-written blocks were never registered
-    final = _run(c)["r"]
+    final = run_finished(c)["r"]
     _assert_same(first, final, _whole(pd.reference, prompt, params))
     assert final.num_cached_tokens == 0
     assert c.block_manager.num_free_blocks == NUM_BLOCKS

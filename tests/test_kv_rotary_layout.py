@@ -20,6 +20,7 @@ from engine.engine_core import EngineCore
 from engine.kv_cache.codec import read_slab, write_slab
 from engine.sampling_params import SamplingParams
 from kernels.dispatch import resolve_impl
+from tests.engine_testing import run_finished
 from tests.hf_reference import VARIANTS, build_hf_checkpoint
 from tests.test_engine_triton import KERNEL_MODULES
 
@@ -36,15 +37,6 @@ def _core(model_dir) -> EngineCore:
     return EngineCore(
         EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=16, num_threads=1)
     )
-
-
-def _run(core: EngineCore) -> dict:
-    final = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 def _force_triton(monkeypatch) -> list[str]:
@@ -82,10 +74,10 @@ def test_kv_written_on_the_cpu_path_decodes_the_same_on_triton_kernels(model_dir
     producer, consumer = _core(model_dir), _core(model_dir)
     assert producer.kv_spec.compat_hash() == consumer.kv_spec.compat_hash()
     producer.add_request("whole", PROMPT, PARAMS)
-    whole = _run(producer)["whole"]
+    whole = run_finished(producer)["whole"]
 
     producer.add_request("r", PROMPT, PARAMS, kv_export=True)
-    first = _run(producer)["r"]
+    first = run_finished(producer)["r"]
     kv = first.exported_kv
     consumer.begin_import("r", PROMPT, first.token_ids, PARAMS, kv.generator_state)
     assert consumer.allocate_import("r") == 0
@@ -96,7 +88,7 @@ def test_kv_written_on_the_cpu_path_decodes_the_same_on_triton_kernels(model_dir
     assert producer.release_export("r")
 
     calls = _force_triton(monkeypatch)
-    final = _run(consumer)["r"]
+    final = run_finished(consumer)["r"]
     assert calls, "the consumer must run through the kernel dispatch"
     assert final.token_ids == whole.token_ids
     for got, want in zip(first.logprobs + final.logprobs, whole.logprobs, strict=True):
