@@ -202,6 +202,20 @@ GRPC_CASES = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "chat.messages",
     ),
+    (
+        "chat-unknown-role",  # the template renders no such role: refused, as over HTTP, not dropped
+        pb.GenerateRequest(
+            chat=pb.Chat(
+                messages=[
+                    pb.ChatMessage(role="user", content="hi"),
+                    pb.ChatMessage(role="wizard", content="x"),
+                ]
+            ),
+            sampling=_sp(),
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "chat.messages[1].role must be one of ['system', 'user', 'assistant'], got 'wizard'",
+    ),
 ]
 
 

@@ -21,6 +21,7 @@ import jinja2
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.router.api import (
+    CHAT_ROLES,
     MAX_STOP,
     MAX_TEMPERATURE,
     Frontend,
@@ -37,8 +38,6 @@ MAX_PROMPTS = 64
 DEFAULT_MAX_TOKENS = 16
 """/v1/completions' max_tokens when none is given (OpenAI's default). Chat defaults to the rest of
 the context window instead."""
-CHAT_ROLES = ("system", "user", "assistant")
-"""The roles the model's chat template renders."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects in a request body (a chat request needs 4)."""
 API_SEED_RANGE = (-(2**63), 2**63)

@@ -26,6 +26,8 @@ MAX_TEMPERATURE = 2.0
 """API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
 MAX_STOP = 16
 """API limit on the number of stop strings per request."""
+CHAT_ROLES = ("system", "user", "assistant")
+"""The chat roles both public APIs take: the ones the model's chat template renders."""
 
 
 def check_api_limits(params: SamplingParams) -> None:

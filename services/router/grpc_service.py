@@ -9,15 +9,22 @@ from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument, NotFound
 from services.router import api_proto
-from services.router.api import GenerateInput, check_prompt_bytes
+from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes
 from services.router.core import RouterCore
 
 VERSION = "0.1.0"
 
 
 def chat_messages(chat: pb.Chat) -> list[dict]:
+    """The chat as the template takes it; INVALID_ARGUMENT naming the message for a role the
+    template does not render (it would be dropped from the prompt without a word)."""
     if not chat.messages:
         raise InvalidArgument("chat.messages must not be empty")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"chat.messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role[:64]!r}"
+            )
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
