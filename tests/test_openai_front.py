@@ -441,6 +441,18 @@ BAD_REQUESTS = [
     ("/v1/completions", {**CMPL, "min_tokens": 9, "max_tokens": 4}, "min_tokens", "max_tokens"),
     ("/v1/completions", {**CMPL, "stream": "yes"}, "stream", "true or false"),
     ("/v1/completions", {**CMPL, "stream": True, "stream_options": 1}, "stream_options", "object"),
+    (
+        "/v1/completions",
+        {**CMPL, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "only allowed when stream is true",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": False, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "only allowed when stream is true",
+    ),
     ("/v1/completions", {**CMPL, "mode": "fast"}, "mode", "colocated"),
     ("/v1/completions", {**CMPL, "kv_failure_policy": "retry"}, "kv_failure_policy", "recompute"),
     ("/v1/completions", {**CMPL, "echo": True}, "echo", "not supported"),

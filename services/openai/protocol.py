@@ -432,6 +432,8 @@ def _common(body: dict) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
+    if options is not None and not stream:  # OpenAI and vLLM refuse it too: it would be ignored
+        raise ApiError("stream_options is only allowed when stream is true", "stream_options")
     include_usage = (options or {}).get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ApiError("stream_options.include_usage must be true or false", "stream_options")
