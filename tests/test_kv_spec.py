@@ -29,25 +29,9 @@ def test_geometry():
 
 
 def test_mla_spec_is_the_model_group_then_the_mtp_group():
-    spec = mla_spec(
-        num_layers=3,
-        num_mtp_layers=1,
-        block_size=4,
-        kv_lora_rank=64,
-        rope_dim=16,
-        dtype=torch.float32,
-        fingerprint="model-a",
-    )
-    assert spec == SPEC
-    no_mtp = mla_spec(
-        num_layers=3,
-        num_mtp_layers=0,
-        block_size=4,
-        kv_lora_rank=64,
-        rope_dim=16,
-        dtype=torch.float32,
-        fingerprint="m",
-    )
+    geometry = dict(num_layers=3, block_size=4, kv_lora_rank=64, rope_dim=16, dtype=torch.float32)
+    assert mla_spec(num_mtp_layers=1, fingerprint="model-a", **geometry) == SPEC
+    no_mtp = mla_spec(num_mtp_layers=0, fingerprint="m", **geometry)
     assert [g.kind for g in no_mtp.groups] == [CacheKind.LATENT]
 
 

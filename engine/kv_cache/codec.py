@@ -29,7 +29,7 @@ assert sys.byteorder == "little", "the KV byte format is little-endian"
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 """Element dtype on the wire and in stored blocks (the values of pdserve.v1.KvDtype)."""
-_DTYPE_BY_CODE = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
+DTYPE_NAME_BY_CODE = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
 
 _MAGIC = b"PDKV"
 _VERSION = 2
@@ -131,7 +131,7 @@ def check_slab(
         )
     if dtype_code != DTYPE_CODES[g.dtype]:
         raise KVCodecError(
-            f"KV chunk dtype {_DTYPE_BY_CODE.get(dtype_code, dtype_code)} != {DTYPE_NAMES[g.dtype]}"
+            f"KV chunk dtype {DTYPE_NAME_BY_CODE.get(dtype_code, dtype_code)} != {DTYPE_NAMES[g.dtype]}"
         )
     expected = slab_shape(spec, slab)
     if list(shape) != expected:

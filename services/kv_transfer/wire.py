@@ -8,8 +8,16 @@ and the checksum against the bytes (codec.check_slab) before writing anything.
 
 from __future__ import annotations
 
-from engine.kv_cache.codec import DTYPE_CODES, KVCodecError, Slab, check_slab, crc32, slab_shape
-from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
+from engine.kv_cache.codec import (
+    DTYPE_CODES,
+    DTYPE_NAME_BY_CODE,
+    KVCodecError,
+    Slab,
+    check_slab,
+    crc32,
+    slab_shape,
+)
+from engine.kv_cache.spec import KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from services.common.errors import DataLoss
 
@@ -89,16 +97,20 @@ def spec_to_proto(spec: KVCacheSpec) -> kv_pb.KvCacheSpec:
 
 def spec_from_proto(msg: kv_pb.KvCacheSpec) -> KVCacheSpec:
     """ValueError naming the field when the message does not describe a valid spec."""
-    names = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
     groups = []
     for i, g in enumerate(msg.groups):
-        if g.dtype not in names:
+        if g.dtype not in DTYPE_NAME_BY_CODE:
             raise ValueError(f"kv_cache_spec.groups[{i}].dtype {g.dtype} is not a known KvDtype")
-        d = {field.name: value for field, value in g.ListFields()}
-        d.update(layers=list(g.layers), dtype=names[g.dtype])
-        for name in ("kind", "rotary_layout"):
-            d.setdefault(name, "")
-        for name in ("block_size", "width", "rope_width", "tokens_per_entry"):
-            d.setdefault(name, 0)
-        groups.append(d)
+        groups.append(
+            {
+                "kind": g.kind,
+                "layers": list(g.layers),
+                "block_size": g.block_size,
+                "width": g.width,
+                "dtype": DTYPE_NAME_BY_CODE[g.dtype],
+                "rope_width": g.rope_width,
+                "rotary_layout": g.rotary_layout,
+                "tokens_per_entry": g.tokens_per_entry,
+            }
+        )
     return KVCacheSpec.from_description({"model": msg.model_fingerprint, "groups": groups})
