@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-from engine.client import EngineClient
+from engine.client import EngineClient, step_outputs
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
@@ -73,10 +73,8 @@ class LLM:
             self.engine.add_request(request_id, ids, params, prompt=text)
             order.append(request_id)
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        for outputs in step_outputs(self.engine, stopping=lambda: not self.engine.has_unfinished_requests()):
+            final.update((out.request_id, out) for out in outputs if out.finished)
         return [final[r] for r in order]
 
     def stream(
@@ -92,9 +90,9 @@ class LLM:
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, ids, params, prompt=text)
         try:
-            while self.engine.has_request(request_id):
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
+            for outputs in step_outputs(
+                self.engine, stopping=lambda: not self.engine.has_request(request_id)
+            ):
+                yield from (out for out in outputs if out.request_id == request_id)
         finally:
             self.engine.abort_request(request_id)  # a no-op when it finished

@@ -66,3 +66,28 @@ def test_services_never_touch_the_cache_tensors():
             if isinstance(node, ast.Attribute) and node.attr in ("kv_caches", "runner"):
                 touching.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.attr}")
     assert touching == []
+
+
+def test_one_step_loop():
+    """Every driver (the offline LLM, the worker's engine thread, the DP ranks) steps an engine
+    through engine/client.py's step_outputs; the worker's `_step` is the override it hands in
+    (benchmarks time single steps on purpose)."""
+    steppers = []
+    for package in ("engine", "services"):
+        for path in _modules(package):
+            tree = ast.parse(path.read_text(), str(path))
+            for func in ast.walk(tree):
+                if not isinstance(func, ast.FunctionDef):
+                    continue
+                for node in ast.walk(func):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "step"
+                        and "detok" not in ast.unparse(node.func.value)
+                    ):
+                        steppers.append((str(path.relative_to(REPO)), func.name))
+    assert sorted(set(steppers)) == [
+        ("engine/client.py", "step_outputs"),
+        ("services/worker/async_engine.py", "_step"),
+    ]

@@ -103,6 +103,9 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
 class DPEngineClient:
     """Drives N rank processes; an EngineClient, single-threaded like EngineCore."""
 
+    group = None
+    """The client is not a rank itself: it steps only while requests are in flight."""
+
     def __init__(self, cfg: EngineConfig):
         folder = check_model_folder(cfg.model)
         if cfg.enable_expert_parallel and cfg.dist_master_port == 0:
