@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,36 @@ def test_a_rank_killed_mid_generation_fails_the_group_with_a_clear_error(tiny_mo
             pass
     assert time.monotonic() - t0 < 25
     assert not any(p.is_alive() for p in llm.engine.procs)
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model, tmp_path):
+    """spawn re-imports the script in every rank; unguarded, the script builds the engine again
+    there. The parent's error says so and how to fix it (it was an AttributeError from the
+    failure path); a guarded script runs."""
+    import subprocess
+    import sys
+
+    body = f"from engine import LLM\nllm = LLM({tiny_model!r}, data_parallel_size=2, num_threads=1)\n"
+    unguarded = tmp_path / "unguarded.py"
+    unguarded.write_text(body + "print('built')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run(
+        [sys.executable, str(unguarded)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert run.returncode == 1 and "built" not in run.stdout
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: data-parallel rank ")
+    assert "re-imports the main module" in last and str(unguarded) in last
+    assert 'if __name__ == "__main__":' in last
+    assert "AttributeError" not in run.stderr
+
+    guarded = tmp_path / "guarded.py"
+    indented = "".join(f"    {line}\n" for line in body.splitlines())
+    guarded.write_text(
+        f'if __name__ == "__main__":\n{indented}    print("built")\n    llm.engine.shutdown()\n'
+    )
+    run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, env=env, timeout=240)
+    assert run.returncode == 0 and run.stdout.strip() == "built", run.stderr
 
 
 def test_placement_round_robin_and_file_validation(tmp_path):

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -30,6 +31,11 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.002
+RANK_NAME_PREFIX = "pdserve-dp"
+"""Rank processes are named pdserve-dp<rank>; spawn names them before it re-imports __main__."""
+EXIT_MAIN_REIMPORTED = 86
+"""A rank's exit code when the script that started it built a DP engine again while spawn
+re-imported it (no `if __name__ == "__main__":` guard)."""
 
 
 def _free_port() -> int:
@@ -100,6 +106,28 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
             core.group.close()
 
 
+def _main_guard_help() -> str:
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    script = f" ({main})" if main else ""
+    return (
+        "the rank processes are started with multiprocessing's 'spawn' method, which re-imports "
+        f"the main module{script}, and that module builds the data-parallel engine again at import "
+        "time (LLM(..., data_parallel_size > 1) outside a main guard). Put the code that builds and "
+        'uses the LLM under `if __name__ == "__main__":`'
+    )
+
+
+def _refuse_in_rank_bootstrap() -> None:
+    """In a rank process that spawn is still bootstrapping, building a DP engine means the user's
+    script runs unguarded: say so on this rank's stderr and exit with EXIT_MAIN_REIMPORTED, which
+    the parent turns into the same explanation (multiprocessing would refuse a bit later with a
+    RuntimeError the parent never sees)."""
+    if not mp.current_process().name.startswith(RANK_NAME_PREFIX):  # ranks never build one
+        return
+    print(f"pdserve data-parallel rank: {_main_guard_help()}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_MAIN_REIMPORTED)
+
+
 class DPEngineClient:
     """Drives N rank processes; an EngineClient, single-threaded like EngineCore."""
 
@@ -107,6 +135,14 @@ class DPEngineClient:
     """The client is not a rank itself: it steps only while requests are in flight."""
 
     def __init__(self, cfg: EngineConfig):
+        _refuse_in_rank_bootstrap()
+        # Set before any rank starts: the failure path and __del__ read them.
+        self.conns: list[Connection] = []
+        self.procs = []
+        self.requests: dict[str, int] = {}
+        """request_id -> the rank running it (see has_request)."""
+        self._in_flight = [0] * cfg.data_parallel_size
+        self.final_stats: dict[int, dict] = {}
         folder = check_model_folder(cfg.model)
         if cfg.enable_expert_parallel and cfg.dist_master_port == 0:
             cfg = dataclasses.replace(cfg, dist_master_port=_free_port())
@@ -114,12 +150,10 @@ class DPEngineClient:
         self.model_cfg = ModelConfig.from_pretrained(folder)
         self.tokenizer = Tokenizer(folder)
         ctx = mp.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs = []
         for rank in range(cfg.data_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, cfg, child), name=f"pdserve-dp{rank}", daemon=True
+                target=_rank_main, args=(rank, cfg, child), name=f"{RANK_NAME_PREFIX}{rank}", daemon=True
             )
             proc.start()
             child.close()
@@ -128,25 +162,31 @@ class DPEngineClient:
         infos = [self._expect(rank, "ready") for rank in range(cfg.data_parallel_size)]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in infos)
-        self.requests: dict[str, int] = {}
-        """request_id -> the rank running it (see has_request)."""
-        self._in_flight = [0] * cfg.data_parallel_size
-        self.final_stats: dict[int, dict] = {}
 
     def _fail(self, rank: int, why: str):
         self.requests.clear()  # the group is gone: nothing left to abort
         self.shutdown(force=True)
         raise RuntimeError(f"data-parallel rank {rank} failed: {why}")
 
+    def _exited(self, rank: int, what: str) -> str:
+        """Why rank's process is gone (`what` happened), once it has exited (a few seconds at most)."""
+        proc = self.procs[rank]
+        proc.join(timeout=5.0)
+        if proc.exitcode == EXIT_MAIN_REIMPORTED:
+            return f"it exited before it started: {_main_guard_help()}"
+        return f"{what} (exit code {proc.exitcode})"
+
     def _expect(self, rank: int, kind: str):
         conn = self.conns[rank]
         while not conn.poll(0.5):
             if not self.procs[rank].is_alive():
-                self._fail(rank, f"exited with code {self.procs[rank].exitcode}")
+                self._fail(rank, self._exited(rank, "it exited"))
         try:
             msg_kind, payload = conn.recv()
         except EOFError:
-            self._fail(rank, "its pipe closed")
+            msg_kind, payload = None, None
+        if msg_kind is None:
+            self._fail(rank, self._exited(rank, "its pipe closed"))
         if msg_kind == "error":
             self._fail(rank, payload)
         assert msg_kind == kind, (msg_kind, kind)
@@ -194,14 +234,16 @@ class DPEngineClient:
             if not ready:
                 for rank, proc in enumerate(self.procs):
                     if not proc.is_alive():
-                        self._fail(rank, f"exited with code {proc.exitcode}")
+                        self._fail(rank, self._exited(rank, "it exited"))
                 continue
             for conn in ready:
                 rank = self.conns.index(conn)
                 try:
                     kind, payload = conn.recv()
                 except EOFError:
-                    self._fail(rank, f"its pipe closed (exit code {self.procs[rank].exitcode})")
+                    kind, payload = None, None
+                if kind is None:
+                    self._fail(rank, self._exited(rank, "its pipe closed"))
                 if kind == "error":
                     self._fail(rank, payload)
                 for out in payload or []:
