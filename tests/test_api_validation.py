@@ -214,7 +214,7 @@ GRPC_CASES = [
             sampling=_sp(),
         ),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "chat.messages[1].role must be one of ['system', 'user', 'assistant'], got 'wizard'",
+        "chat.messages[1].role must be one of ['system', 'user', 'assistant', 'developer'], got 'wizard'",
     ),
 ]
 
@@ -224,6 +224,21 @@ def test_grpc_generate_validation(stack, request_, code, field):
     with pytest.raises(grpc.RpcError) as err:
         list(inference(stack).Generate(request_, timeout=30))
     assert err.value.code() == code and field in err.value.details(), err.value.details()
+
+
+def test_developer_role_renders_as_system_over_grpc(stack):
+    """OpenAI's developer role is the system prompt under a newer name: the same prompt tokens."""
+
+    def tokens(role: str) -> list[int]:
+        chat = pb.Chat(
+            messages=[
+                pb.ChatMessage(role=role, content="be brief"),
+                pb.ChatMessage(role="user", content="hi"),
+            ]
+        )
+        return list(inference(stack).Tokenize(pb.TokenizeRequest(chat=chat), timeout=30).token_ids)
+
+    assert tokens("developer") == tokens("system") != tokens("user")
 
 
 def test_after_all_that_a_normal_request_gets_the_right_answer(stack, tiny_model):

@@ -357,6 +357,14 @@ def test_chat(client, fake, tok):
     assert choice.finish_reason == "stop" and out.usage.prompt_tokens == len(ids)
 
 
+def test_developer_role_renders_as_system(client, fake):
+    developer = [{"role": "developer", "content": "be brief"}, MESSAGES[1]]
+    client.chat.completions.create(model=MODEL, messages=developer, max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    as_developer, as_system = (inp.prompt_token_ids for inp in fake.inputs)
+    assert as_developer == as_system
+
+
 def test_chat_max_completion_tokens_wins(client, fake):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9, max_completion_tokens=4)
     assert fake.inputs[0].params.max_tokens == 4

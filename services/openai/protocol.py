@@ -378,7 +378,10 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer, max_model_len: int) -> list[i
             where = f"messages[{i}].role"
             raise ApiError(f"{where} must be one of {list(CHAT_ROLES)}, got {_show(role)}", where)
         rendered.append(
-            {"role": role, "content": _message_text(message.get("content"), f"messages[{i}].content")}
+            {
+                "role": CHAT_ROLES[role],
+                "content": _message_text(message.get("content"), f"messages[{i}].content"),
+            }
         )
     _check_text_bytes("".join(m["content"] for m in rendered), tokenizer, max_model_len)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)

@@ -26,8 +26,9 @@ MAX_TEMPERATURE = 2.0
 """API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
 MAX_STOP = 16
 """API limit on the number of stop strings per request."""
-CHAT_ROLES = ("system", "user", "assistant")
-"""The chat roles both public APIs take: the ones the model's chat template renders."""
+CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+"""The chat roles both public APIs take -> the role the model's chat template renders it as.
+OpenAI's `developer` (its newer name for system instructions) renders as `system`."""
 
 
 def check_api_limits(params: SamplingParams) -> None:

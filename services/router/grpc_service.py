@@ -25,7 +25,7 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
             raise InvalidArgument(
                 f"chat.messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role[:64]!r}"
             )
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return [{"role": CHAT_ROLES[m.role], "content": m.content} for m in chat.messages]
 
 
 class InferenceService(pb_grpc.InferenceServicer):
