@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.export import Export, ExportOptions, ExportTable
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
@@ -63,29 +64,18 @@ class KVImport:
             self.sink.close()
 
 
-@dataclass
-class ExportedKv:
-    """A finished prefill-only request's prompt KV, pinned until `release_export`."""
-
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    """Chained hashes of the full prompt blocks."""
-    num_tokens: int
-    """Prompt tokens the blocks hold."""
-    generator_state: torch.Tensor | None = None
-    """The seeded request's generator state after the first token, for the decode side to continue."""
-
-
 class EngineCore:
     def __init__(
         self,
         cfg: EngineConfig,
         group: ParallelGroup | None = None,
         connector: Callable[[KVCacheSpec, list[torch.Tensor]], KVConnector] | None = None,
+        exports: ExportTable | None = None,
     ):
         """group: this rank's DP/EP group (expert parallelism); every rank of it must call step()
         the same number of times. connector: builds the KV connector from the spec and the
-        caches, instead of the one cfg asks for (embedders, tests)."""
+        caches, instead of the one cfg asks for (embedders, tests). exports: where prefill-only
+        requests' KV is pinned, with the embedder's lease limits (default: ExportTable())."""
         torch.set_num_threads(cfg.num_threads or env.num_threads() or env.available_cores())
         folder = check_model_folder(cfg.model)
         self.cfg = cfg
@@ -146,8 +136,8 @@ class EngineCore:
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.exported: dict[str, ExportedKv] = {}
-        """Prefill-only requests' pinned prompt blocks, by request id (disaggregated prefill)."""
+        self.exports = exports if exports is not None else ExportTable()
+        """Prefill-only requests' prompt blocks, pinned under leases (disaggregated prefill)."""
         self.importing: dict[str, KVImport] = {}
         """Requests whose prompt KV is written from outside (a KV transfer), until it is in."""
         self.step_count = 0
@@ -181,21 +171,22 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-        kv_export: bool = False,
+        kv_export: bool | ExportOptions = False,
     ) -> Request:
         """Queue a request. kv_export: prefill only; it ends after its first token with status
-        FINISHED_EXPORTED and its prompt blocks pinned in `exported` (see release_export)."""
+        FINISHED_EXPORTED and its prompt blocks pinned in an export (`exports`, see
+        release_export), under the options' lease."""
         req = self._new_request(request_id, prompt_token_ids, params, prompt)
-        req.kv_export = kv_export
+        req.kv_export = ExportOptions() if kv_export is True else kv_export or None
         self.scheduler.add(req)
         return req
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> Request:
-        # A finished prefill-only request still owns its pinned blocks under its id until
-        # release_export: reusing the id would orphan them.
-        if request_id in self.requests or request_id in self.exported or request_id in self.importing:
+        # A finished prefill-only request still owns its pinned blocks under its id until its
+        # export ends and the blocks are freed: reusing the id would orphan them.
+        if request_id in self.requests or self.exports.holds(request_id) or request_id in self.importing:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
@@ -222,12 +213,19 @@ class EngineCore:
     # ---- KV transfer: the producer side ------------------------------------------------------
 
     def release_export(self, request_id: str) -> bool:
-        """Unpin an exported request's blocks (they stay in the prefix cache). False if unknown."""
-        exported = self.exported.pop(request_id, None)
-        if exported is None:
-            return False
-        self.block_manager.free_blocks(exported.block_ids)
-        return True
+        """Abort an exported request's export and free its blocks now (they stay in the prefix
+        cache). False if it has no live export."""
+        released = self.exports.release_request(request_id)
+        self.free_ended_exports()
+        return released
+
+    def free_ended_exports(self) -> int:
+        """Free the blocks of every export that ended (released, aborted, expired) since the
+        last call; every step starts with it. Returns how many."""
+        ended = self.exports.take_ended()
+        for export in ended:
+            self.scheduler.free_blocks(export.request)
+        return len(ended)
 
     # ---- KV transfer: the consumer side ------------------------------------------------------
 
@@ -318,13 +316,7 @@ class EngineCore:
         """The transfer failed: drop the blocks and compute the prompt here instead."""
         imp = self.importing.pop(request_id)
         imp.close()
-        req = imp.request
-        self.block_manager.free(req)
-        if self.connector is not None:
-            self.connector.release(request_id)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.scheduler.add(req)
+        self.scheduler.recompute(imp.request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -338,6 +330,7 @@ class EngineCore:
         """One schedule -> execute -> update. In a group, every rank calls it in lockstep: ranks
         first agree whether any has work (a rank without runs a dummy batch) and whether all asked
         to stop."""
+        self.free_ended_exports()
         sched = self.scheduler.schedule()
         if self.group is not None:
             busy, self.stop_requested = self.group.sync(not sched.empty, stop)
@@ -420,23 +413,25 @@ class EngineCore:
             new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
             if detokenizer.stop_matched is not None:
                 req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
-        exported = status is RequestStatus.FINISHED_EXPORTED
-        self.scheduler.finish(req, status, free_blocks=not exported)
-        if exported:
-            n = req.num_prompt_tokens
-            keep = -(-n // self.cfg.block_size)  # speculation may hold lookahead blocks past the prompt
-            self.block_manager.free_blocks(req.block_ids[keep:])
-            req.block_ids = req.block_ids[:keep]
-            hashes = req.block_hashes[: n // self.cfg.block_size]
-            if len(hashes) < n // self.cfg.block_size:  # prefix caching off: not kept on the way
-                hashes = hash_blocks(req.prompt_token_ids, self.cfg.block_size)
-            state = req.generator.get_state() if req.generator is not None else None
-            assert req.request_id not in self.exported, f"{req.request_id!r} is already exported"
-            self.exported[req.request_id] = ExportedKv(req.block_ids, hashes, n, state)
-            req.block_ids = []
+        export = None
+        if status is RequestStatus.FINISHED_EXPORTED:
+            export = self._export(req)
+        else:
+            self.scheduler.finish(req, status)
         out = self._finalize(req, new_ids, new_text)
-        out.exported_kv = self.exported.get(req.request_id) if exported else None
+        out.exported_kv = export
         return out
+
+    def _export(self, req: Request) -> Export:
+        """End a prefill-only request, its prompt blocks pinned in an export."""
+        n, bs = req.num_prompt_tokens, self.cfg.block_size
+        # Speculation may hold lookahead blocks past the prompt: those are freed.
+        self.scheduler.finish(req, RequestStatus.FINISHED_EXPORTED, keep_blocks=-(-n // bs))
+        hashes = req.block_hashes[: n // bs]
+        if len(hashes) < n // bs:  # prefix caching off: not kept on the way
+            hashes = hash_blocks(req.prompt_token_ids, bs)
+        state = req.generator.get_state() if req.generator is not None else None
+        return self.exports.add(req, hashes, state, req.kv_export)
 
     def _after_forward(self) -> None:
         if self.rebalancer is not None:

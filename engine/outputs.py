@@ -33,7 +33,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     exported_kv: Any = None
     """For a prefill-only request that handed over (finish_reason "exported"): its pinned
-    `engine.engine_core.ExportedKv`."""
+    `engine.kv_cache.export.Export`."""
 
     @property
     def num_cached_tokens(self) -> int:

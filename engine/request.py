@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kv_cache.export import ExportOptions
 
 
 class RequestStatus(enum.Enum):
@@ -83,9 +87,9 @@ class Request:
     """Tokens the MTP layer proposed to follow token_ids; verified in the next step."""
     spec_enabled: bool = False
     """The request drafts and verifies (speculative decoding on, and its sampling allows it)."""
-    kv_export: bool = False
+    kv_export: ExportOptions | None = None
     """Prefill-only (disaggregated prefill): after the first token the request ends with its prompt's
-    KV blocks pinned for a transfer instead of freed."""
+    KV blocks pinned in an export (engine/kv_cache/export.py) instead of freed."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

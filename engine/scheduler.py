@@ -108,9 +108,15 @@ class Scheduler:
             return 0
         return 2 * self.num_speculative
 
+    def free_blocks(self, req: Request, keep: int = 0) -> None:
+        """The one place KV blocks are freed: a request's blocks after its first `keep`. Called
+        when a request finishes (an exported one keeps its prompt blocks), is preempted or
+        recomputed, and when an export ends (EngineCore.free_ended_exports)."""
+        self.block_manager.free(req, keep)
+
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []
-        self.block_manager.free(req)
+        self.free_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -186,6 +192,15 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
+    def recompute(self, req: Request) -> None:
+        """Drop a request's blocks and queue it to compute its prompt here (a KV import failed)."""
+        self.free_blocks(req)
+        if self.connector is not None:
+            self.connector.release(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.add(req)
+
     def add_running(self, req: Request) -> None:
         """Join a request whose blocks are allocated and filled from outside (an imported KV
         transfer) to the running batch; it decodes from the next step on."""
@@ -193,8 +208,9 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
-        """Remove a request from the queues and free its blocks (unless the caller takes them over)."""
+    def finish(self, req: Request, status: RequestStatus, keep_blocks: int = 0) -> None:
+        """Remove a request from the queues and free its blocks after the first `keep_blocks`
+        (an exported request's prompt blocks, which its export then owns)."""
         assert status.finished
         if req in self.running:
             self.running.remove(req)
@@ -204,7 +220,6 @@ class Scheduler:
             self.waiting_for_kv.remove(req)
         if self.connector is not None:
             self.connector.release(req.request_id)
-        if free_blocks:
-            self.block_manager.free(req)
+        self.free_blocks(req, keep_blocks)
         req.status = status
         req.metrics.finished_time = time.monotonic()

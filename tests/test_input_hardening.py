@@ -260,7 +260,7 @@ def test_exported_request_id_cannot_be_reused(core):
     free_at_start = pool.num_free_blocks
     core.add_request("p", prompt, params, kv_export=True)
     assert run_finished(core)["p"].finish_reason == "exported"
-    exported = list(core.exported["p"].block_ids)
+    exported = list(core.exports.find("p").block_ids)
     assert len(exported) == 4
     free_while_exported = pool.num_free_blocks
     assert free_while_exported == free_at_start - 4
@@ -273,7 +273,7 @@ def test_exported_request_id_cannot_be_reused(core):
         with pytest.raises(ValueError, match=r"^request_id 'p' is already in use$"):
             reuse()
         assert pool.num_free_blocks == free_while_exported
-        assert core.exported["p"].block_ids == exported
+        assert core.exports.find("p").block_ids == exported
         assert "p" not in core.requests and "p" not in core.detokenizers
         assert not core.has_unfinished_requests()
 

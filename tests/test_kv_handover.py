@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections import OrderedDict
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache.codec import Slab, read_slab
+from engine.kv_cache.export import ExportOptions
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.transfer import ImportClosed
 from engine.outputs import RequestOutput
@@ -54,8 +56,8 @@ def _reset(core: EngineCore, noise_seed: int) -> None:
     order (so block ids are predictable) and noise in every KV block."""
     for rid in list(core.requests):
         core.abort_request(rid)
-    for rid in list(core.exported):
-        core.release_export(rid)
+    core.exports.abort_all()
+    core.free_ended_exports()
     assert not core.importing and not core.has_unfinished_requests()
     pool = core.block_manager.pool
     assert pool.num_free_blocks == pool.num_blocks, "a test leaked blocks"
@@ -98,7 +100,7 @@ def _export(producer: EngineCore, rid: str, prompt: list[int], params: SamplingP
     producer.add_request(rid, prompt, params, kv_export=True)
     out = run_finished(producer)[rid]
     assert out.finish_reason == "exported"
-    assert out.exported_kv is producer.exported[rid]
+    assert out.exported_kv is producer.exports.find(rid)
     return out
 
 
@@ -115,7 +117,7 @@ def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_bl
     if first_block < end:
         for group in producer.kv_spec.groups:
             slab = Slab(group.layer_start, group.num_layers, first_block, end - first_block)
-            sink.write(slab, producer.kv_port.read_exported(kv.block_ids, slab))
+            sink.write(slab, producer.kv_port.read_exported(kv, slab))
 
 
 def _hand_over(
@@ -219,7 +221,7 @@ def test_export_pins_blocks_until_release(pd):
     assert kv.block_hashes == hash_blocks(prompt, BS) and len(kv.block_hashes) == 3
     assert kv.num_tokens == 13
     assert out.token_ids == _whole(pd.reference, prompt, GREEDY).token_ids[:1]
-    assert list(p.exported) == ["x"]
+    assert len(p.exports) == 1 and p.exports.find("x") is kv
     assert "x" not in p.requests and not p.has_unfinished_requests()
     assert bm.num_free_blocks == NUM_BLOCKS - 4
     assert [bm.pool.blocks[b].ref_count for b in kv.block_ids] == [1, 1, 1, 1]
@@ -236,7 +238,7 @@ def test_export_pins_blocks_until_release(pd):
 
     assert p.release_export("x") is True
     assert bm.num_free_blocks == NUM_BLOCKS
-    assert p.exported == {}
+    assert len(p.exports) == 0
     assert p.release_export("x") is False
     assert p.release_export("never-exported") is False
     # Released, still cached: the 3 full prompt blocks are hits (a hit never covers the last token).
@@ -267,6 +269,40 @@ def test_export_of_a_cached_prefix_shares_its_blocks(pd):
     assert bm.num_free_blocks == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("end", ["expired", "released", "aborted during a read"])
+def test_every_end_of_an_export_frees_its_blocks_once_on_the_engine_thread(pd, end):
+    """Whichever way an export ends, its blocks stay allocated until the engine thread takes it
+    (free_ended_exports, which every step starts with), are freed then exactly once, and only
+    then may its request id be used again."""
+    p = pd.producer
+    bm = p.block_manager
+    prompt = _prompt(13)
+    p.add_request("x", prompt, GREEDY, kv_export=ExportOptions(lease_s=0.05))
+    kv = run_finished(p)["x"].exported_kv
+    ids = list(kv.block_ids)
+    refs = [bm.pool.blocks[b].ref_count for b in ids]
+    if end == "expired":
+        time.sleep(0.1)
+        assert p.exports.expire_due() == 1
+    elif end == "released":
+        p.exports.release(kv.export_id, done=True)
+    else:
+        p.exports.begin_read(kv.export_id)
+        p.exports.release(kv.export_id, done=False)
+        assert p.free_ended_exports() == 0  # not under the read
+        p.exports.end_read(kv)
+    assert bm.num_free_blocks == NUM_BLOCKS - 4  # the table only marks it ended
+    assert p.exports.find("x") is None and p.exports.holds("x")
+    with pytest.raises(ValueError, match="already in use"):
+        p.add_request("x", prompt, GREEDY)
+    assert p.step() == []  # the step frees them
+    assert bm.num_free_blocks == NUM_BLOCKS
+    assert [bm.pool.blocks[b].ref_count for b in ids] == [r - 1 for r in refs] and kv.block_ids == []
+    assert p.free_ended_exports() == 0 and p.release_export("x") is False
+    assert bm.num_free_blocks == NUM_BLOCKS
+    assert _whole(p, prompt, GREEDY, rid="x").num_cached_tokens == 12  # the id is free; the blocks cached
+
+
 STOPS = {
     "max_tokens1": (lambda tok: dataclasses.replace(GREEDY, max_tokens=1), "length", False),
     "stop_token": (lambda tok: dataclasses.replace(GREEDY, stop_token_ids=[tok]), "stop", True),
@@ -283,7 +319,7 @@ def test_export_whose_first_token_ends_it_finishes_normally(pd, case):
     assert (out.token_ids, out.finish_reason) == ([tok], reason)
     assert out.stop_reason == (tok if stopped_by_token else None)
     assert out.exported_kv is None
-    assert pd.producer.exported == {}
+    assert len(pd.producer.exports) == 0
     assert pd.producer.release_export("x") is False
     assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
 
@@ -292,7 +328,7 @@ def test_export_aborted_before_it_runs_pins_nothing(pd):
     pd.producer.add_request("x", _prompt(13), GREEDY, kv_export=True)
     assert pd.producer.abort_request("x").finish_reason == "abort"
     assert pd.producer.step() == []
-    assert pd.producer.exported == {}
+    assert len(pd.producer.exports) == 0
     assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
 
 
@@ -389,7 +425,7 @@ def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypat
 
     monkeypatch.setattr(transfer, "write_slab", slow_write)
     slab = Slab(0, _num_layers(c), 0, 4)
-    data = pd.producer.kv_port.read_exported(first.exported_kv.block_ids, slab)
+    data = pd.producer.kv_port.read_exported(first.exported_kv, slab)
     writer = threading.Thread(target=sink.write, args=(slab, data))
     writer.start()
     assert started.wait(5)
@@ -414,7 +450,7 @@ def test_once_the_import_joined_the_batch_its_sink_refuses_writes(pd):
     c.finish_import("r")
     slab = Slab(0, _num_layers(c), 0, 1)
     with pytest.raises(ImportClosed):
-        sink.write(slab, bytes(len(pd.producer.kv_port.read_exported(first.exported_kv.block_ids, slab))))
+        sink.write(slab, bytes(len(pd.producer.kv_port.read_exported(first.exported_kv, slab))))
     with pytest.raises(KeyError):
         c.import_sink("r")
     assert pd.producer.release_export("r")

@@ -91,3 +91,26 @@ def test_one_step_loop():
         ("engine/client.py", "step_outputs"),
         ("services/worker/async_engine.py", "_step"),
     ]
+
+
+def test_blocks_are_freed_in_one_place():
+    """Finish, preemption, recompute and the end of an export all free KV blocks through
+    Scheduler.free_blocks; nothing else drops block references."""
+    freers = []
+    for package in ("engine", "services"):
+        for path in _modules(package):
+            for func in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(func, ast.FunctionDef):
+                    continue
+                for node in ast.walk(func):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "free"
+                        and ast.unparse(node.func.value).endswith(("block_manager", "pool"))
+                    ):
+                        freers.append((str(path.relative_to(REPO)), func.name))
+    assert sorted(set(freers)) == [
+        ("engine/kv_cache/block_manager.py", "free"),
+        ("engine/scheduler.py", "free_blocks"),
+    ]

@@ -104,11 +104,8 @@ class BlockManager:
             for i in range(start // self.block_size, num_tokens // self.block_size):
                 self.pool.cache_full_block(self.pool.blocks[req.block_ids[i]], req.block_hashes[i])
 
-    def free_blocks(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block (tail first), for blocks held outside a request."""
-        self.pool.free([self.pool.blocks[b] for b in reversed(block_ids)])
-
-    def free(self, req: Request) -> None:
-        """Release a request's blocks, tail first, so its prefix blocks are evicted last."""
-        self.pool.free([self.pool.blocks[b] for b in reversed(req.block_ids)])
-        req.block_ids = []
+    def free(self, req: Request, keep: int = 0) -> None:
+        """Release a request's blocks after its first `keep`, tail first, so its prefix blocks
+        are evicted last. Only the scheduler calls it (Scheduler.free_blocks)."""
+        self.pool.free([self.pool.blocks[b] for b in reversed(req.block_ids[keep:])])
+        req.block_ids = req.block_ids[:keep]

@@ -14,6 +14,14 @@ Split the way vLLM splits its KVConnector, into what the scheduler asks and what
 The engine holds at most one connector (`EngineCore.connector`) and hands it to the scheduler and
 the block pool when it builds them. The offload tiers (offload.py: host memory and a shared
 Redis) are one; the tests add slow and failing test doubles of this interface.
+
+KV transfers between engines have the same split, in two modules: the send half is
+export.py's `ExportTable` (a finished prefill-only request's blocks are handed to an export
+with a lease -- vLLM's `request_finished` holding the blocks -- and ended exports come back to
+the engine thread through `take_ended`, its `get_finished`); the receive half is an import
+(`EngineCore.begin_import` / `allocate_import`, which asks this connector first, then
+transfer.py's `ImportSink`, then `finish_import` or `recompute_import`). Every block they hold
+is freed through `Scheduler.free_blocks`.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ cache tensors.
 
 Who may touch the cache, stated once:
 - the engine thread runs the model, which reads and writes every block a scheduled request holds;
-- any thread may read the blocks of an exported request (`KVPort.read_exported`): they are
-  pinned, the engine writes them no more, and they are freed only by `release_export` on the
-  engine thread, which the producer's transfer table calls after its last Pull has ended;
+- any thread may read the blocks of an export (`KVPort.read_exported`) between its
+  `ExportTable.begin_read` and `end_read`: they are pinned, the engine writes them no more, and
+  the export cannot end under a read, so the engine thread cannot free them meanwhile
+  (engine/kv_cache/export.py);
 - any thread may write an importing request's blocks, only through its `ImportSink`, between
   `allocate_import` (which opens the sink) and `finish_import` / `recompute_import` /
   `abort_request` (which close it on the engine thread before the blocks join the batch or are
@@ -21,6 +22,7 @@ import threading
 import torch
 
 from engine.kv_cache.codec import Slab, read_slab, write_slab
+from engine.kv_cache.export import Export
 from engine.kv_cache.spec import KVCacheSpec
 
 
@@ -72,10 +74,10 @@ class KVPort:
         self.spec = spec
         self._caches = caches
 
-    def read_exported(self, block_ids: list[int], slab: Slab) -> bytes:
-        """Any thread: layers of one cache group x some of an exported request's pinned blocks
-        (block_ids are the export's, slab.block_start indexes them)."""
-        ids = block_ids[slab.block_start : slab.block_start + slab.num_blocks]
+    def read_exported(self, export: Export, slab: Slab) -> bytes:
+        """Any thread, inside a read of the export: layers of one cache group x some of its
+        pinned blocks (slab.block_start indexes the export's blocks)."""
+        ids = export.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
         return read_slab(self._caches, ids, slab.layer_start, slab.num_layers)
 
     def sink(self, request_id: str, block_ids: list[int]) -> ImportSink:

@@ -187,3 +187,15 @@ def remaining(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds left before the caller's deadline (None: no deadline), to pass downstream."""
     left = context.time_remaining()
     return None if left is None else max(left, 0.0)
+
+
+def caller_key(peer: str) -> str:
+    """The key a Prefill caller's pinned blocks are counted under: the host of its gRPC peer
+    address ("ipv4:10.0.0.7:51234" -> "10.0.0.7", "ipv6:[::1]:51234" -> "::1"); other address
+    kinds (unix sockets) as given."""
+    kind, _, address = peer.partition(":")
+    if kind == "ipv4":
+        return address.rpartition(":")[0] or address
+    if kind == "ipv6" and address.startswith("[") and "]" in address:
+        return address[1 : address.index("]")]
+    return peer

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache.export import ExportTable
 from engine.parallel.groups import GroupConfig, ParallelGroup
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2_grpc as wgrpc
@@ -27,7 +28,6 @@ from services.common.grpc_utils import add_health_and_reflection, bind, new_serv
 from services.common.metrics import Metrics
 from services.common.security import Security
 from services.kv_transfer.producer import KvTransferService
-from services.kv_transfer.transfer import TransferTable
 from services.registry import Heartbeat, WorkerRecord, make_registry
 from services.worker.async_engine import AsyncEngine
 from services.worker.identity import new_identity
@@ -84,20 +84,29 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     endpoint = f"{cfg.host}:{port}"
     identity = new_identity(endpoint, settings.dp_rank)
 
+    loop = asyncio.get_running_loop()
+
+    def free_ended_exports() -> (
+        None
+    ):  # any thread: an export ended; its blocks are freed on the engine thread
+        loop.call_soon_threadsafe(
+            lambda: service.background(engine.call(lambda core: core.free_ended_exports()))
+        )
+
+    exports = ExportTable(
+        default_lease_s=settings.lease_s,
+        max_total_lease_s=settings.max_total_lease_s,
+        on_end=free_ended_exports,
+    )
+
     def build_engine() -> EngineCore:
         group = ParallelGroup(cfg.group, torch.device(cfg.engine.device)) if cfg.group is not None else None
-        return EngineCore(cfg.engine, group=group)
+        return EngineCore(cfg.engine, group=group, exports=exports)
 
     engine = AsyncEngine(build_engine, fault=cfg.fault)
-    service: WorkerService | None = None
     stop = asyncio.Event()  # SIGTERM, SIGINT or Drain: the graceful stop below
-
-    def free_transfer(request_id: str) -> None:
-        service.background(engine.call(lambda core: core.release_export(request_id)))
-
-    table = TransferTable(free_transfer, max_total_lease_s=settings.max_total_lease_s)
-    service = WorkerService(settings, engine, table, identity, metrics, cfg.security, on_drain=stop.set)
-    kv_service = KvTransferService(table, identity, metrics)
+    service = WorkerService(settings, engine, exports, identity, metrics, cfg.security, on_drain=stop.set)
+    kv_service = KvTransferService(exports, identity, metrics)
     wgrpc.add_WorkerServicer_to_server(service, server)
     kv_grpc.add_KvTransferServicer_to_server(kv_service, server)
     health = add_health_and_reflection(server, ["pdserve.v1.Worker", "pdserve.v1.KvTransfer"])
@@ -107,7 +116,6 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         on_bound(port)
     logger.info("%s worker listening on %s (loading %s)", settings.role, endpoint, cfg.engine.model)
 
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
@@ -131,7 +139,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         "Prompt tokens found in the prefix cache / looked up",
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
-    metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(table))
+    metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(exports))
     if core.connector is not None:
         off = core.connector.stats
         metrics.gauge(
@@ -238,7 +246,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         expired = metrics.labels(metrics.kv_expired_leases)
         while True:
             await asyncio.sleep(LEASE_SWEEP_S)
-            n = table.expire_due()
+            n = exports.expire_due()
             if n:
                 expired.inc(n)
                 logger.info("%d KV transfer lease(s) expired", n)
@@ -261,7 +269,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     deadline = time.monotonic() + cfg.grace_s
     while code == 0 and engine.num_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    table.abort_all()
+    exports.abort_all()
     sweeper.cancel()
     engine_died.cancel()
     await server.stop(1.0)

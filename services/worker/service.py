@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from engine.kv_cache.codec import DTYPE_CODES
+from engine.kv_cache.export import DEFAULT_MAX_TOTAL_LEASE_S, ExportOptions, ExportTable, PinLimitExceeded
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.spec import KVCacheSpec
 from engine.outputs import RequestOutput
@@ -27,13 +28,18 @@ from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.common import convert
-from services.common.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
-from services.common.grpc_utils import remaining
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
+from services.common.grpc_utils import caller_key, remaining
 from services.common.metrics import Metrics
 from services.common.security import Security
 from services.kv_transfer import consumer
 from services.kv_transfer.peers import PeerStubs, check_handle
-from services.kv_transfer.transfer import DEFAULT_MAX_TOTAL_LEASE_S, TransferTable, caller_key
 from services.kv_transfer.wire import MAX_CHUNK_BYTES, spec_to_proto
 from services.worker.async_engine import AsyncEngine, EngineDead
 
@@ -82,7 +88,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self,
         settings: WorkerSettings,
         engine: AsyncEngine,
-        table: TransferTable,
+        exports: ExportTable,
         identity: kv_pb.KvProducer,
         metrics: Metrics,
         security: Security | None = None,
@@ -90,7 +96,8 @@ class WorkerService(wgrpc.WorkerServicer):
     ):
         self.settings = settings
         self.engine = engine
-        self.table = table
+        self.exports = exports
+        """The engine's exports (their leases are the engine's; this service hands them out)."""
         self.identity = identity
         self.metrics = metrics
         self.security = security
@@ -186,7 +193,7 @@ class WorkerService(wgrpc.WorkerServicer):
             kv_usage=bm.usage,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=core.num_kv_blocks,
-            num_pinned_transfers=len(self.table),
+            num_pinned_transfers=len(self.exports),
             prefix_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             draining=self.draining,
         )
@@ -208,11 +215,18 @@ class WorkerService(wgrpc.WorkerServicer):
         caller = caller_key(context.peer())
         num_blocks = -(-len(prompt) // self.kv_spec.block_size)
         limit = int(self.settings.max_pinned_fraction * self.engine.core.num_kv_blocks)
-        self.table.reserve(caller, num_blocks, limit)  # RESOURCE_EXHAUSTED before the prompt runs
+        try:  # RESOURCE_EXHAUSTED before the prompt runs
+            self.exports.reserve(caller, num_blocks, limit)
+        except PinLimitExceeded as e:
+            raise ResourceExhausted(str(e)) from None
+        lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else None
+        export_options = ExportOptions(lease_s, caller)
         stream = self.engine.open_stream(rid)
         exported = False
         try:
-            await self.engine.call(lambda core: core.add_request(rid, prompt, params, kv_export=True))
+            await self.engine.call(
+                lambda core: core.add_request(rid, prompt, params, kv_export=export_options)
+            )
             out = await stream.get()
             if isinstance(out, BaseException):
                 raise Unavailable(f"engine failed: {out}")
@@ -229,20 +243,16 @@ class WorkerService(wgrpc.WorkerServicer):
             )
             kv = out.exported_kv
             if kv is not None:
-                lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else self.settings.lease_s
-                t = self.table.create(
-                    rid, kv.block_ids, kv.block_hashes, kv.num_tokens, lease_s, caller=caller
-                )
                 exported = True
                 response.kv_handle.CopyFrom(
                     kv_pb.KvHandle(
-                        transfer_id=t.transfer_id,
+                        transfer_id=kv.export_id,
                         producer=self.identity,
                         block_hashes=kv.block_hashes,
                         num_tokens=kv.num_tokens,
                         num_blocks=len(kv.block_ids),
                         block_size=self.kv_spec.block_size,
-                        lease_expiry_unix_ms=int(t.lease_expiry * 1000),
+                        lease_expiry_unix_ms=int(kv.lease_expiry * 1000),
                         compat_hash=self.compat_hash,
                     )
                 )
@@ -250,11 +260,11 @@ class WorkerService(wgrpc.WorkerServicer):
                     response.sampler_state = kv.generator_state.numpy().tobytes()
             return response
         except BaseException:
-            if not exported:  # cancelled or failed before the table took the blocks over
+            if not exported:  # cancelled or failed before the handle went out: end the export too
                 self.background(self._abort(rid))
             raise
         finally:
-            self.table.unreserve(caller, num_blocks)  # the transfer (if any) counts its blocks now
+            self.exports.unreserve(caller, num_blocks)  # the export (if any) counts its blocks now
             self.engine.close_stream(rid)
 
     async def Decode(self, request: wpb.DecodeRequest, context):
