@@ -68,6 +68,12 @@ def test_host_then_redis_tier_give_the_prefix_back_exactly(tiny_model, reference
     _same(out, reference)
     assert out.num_cached_tokens == 48 and _loaded(llm, "redis") - before == 12
     assert off.stats.checksum_failures == 0
+    # What a worker's /metrics shows of it (the connector's gauges) agrees.
+    gauges = {g.name: g.read() for g in off.gauges()}
+    assert gauges["pdserve_kv_offload_hits_host"] == _loaded(llm, "host") > 0
+    assert gauges["pdserve_kv_offload_hits_redis"] == _loaded(llm, "redis") > 0
+    assert gauges["pdserve_kv_offload_stored_bytes"] == off.stats.stored_bytes > 0
+    assert gauges["pdserve_kv_offload_checksum_failures"] == 0
     # No leaks: bounded host pool, no pending writes, every Redis key expires.
     assert off.tiers[1].flush() and off.tiers[1].pending == 0 and len(off.tiers[0]) <= 64
     client = redis.Redis.from_url(redis_server.url)

@@ -27,6 +27,17 @@ is freed through `Scheduler.free_blocks`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Gauge(NamedTuple):
+    """One value a connector reports: a Prometheus gauge name, its help text, how to read it
+    (any thread; a stale value is fine)."""
+
+    name: str
+    help: str
+    read: Callable[[], float]
 
 
 class KVConnector(ABC):
@@ -60,3 +71,7 @@ class KVConnector(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most connectors hold nothing to stop
         """Stop background threads and release resources."""
+
+    def gauges(self) -> list[Gauge]:
+        """What the connector reports to a worker's /metrics (none by default)."""
+        return []

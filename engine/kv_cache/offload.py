@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache.codec import decode_block, encode_block
-from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.connector import Gauge, KVConnector
 from engine.kv_cache.hashing import REDIS_KEY_PREFIX, tier_key
 from engine.kv_cache.spec import KVCacheSpec
 
@@ -209,6 +209,38 @@ class KVOffloader(KVConnector):
 
     def key(self, block_hash: bytes) -> str:
         return tier_key(self.compat, block_hash)
+
+    def gauges(self) -> list[Gauge]:
+        stats = self.stats
+        return [
+            Gauge(
+                "pdserve_kv_offload_stored_bytes",
+                "KV bytes copied out of the device cache",
+                lambda: stats.stored_bytes,
+            ),
+            Gauge(
+                "pdserve_kv_offload_loaded_bytes",
+                "KV bytes loaded back from offload tiers",
+                lambda: stats.loaded_bytes,
+            ),
+            Gauge(
+                "pdserve_kv_offload_load_seconds",
+                "Time spent loading offloaded blocks",
+                lambda: stats.load_seconds,
+            ),
+            Gauge(
+                "pdserve_kv_offload_checksum_failures",
+                "Offloaded blocks rejected by checksum",
+                lambda: stats.checksum_failures,
+            ),
+        ] + [
+            Gauge(
+                f"pdserve_kv_offload_hits_{tier.name}",
+                f"Blocks loaded from the {tier.name} tier",
+                lambda name=tier.name: stats.loaded_blocks.get(name, 0),
+            )
+            for tier in self.tiers
+        ]
 
     @property
     def num_fetching(self) -> int:

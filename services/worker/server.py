@@ -141,31 +141,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(exports))
     if core.connector is not None:
-        off = core.connector.stats
-        metrics.gauge(
-            "pdserve_kv_offload_stored_bytes",
-            "KV bytes copied out of the device cache",
-            lambda: off.stored_bytes,
-        )
-        metrics.gauge(
-            "pdserve_kv_offload_loaded_bytes",
-            "KV bytes loaded back from offload tiers",
-            lambda: off.loaded_bytes,
-        )
-        metrics.gauge(
-            "pdserve_kv_offload_load_seconds", "Time spent loading offloaded blocks", lambda: off.load_seconds
-        )
-        metrics.gauge(
-            "pdserve_kv_offload_checksum_failures",
-            "Offloaded blocks rejected by checksum",
-            lambda: off.checksum_failures,
-        )
-        for tier in core.connector.tiers:
-            metrics.gauge(
-                f"pdserve_kv_offload_hits_{tier.name}",
-                f"Blocks loaded from the {tier.name} tier",
-                lambda name=tier.name: off.loaded_blocks.get(name, 0),
-            )
+        for gauge in core.connector.gauges():
+            metrics.gauge(gauge.name, gauge.help, gauge.read)
     if core.spec is not None:
         spec = core.spec_stats
         metrics.gauge(
