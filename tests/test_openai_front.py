@@ -25,7 +25,15 @@ from services.openai.protocol import MAX_N, MAX_STOP
 from services.openai.responses import LOGPROB_FLOOR, TokenStrings
 from services.openai.server import build_app, start_http
 from services.router.admission import Admission
-from services.router.api import Delta, Frontend, GenerateInput, KvFailurePolicy, ServingMode, Usage
+from services.router.api import (
+    Delta,
+    Frontend,
+    GenerateInput,
+    KvFailurePolicy,
+    ServingMode,
+    Usage,
+    score_only_delta,
+)
 
 MODEL = "pdserve-tiny"
 MAX_MODEL_LEN = 64
@@ -34,8 +42,10 @@ KV_BYTES = 1234
 
 
 class FakeFrontend(Frontend):
-    """Answers a prompt with its token ids reversed, cut at max_tokens, two tokens per delta.
-    Records every GenerateInput and how each generate ended ("finished", "cancelled", "closed")."""
+    """Answers a prompt with its token ids reversed, cut at max_tokens, two tokens per delta;
+    prompt logprobs as `fake_prompt_logprobs`; a score-only input's deltas pass through
+    score_only_delta, as the router's do. Records every GenerateInput and how each generate ended
+    ("finished", "cancelled", "closed")."""
 
     model_name = MODEL
     max_model_len = MAX_MODEL_LEN
@@ -75,20 +85,21 @@ class FakeFrontend(Frontend):
                     raise self.error
                 piece = tokens[start : start + 2]
                 last = start + 2 >= len(tokens)
-                yield Delta(
+                delta = Delta(
                     token_ids=piece,
                     text=self.tokenizer.decode(piece),
                     logprobs=None
                     if params.logprobs is None
                     else [fake_logprobs(t, params.logprobs) for t in piece],
                     prompt_logprobs=(
-                        [None] + [{t: -0.25 if i else float("-inf")} for i, t in enumerate(prompt[1:])]
+                        fake_prompt_logprobs(prompt, params.prompt_logprobs)
                         if start == 0 and params.prompt_logprobs is not None
                         else None
                     ),
                     finish_reason=("length" if len(prompt) > params.max_tokens else "stop") if last else None,
                     usage=Usage(len(prompt), len(tokens), CACHED_TOKENS, KV_BYTES) if last else None,
                 )
+                yield score_only_delta(delta) if inp.score_only else delta
                 await asyncio.sleep(0)
                 if self.hang:
                     await asyncio.Event().wait()
@@ -108,6 +119,15 @@ def reversed_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 def fake_logprobs(token: int, top: int) -> dict[int, float]:
     """The chosen token first (-0.5), then alternatives -1, -2, ..."""
     return {token: -0.5} | {token + 1 + k: -1.0 - k for k in range(top)}
+
+
+def fake_prompt_logprobs(prompt: list[int], top: int) -> list[dict[int, float] | None]:
+    """None for the first token; then the prompt token first (-inf at position 1, -0.25 after),
+    and alternatives -1, -2, ..."""
+    return [None] + [
+        {t: -0.25 if i else float("-inf")} | {t + 1 + k: -1.0 - k for k in range(top)}
+        for i, t in enumerate(prompt[1:])
+    ]
 
 
 def expected_text(tok: Tokenizer, prompt: list[int], max_tokens: int) -> str:
@@ -315,12 +335,114 @@ def test_completion_extra_fields_reach_sampling_params(client, fake):
     assert inp.mode == ServingMode.DISAGGREGATED and inp.kv_failure_policy == KvFailurePolicy.RECOMPUTE
 
 
+def test_completion_logprobs_0_gives_the_sampled_token_alone(client, tok):
+    """logprobs 0: each position's logprob, and top_logprobs holding just the sampled token (as
+    vLLM; OpenAI allows up to logprobs + 1 entries)."""
+    prompt = [40, 41, 42]
+    lp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=0).choices[0].logprobs
+    tokens = reversed_tokens(prompt, 3)
+    assert lp.token_logprobs == [-0.5] * 3
+    assert lp.top_logprobs == [{tok.decode([t]): -0.5} for t in tokens]
+
+
+def _strings(tok: Tokenizer, ids: list[int]) -> list[str]:
+    return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def _offsets(tok: Tokenizer, ids: list[int], start: int = 0) -> list[int]:
+    """text_offset of ids from start: special tokens take no room in the text."""
+    special = {tok.bos_token_id, tok.eos_token_id}
+    out = []
+    for t in ids:
+        out.append(start)
+        start += 0 if t in special else len(tok.decode([t]))
+    return out
+
+
+def test_echo_returns_the_prompt_before_the_completion(client, fake, tok):
+    prompt = "hello world, this is a test"
+    ids = tok.encode(prompt)
+    out = client.completions.create(model=MODEL, prompt=[prompt, [50, 51, 52]], max_tokens=3, echo=True, n=2)
+    texts = [c.text for c in out.choices]
+    assert texts[:2] == [prompt + expected_text(tok, ids, 3)] * 2  # the text as sent, before each sample
+    assert texts[2:] == [tok.decode([50, 51, 52]) + expected_text(tok, [50, 51, 52], 3)] * 2
+    assert all(c.logprobs is None for c in out.choices)
+    assert all(inp.params.prompt_logprobs is None and not inp.score_only for inp in fake.inputs)
+    assert out.usage.completion_tokens == 12
+
+
+def test_echo_with_logprobs_covers_the_prompt_then_the_completion(client, fake, tok):
+    prompt = [50, 51, 52, 53]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=2)
+    [inp] = fake.inputs
+    assert inp.params.prompt_logprobs == 2 and inp.params.max_tokens == 3
+    choice = out.choices[0]
+    completion = reversed_tokens(prompt, 3)
+    echoed = tok.decode(prompt)
+    assert choice.text == echoed + expected_text(tok, prompt, 3)
+    lp = choice.logprobs
+    assert lp.tokens == _strings(tok, prompt + completion)
+    assert lp.token_logprobs == [None, LOGPROB_FLOOR, -0.25, -0.25] + [-0.5] * 3
+    assert lp.top_logprobs[0] is None
+
+    def s(t: int) -> str:
+        return tok.decode([t])
+
+    # The top 2, and the prompt token after them when it is not among them (-inf at position 1).
+    assert lp.top_logprobs[1] == {s(52): -1.0, s(53): -2.0, s(51): LOGPROB_FLOOR}
+    assert lp.top_logprobs[2] == {s(52): -0.25, s(53): -1.0}
+    assert lp.top_logprobs[4:] == [{s(t): -0.5, s(t + 1): -1.0} for t in completion]
+    assert lp.text_offset == _offsets(tok, prompt) + _offsets(tok, completion, len(echoed))
+    assert "prompt_logprobs" not in choice.model_extra  # not asked for by name
+
+
+def test_echo_max_tokens_0_scores_the_prompt_without_generating(client, fake, tok):
+    prompt = "def f(x): return x"
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    [inp] = fake.inputs
+    assert inp.score_only and inp.params.max_tokens == 1 and inp.params.prompt_logprobs == 1
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert (
+        lp.tokens == _strings(tok, ids)
+        and lp.token_logprobs[0] is None
+        and len(lp.token_logprobs) == len(ids)
+    )
+    assert lp.text_offset == _offsets(tok, ids)  # the BOS takes no room in the text
+    assert all(
+        prompt[o:].startswith(tok.decode([t])) for o, t in zip(lp.text_offset[1:], ids[1:], strict=True)
+    )
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+
+
+def test_echo_streams_the_prompt_in_the_first_chunk(client, fake, tok):
+    prompt = [60, 61, 62]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1, stream=True
+    )
+    chunks = [c.choices[0] for c in stream]
+    echoed, completion = tok.decode(prompt), reversed_tokens(prompt, 4)
+    assert chunks[0].text == echoed + tok.decode(completion[:2])
+    assert chunks[0].logprobs.tokens == _strings(tok, prompt + completion[:2])
+    assert chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == echoed + expected_text(tok, prompt, 4)
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    assert offsets == _offsets(tok, prompt) + _offsets(tok, completion, len(echoed))
+    score = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    [only] = [c.choices[0] for c in score]
+    assert only.text == echoed and only.finish_reason == "length"
+
+
 def test_prompt_logprobs(client, tok):
     out = client.completions.create(
         model=MODEL, prompt=[3, 4, 5], max_tokens=1, extra_body={"prompt_logprobs": 1}
     )
     got = out.choices[0].model_extra["prompt_logprobs"]
-    assert got[0] is None and [list(d) for d in got[1:]] == [["4"], ["5"]]
+    # The top 1, and the prompt token after it when it is not the top 1.
+    assert got[0] is None and [list(d) for d in got[1:]] == [["5", "4"], ["5"]]
     assert got[1]["4"]["logprob"] == LOGPROB_FLOOR  # -inf: JSON has no infinity
     assert got[2]["5"] == {"logprob": -0.25, "decoded_token": tok.decode([5])}
 
@@ -425,7 +547,7 @@ CHAT = {"model": MODEL, "messages": MESSAGES}
 BAD_REQUESTS = [
     ("/v1/completions", {**CMPL, "max_tokens": "x"}, "max_tokens", "integer"),
     ("/v1/completions", {**CMPL, "max_tokens": True}, "max_tokens", "integer"),
-    ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("/v1/completions", {**CMPL, "max_tokens": 0}, "max_tokens", ">= 1 (0 only with echo"),
     ("/v1/completions", {**CMPL, "max_tokens": 1.5}, "max_tokens", "integer"),
     ("/v1/completions", {**CMPL, "temperature": "hot"}, "temperature", "number"),
     ("/v1/completions", {**CMPL, "temperature": float("nan")}, "temperature", "finite"),
@@ -463,7 +585,15 @@ BAD_REQUESTS = [
     ),
     ("/v1/completions", {**CMPL, "mode": "fast"}, "mode", "colocated"),
     ("/v1/completions", {**CMPL, "kv_failure_policy": "retry"}, "kv_failure_policy", "recompute"),
-    ("/v1/completions", {**CMPL, "echo": True}, "echo", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {**CMPL, "echo": "yes"}, "echo", "true or false"),
+    ("/v1/completions", {**CMPL, "echo": True, "max_tokens": -1}, "max_tokens", ">= 0"),
+    (
+        "/v1/completions",
+        {**CMPL, "echo": True, "max_tokens": 0, "min_tokens": 1},
+        "min_tokens",
+        "max_tokens (0)",
+    ),
     ("/v1/completions", {**CMPL, "logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
     ("/v1/completions", {**CMPL, "logit_bias": {"999999": 1}}, "logit_bias", "vocabulary"),
     ("/v1/completions", {**CMPL, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),

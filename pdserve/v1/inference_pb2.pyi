@@ -110,7 +110,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "mode", "kv_failure_policy")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "mode", "kv_failure_policy", "echo")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -127,7 +128,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     mode: ServingMode
     kv_failure_policy: KvFailurePolicy
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[ServingMode, str]] = ..., kv_failure_policy: _Optional[_Union[KvFailurePolicy, str]] = ...) -> None: ...
+    echo: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[ServingMode, str]] = ..., kv_failure_policy: _Optional[_Union[KvFailurePolicy, str]] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "kv_transfer_bytes")
@@ -156,7 +158,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., prefill_ns: _Optional[int] = ..., kv_transfer_ns: _Optional[int] = ..., ttft_ns: _Optional[int] = ..., e2e_ns: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "usage", "timings", "disaggregated")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "usage", "timings", "disaggregated", "echo_token_ids", "echo_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,8 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    ECHO_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -179,7 +183,9 @@ class GenerateResponse(_message.Message):
     usage: Usage
     timings: Timings
     disaggregated: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., disaggregated: _Optional[bool] = ...) -> None: ...
+    echo_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    echo_text: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., disaggregated: _Optional[bool] = ..., echo_token_ids: _Optional[_Iterable[int]] = ..., echo_text: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "chat", "add_special_tokens")

@@ -3,8 +3,8 @@
 Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
 types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
 lenient about fields it does not know, as OpenAI's API is. Fields that would silently change the
-meaning of a request if ignored (`echo`, `suffix`, `best_of`, `tools`, a non-text
-`response_format`) are rejected instead.
+meaning of a request if ignored (`suffix`, `best_of`, `tools`, a non-text `response_format`, and
+`echo` on chat) are rejected instead.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from services.router.api import (
     KvFailurePolicy,
     ServingMode,
     check_prompt_bytes,
+    echo_text,
+    prepare_echo,
 )
 
 MAX_N = 16
@@ -236,9 +238,9 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias or None
 
 
-def _reject_unsupported(body: dict) -> None:
+def _reject_unsupported(body: dict, chat: bool) -> None:
     unsupported = {
-        "echo": body.get("echo") not in (None, False),
+        "echo": chat and body.get("echo") not in (None, False),
         "suffix": body.get("suffix") not in (None, ""),
         "best_of": body.get("best_of") not in (None, 1),
         "tools": bool(body.get("tools")),
@@ -280,6 +282,14 @@ class ParsedRequest:
     """stream_options.include_usage: send a usage chunk before [DONE]."""
     mode: ServingMode = ServingMode.AUTO
     kv_failure_policy: KvFailurePolicy = KvFailurePolicy.FAIL
+    echo: list[str] | None = None
+    """/v1/completions `echo`: each prompt's text, returned before its completion (and with
+    logprobs, its tokens' logprobs before the completion's). None: no echo."""
+    score_only: bool = False
+    """max_tokens 0 with echo: score the prompts, generate nothing (GenerateInput.score_only)."""
+    prompt_logprobs: int | None = None
+    """The request's own `prompt_logprobs` (the response's field of that name); params may ask
+    the engine for more when echo needs them."""
 
     @property
     def top_logprobs(self) -> int | None:
@@ -297,7 +307,16 @@ class ParsedRequest:
                     lo, hi = API_SEED_RANGE
                     params.seed = (params.seed + i - lo) % (hi - lo) + lo
                 request = f"{request_id}-{p * self.n + i}"
-                inputs.append(GenerateInput(request, list(prompt), params, self.mode, self.kv_failure_policy))
+                inputs.append(
+                    GenerateInput(
+                        request,
+                        list(prompt),
+                        params,
+                        self.mode,
+                        self.kv_failure_policy,
+                        score_only=self.score_only,
+                    )
+                )
         return inputs
 
 
@@ -318,7 +337,8 @@ def generations(body: dict, chat: bool) -> tuple[int, int]:
 
 def _completion_prompts(
     body: dict, tokenizer: Tokenizer, vocab_size: int, max_model_len: int
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids, and its text when it was given as text."""
     prompt = body.get("prompt")
     usage = "prompt must be a string, a list of token ids, or a list of either (a batch)"
     if prompt is None:
@@ -331,21 +351,23 @@ def _completion_prompts(
         raise ApiError(usage, "prompt")
     if len(prompt) > MAX_PROMPTS:
         raise ApiError(f"prompt holds {len(prompt)} prompts, more than the limit of {MAX_PROMPTS}", "prompt")
-    prompts = []
+    prompts, texts = [], []
     for p in prompt:
         if isinstance(p, str) and p:
             _check_text_bytes(p, tokenizer, max_model_len)
             prompts.append(tokenizer.encode(p))
+            texts.append(p)
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
             bad = next((t for t in p if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ApiError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
             prompts.append(list(p))
+            texts.append(None)
         elif p == "" or p == []:
             raise ApiError("prompt must not be empty", "prompt")
         else:
             raise ApiError(usage, "prompt")
-    return prompts
+    return prompts, texts
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -450,21 +472,38 @@ def _common(body: dict) -> dict[str, Any]:
 
 
 def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
-    """A /v1/completions body. Raises ApiError; frontend.validate is the caller's next step."""
+    """A /v1/completions body. Raises ApiError; frontend.validate is the caller's next step.
+    With echo, max_tokens may be 0: the prompts are scored (lm-eval's loglikelihood requests)."""
     _check_model(body, frontend.model_name)
-    _reject_unsupported(body)
-    prompts = _completion_prompts(body, frontend.tokenizer, frontend.vocab_size, frontend.max_model_len)
-    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 1)
+    _reject_unsupported(body, chat=False)
+    echo = _bool(body, "echo", False)
+    tokenizer = frontend.tokenizer
+    prompts, texts = _completion_prompts(body, tokenizer, frontend.vocab_size, frontend.max_model_len)
+    if not echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:
+        raise ApiError(
+            "max_tokens must be an integer >= 1 (0 only with echo, to score the prompt), got 0", "max_tokens"
+        )
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 0 if echo else 1)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    params = _sampling(body, max_tokens, logprobs, frontend.vocab_size)
-    return ParsedRequest(chat=False, prompts=prompts, params=params, **_common(body))
+    params = _sampling(body, max(max_tokens, 1), logprobs, frontend.vocab_size)
+    parsed = ParsedRequest(
+        chat=False, prompts=prompts, params=params, prompt_logprobs=params.prompt_logprobs, **_common(body)
+    )
+    if echo:
+        params.max_tokens = max_tokens  # checked as 1 above; prepare_echo runs 0 (score only) as 1
+        try:
+            parsed.score_only = prepare_echo(params)
+        except ValueError as e:
+            raise ApiError(str(e), param_from_message(str(e))) from None
+        parsed.echo = [echo_text(t, ids, params, tokenizer) for t, ids in zip(texts, prompts, strict=True)]
+    return parsed
 
 
 def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     """A /v1/chat/completions body. max_completion_tokens wins over max_tokens; with neither, the
     request may use the rest of the context window (as vLLM)."""
     _check_model(body, frontend.model_name)
-    _reject_unsupported(body)
+    _reject_unsupported(body, chat=True)
     prompt = _chat_prompt(body, frontend.tokenizer, frontend.max_model_len)
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
@@ -474,4 +513,6 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     if top and not want_logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
-    return ParsedRequest(chat=True, prompts=[prompt], params=params, **_common(body))
+    return ParsedRequest(
+        chat=True, prompts=[prompt], params=params, prompt_logprobs=params.prompt_logprobs, **_common(body)
+    )

@@ -37,6 +37,8 @@ class TokenStrings:
         self._tok = tokenizer.tokenizer
         self._bytes_of = _byte_decoder() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
         self._cache: dict[int, tuple[str, bytes]] = {}
+        self.special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        """Ids of the special tokens: skip_special_tokens leaves them out of the text."""
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
         if token_id not in self._cache:
@@ -57,12 +59,38 @@ def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
 
 
+def _top_and_chosen(logprobs: dict[int, float], chosen: int, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens, and the chosen one after them when it is not among them: up to
+    n + 1 entries, as OpenAI's legacy logprobs (and vLLM) give; n = 0 gives the chosen alone."""
+    top = _top(logprobs, n)
+    if chosen in logprobs and all(t != chosen for t, _ in top):
+        top.append((chosen, logprobs[chosen]))
+    return top
+
+
 class ChoiceOutput:
     """One choice's output so far: `add` turns each Delta into the choice part of a stream chunk,
-    `choice` gives the whole choice of a non-streaming response."""
+    `choice` gives the whole choice of a non-streaming response.
 
-    def __init__(self, chat: bool, index: int, top_logprobs: int | None, strings: TokenStrings):
+    With `echo` (the prompt's text and token ids), the first chunk starts with the prompt's text
+    and, with logprobs, the prompt tokens' logprobs (the first token's null) in the legacy
+    completions shape; text_offset then indexes the echoed text and goes on into the completion.
+    A special token the text leaves out (skip_special_tokens) takes no room in it."""
+
+    def __init__(
+        self,
+        chat: bool,
+        index: int,
+        top_logprobs: int | None,
+        strings: TokenStrings,
+        echo: tuple[str, list[int]] | None = None,
+        prompt_logprobs: int | None = None,
+        skip_special_tokens: bool = True,
+    ):
         self.chat, self.index, self.top_logprobs, self._strings = chat, index, top_logprobs, strings
+        self._echo = echo
+        self._prompt_top = prompt_logprobs
+        self._skip_special = skip_special_tokens
         self.text: list[str] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None
@@ -81,31 +109,43 @@ class ChoiceOutput:
 
     def add(self, delta: Delta) -> dict | None:
         """Record a delta; the chunk choice for it, or None when it carries nothing to send."""
+        echoed, logprobs = "", None
+        if self._echo is not None:  # the first delta: the prompt goes first
+            echoed, prompt_ids = self._echo
+            self._echo = None
+            if self._logprobs is not None:
+                assert delta.prompt_logprobs is not None, (
+                    "echo with logprobs asks the engine for prompt logprobs"
+                )
+                logprobs = self._completion_logprobs(prompt_ids, delta.prompt_logprobs)
+                self._text_offset = len(echoed)
+        text = echoed + delta.text
         self.num_tokens += len(delta.token_ids)
-        self.text.append(delta.text)
+        self.text.append(text)
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         self.usage = delta.usage or self.usage
-        logprobs = None
         if self._logprobs is not None and delta.logprobs is not None:
             if self.chat:
                 logprobs = {"content": self._chat_logprobs(delta.token_ids, delta.logprobs)}
             else:
-                logprobs = self._completion_logprobs(delta.token_ids, delta.logprobs)
+                more = self._completion_logprobs(delta.token_ids, delta.logprobs)
+                logprobs = {k: logprobs[k] + more[k] for k in more} if logprobs else more
+        if logprobs is not None:
             for key, values in logprobs.items():
                 self._logprobs[key].extend(values)
-        if not (delta.text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
+        if not (text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
             return None
         if self.chat:
-            choice = {"index": self.index, "delta": {"content": delta.text} if delta.text else {}}
+            choice = {"index": self.index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": self.index, "text": delta.text}
+            choice = {"index": self.index, "text": text}
         choice |= {
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
-        if delta.prompt_logprobs is not None:
+        if delta.prompt_logprobs is not None and self._prompt_top is not None:
             self.prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs)
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
@@ -126,15 +166,24 @@ class ChoiceOutput:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list]:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None]
+    ) -> dict[str, list]:
+        """Legacy completions logprobs; a None entry (the first prompt token) gives nulls."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, lps in zip(token_ids, logprobs, strict=True):
             text = self._strings(tok)[0]
             out["tokens"].append(text)
-            out["token_logprobs"].append(_lp(lps.get(tok, next(iter(lps.values())))))
-            out["top_logprobs"].append({self._strings(t)[0]: _lp(v) for t, v in _top(lps, self.top_logprobs)})
+            if lps is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(_lp(lps.get(tok, next(iter(lps.values())))))
+                top = _top_and_chosen(lps, tok, self.top_logprobs)
+                out["top_logprobs"].append({self._strings(t)[0]: _lp(v) for t, v in top})
             out["text_offset"].append(self._text_offset)
-            self._text_offset += len(text)
+            if not (self._skip_special and tok in self._strings.special):
+                self._text_offset += len(text)
         return out
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[dict]:
@@ -149,10 +198,15 @@ class ChoiceOutput:
         ]
 
     def _prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None]) -> list:
+        """vLLM's prompt_logprobs field: per position, the prompt token (an entry's first key)
+        and the top prompt_logprobs alternatives."""
         return [
             None
             if lps is None
-            else {str(t): {"logprob": _lp(v), "decoded_token": self._strings(t)[0]} for t, v in lps.items()}
+            else {
+                str(t): {"logprob": _lp(v), "decoded_token": self._strings(t)[0]}
+                for t, v in _top_and_chosen(lps, next(iter(lps)), self._prompt_top)
+            }
             for lps in prompt_logprobs
         ]
 

@@ -255,7 +255,20 @@ class _Api:
         inputs = parsed.generate_inputs(request_id)
         for inp in inputs:
             inp.queued = queued
-        outputs = [ChoiceOutput(chat, i, parsed.top_logprobs, self.strings) for i in range(len(inputs))]
+        outputs = [
+            ChoiceOutput(
+                chat,
+                i,
+                parsed.top_logprobs,
+                self.strings,
+                echo=None
+                if parsed.echo is None
+                else (parsed.echo[i // parsed.n], parsed.prompts[i // parsed.n]),
+                prompt_logprobs=parsed.prompt_logprobs,
+                skip_special_tokens=parsed.params.skip_special_tokens,
+            )
+            for i in range(len(inputs))
+        ]
         logger.debug("request %s: %d choice(s), stream=%s", request_id, len(inputs), parsed.stream)
         deltas = _run_choices(request, self.frontend, inputs)
         if parsed.stream:

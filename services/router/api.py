@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,32 @@ def check_generations(num_prompts: int, n: int, limit: int) -> int:
     return weight
 
 
+def prepare_echo(params: SamplingParams) -> bool:
+    """Engine parameters of a request that echoes its prompt, set in place: with logprobs, the
+    prompt's logprobs too, with at least as many alternatives; max_tokens 0 (score the prompt,
+    generate nothing) runs as max_tokens 1, whose token the router drops (`score_only_delta`).
+    Returns whether the request is score-only; ValueError naming min_tokens when it asks for
+    tokens of a score-only request."""
+    if params.logprobs is not None:
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
+    if params.max_tokens != 0:
+        return False
+    if params.min_tokens:
+        raise ValueError(f"min_tokens ({params.min_tokens}) must be <= max_tokens (0)")
+    params.max_tokens = 1
+    return True
+
+
+def echo_text(
+    prompt_text: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer
+) -> str:
+    """The text an echo returns: the prompt as the client wrote it, else its tokens decoded as
+    the output is (skip_special_tokens applies)."""
+    if prompt_text is not None:
+        return prompt_text
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
+
+
 class ServingMode(enum.Enum):
     AUTO = "auto"
     DISAGGREGATED = "disaggregated"
@@ -84,6 +111,9 @@ class GenerateInput:
     """Seconds the whole request may take; propagated to every internal RPC as a deadline."""
     queued: float = 0.0
     """Seconds the request waited for admission before this generation started."""
+    score_only: bool = False
+    """Score the prompt, generate nothing (max_tokens 0 with echo; see `prepare_echo`): the
+    deltas carry the prompt logprobs but no tokens, and end with finish_reason "length"."""
 
 
 @dataclass
@@ -127,6 +157,20 @@ class Delta:
     disaggregated: bool = False
 
 
+def score_only_delta(delta: Delta) -> Delta:
+    """A score-only request's delta as its client sees it: the prompt logprobs and timings, no
+    tokens (the engine sampled one: it always does), "length" for the finish ("abort" stays)
+    and no completion tokens in the usage."""
+    out = Delta(
+        prompt_logprobs=delta.prompt_logprobs, timings=delta.timings, disaggregated=delta.disaggregated
+    )
+    if delta.finish_reason is not None:
+        out.finish_reason = "abort" if delta.finish_reason == "abort" else "length"
+    if delta.usage is not None:
+        out.usage = dataclasses.replace(delta.usage, completion_tokens=0)
+    return out
+
+
 class Frontend(abc.ABC):
     """The router as its fronts see it. All methods are called from the router's event loop."""
 
@@ -159,5 +203,6 @@ class Frontend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
-        """Stream the request's deltas; the last one has finish_reason set. Raises
-        `services.common.errors.ServiceError` (with a status code) when the request fails."""
+        """Stream the request's deltas; the last one has finish_reason set (a score-only input's
+        pass through `score_only_delta`). Raises `services.common.errors.ServiceError` (with a
+        status code) when the request fails."""

@@ -34,7 +34,15 @@ from services.common.metrics import Metrics
 from services.common.security import handle_mac
 from services.router import api_proto
 from services.router.admission import Admission
-from services.router.api import Delta, Frontend, GenerateInput, Timings, Usage, check_api_limits
+from services.router.api import (
+    Delta,
+    Frontend,
+    GenerateInput,
+    Timings,
+    Usage,
+    check_api_limits,
+    score_only_delta,
+)
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
 
@@ -163,7 +171,7 @@ class RouterCore(Frontend):
                     async for delta in self._attempt(rid, inp, hashes, start, deadline, failed):
                         delivered = delivered or bool(delta.token_ids or delta.text)
                         finish = delta.finish_reason or finish
-                        yield delta
+                        yield score_only_delta(delta) if inp.score_only else delta
                     return
                 except ServiceError as e:
                     # Retry only what cannot have reached the client: a worker that was

@@ -9,7 +9,7 @@ from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument, NotFound
 from services.router import api_proto
-from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes
+from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes, echo_text, prepare_echo
 from services.router.core import RouterCore
 
 VERSION = "0.1.0"
@@ -67,20 +67,32 @@ class InferenceService(pb_grpc.InferenceServicer):
         which = request.WhichOneof("prompt")
         if which == "text" and not request.text:
             raise InvalidArgument("prompt text must not be empty")
+        params = convert.sampling_from_proto(request.sampling)
         inp = GenerateInput(
             request_id=label,
             prompt_token_ids=[],
-            params=convert.sampling_from_proto(request.sampling),
+            params=params,
             mode=api_proto.serving_mode_from_proto(request.mode),
             kv_failure_policy=api_proto.kv_failure_policy_from_proto(request.kv_failure_policy),
+            score_only=prepare_echo(params) if request.echo else False,
         )
         self._check_prompt_bytes(which, request)
         async with self.core.admit(1, context.time_remaining()) as queued:
             # Tokenizing (and rendering a chat template) costs time linear in the text: off the loop.
             inp.prompt_token_ids = await self.core.off_loop(self._encode, which, request)
+            echo = None
+            if request.echo:
+                text = request.text if which == "text" else None
+                echo = await self.core.off_loop(
+                    echo_text, text, inp.prompt_token_ids, params, self.core.tokenizer
+                )
             inp.timeout, inp.queued = context.time_remaining(), queued
             async for delta in self.core.generate(inp):
-                yield api_proto.delta_to_proto(label, delta)
+                msg = api_proto.delta_to_proto(label, delta)
+                if echo is not None:  # the first message
+                    msg.echo_token_ids.extend(inp.prompt_token_ids)
+                    msg.echo_text, echo = echo, None
+                yield msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self._check_model(request.model)
