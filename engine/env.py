@@ -35,6 +35,17 @@ def internal_token() -> str | None:
     return os.environ.get(INTERNAL_TOKEN_VAR) or None
 
 
+API_KEY_VAR = "PDSERVE_API_KEY"
+"""Name of the public API key's variable (the stack launcher passes it on to its router)."""
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: a key the router's public API (OpenAI HTTP /v1/*, gRPC Inference) accepts
+    as `Authorization: Bearer KEY`, besides any given by --api-key / --api-key-file. Unset and no
+    others: the public API is open (as vLLM's without --api-key)."""
+    return os.environ.get(API_KEY_VAR) or None
+
+
 def fault() -> str | None:
     """PDSERVE_FAULT: fault injection for the reliability tests, e.g. "engine_crash_after_steps=3"
     or "engine_stall_after_steps=3" (see services/worker/async_engine.py). Unset in production."""

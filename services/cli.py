@@ -178,8 +178,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(
             f"stack ready in {time.perf_counter() - start:.1f} s: OpenAI HTTP {stack.http_url}/v1, gRPC {stack.grpc_endpoint}\n"
         )
-        demo.openai_stream(stack.http_url, "pdserve-tiny", args.max_tokens)
-        demo.grpc_stream(stack.grpc_endpoint, args.max_tokens)
+        demo.openai_stream(stack.http_url, "pdserve-tiny", args.max_tokens, stack.api_key)
+        demo.grpc_stream(stack.grpc_endpoint, args.max_tokens, stack.api_key)
     return 0
 
 
@@ -271,6 +271,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.common.security import ApiKeys
     from services.router.core import RouterSettings
     from services.router.policy import RoutingConfig
     from services.router.server import RouterServerConfig, serve
@@ -279,6 +280,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not args.registry and not args.workers:
         raise ValueError("give --registry redis://... or --workers host:port,...")
     security = _security(args)
+    api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     routing = RoutingConfig(
         colocate_max_tokens=args.colocate_max_tokens,
         colocate_cached_fraction=args.colocate_cached_fraction,
@@ -308,6 +310,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         http_header_timeout_s=args.http_header_timeout_s,
         http_body_timeout_s=args.http_body_timeout_s,
         http_max_connections=args.http_max_connections,
+        api_keys=api_keys,
     )
     return asyncio.run(serve(cfg))
 
@@ -333,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_args=engine_args,
             registry=args.registry,
             threads_per_worker=args.threads_per_worker,
+            api_key=args.api_key,
         )
     )
     stop = threading.Event()
@@ -343,6 +347,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"pdserve serving {model}\n  OpenAI HTTP: {stack.http_url}/v1\n  gRPC:        {stack.grpc_endpoint}",
         flush=True,
     )
+    if stack.api_key:
+        print("  API key:     required (Authorization: Bearer <key>)", flush=True)
     for proc in stack.procs:
         print(f"  {proc.name:<10} {proc.endpoint} (pid {proc.popen.pid})", flush=True)
     while not stop.wait(0.5):
@@ -487,6 +493,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--probe-interval-s", type=float, default=0.5, help="how often workers' load and health are read"
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key the public API (/v1/*, gRPC Inference) accepts as 'Authorization: Bearer KEY' "
+        "(repeatable; also PDSERVE_API_KEY, which stays out of process listings); none: open API",
+    )
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (# comments)")
     _add_tls_flags(p)
     p.set_defaults(func=cmd_router)
 
@@ -501,6 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=4096)
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--registry", default=None, help="redis://host:port/db (default: static, no Redis)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

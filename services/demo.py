@@ -27,10 +27,10 @@ def _report(
     )
 
 
-def openai_stream(base_url: str, model: str, max_tokens: int) -> None:
+def openai_stream(base_url: str, model: str, max_tokens: int, api_key: str | None = None) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key or "unused")
     print(f"--- openai client, /v1/completions, stream=True ---\n{PROMPT}", end="", flush=True)
     start, first, n, kv_bytes = time.perf_counter(), None, 0, 0
     stream = client.completions.create(
@@ -55,7 +55,7 @@ def openai_stream(base_url: str, model: str, max_tokens: int) -> None:
     _report("openai", n, start, first, time.perf_counter(), kv_bytes)
 
 
-def grpc_stream(endpoint: str, max_tokens: int) -> None:
+def grpc_stream(endpoint: str, max_tokens: int, api_key: str | None = None) -> None:
     print(f"--- gRPC pdserve.v1.Inference/Generate ---\n{PROMPT}", end="", flush=True)
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(endpoint))
     request = pb.GenerateRequest(
@@ -64,7 +64,8 @@ def grpc_stream(endpoint: str, max_tokens: int) -> None:
         mode=pb.SERVING_MODE_DISAGGREGATED,
     )
     start, first, last = time.perf_counter(), None, None
-    for msg in stub.Generate(request, timeout=120):
+    key = [("authorization", f"Bearer {api_key}")] if api_key else None
+    for msg in stub.Generate(request, timeout=120, metadata=key):
         if msg.token_ids:
             first = first or time.perf_counter()
             sys.stdout.write(msg.text)

@@ -92,6 +92,9 @@ class StackConfig:
     worker_metrics: bool = False
     """Give every worker a Prometheus /metrics port (Proc.metrics_url)."""
     ready_timeout_s: float = 180.0
+    api_key: str | None = field(default=None, repr=False)
+    """A key the router's public API requires (passed as PDSERVE_API_KEY, out of process
+    listings); None: whatever PDSERVE_API_KEY the environment holds, else an open API."""
 
 
 class Stack:
@@ -104,6 +107,8 @@ class Stack:
             cfg.env.get(env_vars.INTERNAL_TOKEN_VAR) or env_vars.internal_token() or secrets.token_urlsafe(32)
         )
         """The internal token every process of this stack requires and presents."""
+        self.api_key: str | None = cfg.api_key or cfg.env.get(env_vars.API_KEY_VAR) or env_vars.api_key()
+        """The key the router's public API requires (None: open); its readiness probe sends it."""
 
     @property
     def grpc_endpoint(self) -> str:
@@ -116,7 +121,9 @@ class Stack:
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.name != "router" and (role is None or p.name.startswith(role))]
 
-    def _spawn(self, name: str, args: list[str], endpoint: str, env: dict | None = None) -> Proc:
+    def _spawn(
+        self, name: str, args: list[str], endpoint: str, env: dict | None = None, api_key: str | None = None
+    ) -> Proc:
         log_path = None
         out = None
         if self.cfg.log_dir:
@@ -125,6 +132,8 @@ class Stack:
             out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "services.cli", "--log-level", env_vars.log_level(), *args]
         env = {**(env or os.environ), **self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
+        if api_key is not None:
+            env[env_vars.API_KEY_VAR] = api_key
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
         proc = Proc(name, endpoint, popen, log_path)
         self.procs.append(proc)
@@ -178,7 +187,7 @@ class Stack:
                 args += ["--registry", cfg.registry]
             else:
                 args += ["--workers", ",".join(p.endpoint for p in self.workers())]
-            self._spawn("router", args + cfg.router_args, self.grpc_endpoint)
+            self._spawn("router", args + cfg.router_args, self.grpc_endpoint, api_key=self.api_key)
             deadline = time.monotonic() + cfg.ready_timeout_s
             for proc in self.procs:
                 wait_ready(proc.endpoint, max(deadline - time.monotonic(), 1.0), proc.popen)
@@ -194,10 +203,11 @@ class Stack:
         from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
         want = {p.endpoint for p in self.workers() if p.popen.poll() is None}
+        key = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         with grpc.insecure_channel(self.grpc_endpoint) as ch:
             stub = pb_grpc.InferenceStub(ch)
             while True:
-                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5.0)
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5.0, metadata=key)
                 if want <= {w.endpoint for w in info.workers if w.healthy}:
                     return
                 if time.monotonic() > deadline:

@@ -82,6 +82,7 @@ SCENARIOS: dict[str, dict] = {
     "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/2"}},
     "external-redis-secret": {"redis": {"enabled": False, "externalUrlSecret": {"name": "redis-url"}}},
     "external-rediss": {"redis": {"enabled": False, "externalUrl": "rediss://:pw@redis.infra:6380/0"}},
+    "api-keys": {"router": {"apiKeys": {"existingSecret": "pdserve-api-keys", "secretKey": "keys.txt"}}},
     "hostpath-hpa-colocated": {
         "model": {"source": "hostPath", "hostPath": {"path": "/data/models"}, "servedModelName": "tiny"},
         "router": {"autoscaling": {"enabled": True}, "extraArgs": ["--max-in-flight", "512"]},
@@ -482,6 +483,34 @@ def test_internal_token_from_a_secret_when_auth_is_on(name, monkeypatch):
         assert name_ == auth["existingSecret"] and secrets == {}
     else:
         assert len(secrets[name_]["data"][key]) > 0
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_api_keys_from_a_secret_mounted_as_the_routers_key_file(name):
+    """router.apiKeys.existingSecret: the Secret's key is a file the router reads with
+    --api-key-file (keys stay out of the pod spec); unset, the router takes none (an open API)."""
+    keys = SCENARIOS[name].get("router", {}).get("apiKeys", {})
+    for _, tpl, c in pdserve_containers(scenario(name)):
+        args = parse(c)
+        volumes = {v["name"]: v for v in tpl["spec"]["volumes"]}
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        if args.command != "router" or not keys:
+            assert getattr(args, "api_key_file", None) is None and not getattr(args, "api_key", None)
+            assert "api-keys" not in volumes and "api-keys" not in mounts
+            continue
+        secret = volumes["api-keys"]["secret"]
+        assert secret["secretName"] == keys["existingSecret"]
+        [item] = secret["items"]
+        assert item["key"] == keys["secretKey"]
+        assert mounts["api-keys"]["readOnly"] is True
+        assert args.api_key_file == f"{mounts['api-keys']['mountPath']}/{item['path']}"
+
+
+def test_notes_show_the_api_key_in_use_or_warn_there_is_none():
+    text = notes(SCENARIOS["api-keys"])
+    assert "Authorization: Bearer $KEY" in text and "Secret pdserve-api-keys, key keys.txt" in text
+    assert "takes no API key" not in text
+    assert "takes no API key" in notes(SCENARIOS["default"])
 
 
 def test_external_redis():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -101,10 +102,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def new_server(security: Security | None = None) -> grpc.aio.Server:
-    """An aio server: the internal-token check (when configured) runs before the error mapping."""
+def new_server(security: Security | None = None, interceptors: Sequence = ()) -> grpc.aio.Server:
+    """An aio server: the internal-token check (when configured), then `interceptors` (the
+    router's public API-key check), run before the error mapping."""
     return grpc.aio.server(
-        interceptors=[*server_interceptors(security), ErrorInterceptor()],
+        interceptors=[*server_interceptors(security), *interceptors, ErrorInterceptor()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

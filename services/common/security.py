@@ -1,16 +1,23 @@
-"""Protecting the internal RPCs: a shared bearer token in call metadata and/or mutual TLS.
+"""Protecting the internal RPCs: a shared bearer token in call metadata and/or mutual TLS; and
+the public API's keys.
 
 Servers check `authorization: Bearer <token>` on every internal method (health and reflection
 stay open so orchestrators can probe): missing -> UNAUTHENTICATED, wrong -> PERMISSION_DENIED.
 Clients attach it with a channel interceptor. With TLS files set, servers listen with mutual TLS
 (client certificates required) and clients present theirs.
+
+The router's public API takes API keys the same way (`ApiKeys`): gRPC `Inference` wants
+`authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise, health and reflection open), the
+OpenAI routes the same header (services/openai/server.py). Keys are compared in constant time and
+never logged.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -78,6 +85,84 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             )
         if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
             return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, "wrong internal token")
+        return handler
+
+
+MAX_API_KEYS = 1024
+"""Most keys an --api-key-file may hold (each is compared on every request)."""
+MAX_API_KEY_CHARS = 512
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys the public API accepts; none: it is open."""
+
+    keys: tuple[str, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def load(cls, keys: Sequence[str] = (), key_file: str | None = None, from_env: bool = True) -> ApiKeys:
+        """--api-key values, the keys of key_file (one per line; blank lines and lines starting
+        with # skipped) and PDSERVE_API_KEY. ValueError naming the source and the limit for a key
+        that is empty, has whitespace inside, or is longer than MAX_API_KEY_CHARS, and for a
+        key_file that holds no key or more than MAX_API_KEYS."""
+        found = [(k, "--api-key") for k in keys]
+        if key_file is not None:
+            try:
+                lines = [line.strip() for line in Path(key_file).read_text().splitlines()]
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"--api-key-file {key_file} cannot be read: {e}") from None
+            in_file = [line for line in lines if line and not line.startswith("#")]
+            if not in_file:
+                raise ValueError(f"--api-key-file {key_file} holds no key")
+            if len(in_file) > MAX_API_KEYS:
+                raise ValueError(
+                    f"--api-key-file {key_file} holds {len(in_file)} keys, more than {MAX_API_KEYS}"
+                )
+            found += [(k, f"--api-key-file {key_file}") for k in in_file]
+        if from_env and env.api_key() is not None:
+            found.append((env.api_key(), env.API_KEY_VAR))
+        for key, where in found:
+            if not key or any(c.isspace() for c in key) or len(key) > MAX_API_KEY_CHARS:
+                raise ValueError(
+                    f"an API key from {where} must be 1 to {MAX_API_KEY_CHARS} characters without whitespace"
+                )
+        return cls(tuple(dict.fromkeys(k for k, _ in found)))
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, authorization: str | bytes | None) -> bool:
+        """Whether an Authorization value is `Bearer <one of the keys>`. Every key is compared,
+        each in constant time, so the time taken says nothing about which matched or how much."""
+        if authorization is None:
+            return False
+        got = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(got, b"Bearer " + key.encode())
+        return ok
+
+
+API_KEY_MISSING = "missing API key: send it as 'Authorization: Bearer <key>'"
+API_KEY_WRONG = "invalid API key"
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """The public gRPC API's key check: every method but health and reflection needs a key in
+    `authorization: Bearer KEY` metadata; missing or wrong -> UNAUTHENTICATED."""
+
+    def __init__(self, keys: ApiKeys):
+        assert keys, "an ApiKeyInterceptor without keys would refuse everything"
+        self._keys = keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization")
+        if not self._keys.check(got):
+            message = API_KEY_MISSING if got is None else API_KEY_WRONG
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message)
         return handler
 
 

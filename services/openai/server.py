@@ -25,6 +25,7 @@ import prometheus_client
 from aiohttp import web
 
 from services.common.errors import ServiceError, http_status
+from services.common.security import API_KEY_MISSING, API_KEY_WRONG, ApiKeys
 from services.openai.limits import BODY_TIMEOUT_S, GuardedRunner, read_body
 from services.openai.protocol import (
     ApiError,
@@ -64,15 +65,18 @@ def build_app(
     metrics_registry: prometheus_client.CollectorRegistry | None = None,
     max_body_bytes: int = 1 << 20,
     body_timeout_s: float = 30.0,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The OpenAI API over `frontend`: /v1/completions, /v1/chat/completions, /v1/models,
     /health and /metrics (`metrics_registry` in Prometheus text format; empty when None). Request
     bodies over max_body_bytes get 413, bodies not received within body_timeout_s 408
-    (`limits.read_body`)."""
+    (`limits.read_body`). With api_keys, every /v1/* request needs `Authorization: Bearer KEY`
+    (401 in OpenAI's error shape before anything is read); /health and /metrics stay open."""
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     api = _Api(frontend, metrics_registry)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    middlewares = [_errors, _api_key_check(api_keys)] if api_keys else [_errors]
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[_MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT_S] = body_timeout_s
     app.router.add_post("/v1/completions", api.completions)
@@ -149,8 +153,26 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         error = e
     status, body = _error_of(error, request)
     retry_after = getattr(error, "retry_after_s", None)
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return web.json_response(body, status=status, headers=headers)
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return web.json_response(body, status=status, headers=headers or None)
+
+
+def _api_key_check(keys: ApiKeys):
+    """Middleware: /v1/* needs one of the keys (an unknown /v1 path too: no probing without one)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path == "/v1" or request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization")
+            if not keys.check(got):
+                raise ApiError(
+                    API_KEY_MISSING if got is None else API_KEY_WRONG, status=401, code="invalid_api_key"
+                )
+        return await handler(request)
+
+    return check
 
 
 def _sse(data: dict) -> bytes:

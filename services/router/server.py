@@ -16,7 +16,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
 from services.common.metrics import Metrics
-from services.common.security import Security
+from services.common.security import ApiKeyInterceptor, ApiKeys, Security
 from services.openai.server import build_app, server_ssl_context, start_http
 from services.registry import make_registry
 from services.router.core import RouterCore, RouterSettings
@@ -57,6 +57,9 @@ class RouterServerConfig:
     """A request body not fully received within this long gets 408."""
     http_max_connections: int = 1024
     """Open HTTP connections beyond this are answered 503 and closed at once."""
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    """Keys the public API accepts as `Authorization: Bearer KEY` (every /v1/* route, every gRPC
+    Inference method; health, reflection and /metrics stay open); none: the API is open."""
 
     def __post_init__(self):
         if (self.public_tls_cert is None) != (self.public_tls_key is None):
@@ -84,7 +87,7 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
         lambda: sum(w.healthy for w in pool.workers.values()),
     )
 
-    server = new_server()
+    server = new_server(interceptors=[ApiKeyInterceptor(cfg.api_keys)] if cfg.api_keys else [])
     pb_grpc.add_InferenceServicer_to_server(InferenceService(core), server)
     health = add_health_and_reflection(server, ["pdserve.v1.Inference"])
     await set_health(health, live=True, ready=False)
@@ -99,7 +102,7 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
             else None
         )
         http_runner = await start_http(
-            build_app(core, metrics.registry, body_timeout_s=cfg.http_body_timeout_s),
+            build_app(core, metrics.registry, body_timeout_s=cfg.http_body_timeout_s, api_keys=cfg.api_keys),
             cfg.host,
             cfg.http_port,
             ssl_context=tls,
@@ -109,7 +112,13 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
         http_port = http_runner.addresses[0][1]
     if on_bound is not None:
         on_bound(grpc_port, http_port)
-    logger.info("router: gRPC on %s:%d, HTTP on %s", cfg.host, grpc_port, http_port)
+    logger.info(
+        "router: gRPC on %s:%d, HTTP on %s; public API %s",
+        cfg.host,
+        grpc_port,
+        http_port,
+        f"needs one of {len(cfg.api_keys.keys)} API key(s)" if cfg.api_keys else "open (no API key)",
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
