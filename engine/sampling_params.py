@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 SAMPLING_EPS = 1e-5
@@ -66,6 +68,9 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint the output follows (JSON schema, JSON object, regex, choice or grammar): tokens
+    it does not allow are masked before sampling, and once it is complete only EOS is."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +148,13 @@ class SamplingParams:
                 raise ValueError(f"logit_bias key {tok!r} must be a token id in {limit}")
             if not _is_number(bias) or math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias[{tok}] must be a number in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, "
+                    f"got {type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.validate("structured_outputs")
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if tok >= vocab_size:
