@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured.params",
 }
 __all__ = list(_EXPORTS)
 

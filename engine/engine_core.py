@@ -38,9 +38,14 @@ from engine.runner import ModelRunner, kv_cache_spec
 from engine.sampling_params import SamplingParams, validate_request
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.spec_decode.stats import SpecStats, speculation_allowed
+from engine.structured.manager import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.01
+"""How long an engine whose only requests wait for their structured-output grammar blocks on
+the compile per step (instead of spinning)."""
 
 
 def _generation_eos(folder: Path) -> list[int]:
@@ -100,6 +105,11 @@ class EngineCore:
         )
         self.group = group
         self.ep = make_expert_parallel(cfg, self.model_cfg, group) if group is not None else None
+        self.structured = StructuredOutputManager(
+            self.tokenizer.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids
+        )
+        """Compiles constraints off the engine thread, holds their requests until ready, fills
+        the token bitmask."""
         self.runner = ModelRunner(
             self.model_cfg,
             cfg,
@@ -108,6 +118,7 @@ class EngineCore:
             self.num_kv_blocks,
             self.eos_token_ids,
             ep=self.ep,
+            structured=self.structured,
         )
         self.rebalancer = (
             Rebalancer(self.ep, self.runner.model, cfg) if self.ep is not None and cfg.eplb_interval else None
@@ -155,7 +166,14 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; changes nothing."""
+        """Raise ValueError naming the field and the limit; changes nothing. A structured-output
+        constraint is compiled (through the cache) to find its errors, which may take a while
+        the first time: call it off the engine thread or before stepping (LLM.generate does)."""
+        self._check(prompt_token_ids, params)
+        self.structured.check(params.structured_outputs)
+
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks of validate that cost next to nothing (run on every request added)."""
         validate_request(
             prompt_token_ids,
             params,
@@ -178,7 +196,7 @@ class EngineCore:
         release_export), under the options' lease."""
         req = self._new_request(request_id, prompt_token_ids, params, prompt)
         req.kv_export = ExportOptions() if kv_export is True else kv_export or None
-        self.scheduler.add(req)
+        self.structured.admit(req, self.scheduler.add)
         return req
 
     def _new_request(
@@ -188,10 +206,11 @@ class EngineCore:
         # export ends and the blocks are freed: reusing the id would orphan them.
         if request_id in self.requests or self.exports.holds(request_id) or request_id in self.importing:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
+        self._check(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
         req.spec_enabled = self.spec is not None and speculation_allowed(params)
         self.requests[request_id] = req
+        self.structured.submit(req)
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.tokenizer,
             req.prompt_token_ids,
@@ -204,6 +223,7 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.structured.discard(request_id)
         imp = self.importing.pop(request_id, None)
         if imp is not None:
             imp.close()  # no transfer writes into the blocks from here on; finish frees them
@@ -310,16 +330,16 @@ class EngineCore:
         req.num_computed_tokens = req.num_prompt_tokens
         self.block_manager.cache_blocks(req, req.num_computed_tokens)
         req.metrics.first_scheduled_time = time.monotonic()
-        self.scheduler.add_running(req)
+        self.structured.admit(req, self.scheduler.add_running)
 
     def recompute_import(self, request_id: str) -> None:
         """The transfer failed: drop the blocks and compute the prompt here instead."""
         imp = self.importing.pop(request_id)
         imp.close()
-        self.scheduler.recompute(imp.request)
+        self.structured.admit(imp.request, self.scheduler.recompute)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.structured.num_held > 0
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -329,7 +349,21 @@ class EngineCore:
     def step(self, stop: bool = False) -> list[RequestOutput]:
         """One schedule -> execute -> update. In a group, every rank calls it in lockstep: ranks
         first agree whether any has work (a rank without runs a dummy batch) and whether all asked
-        to stop."""
+        to stop. Requests whose structured-output grammar got ready join the queues first; those
+        that cannot run (an invalid constraint) end as aborted."""
+        if self.structured.num_held and not self.scheduler.num_unfinished:
+            self.structured.wait(GRAMMAR_WAIT_S)
+        failed = [self._abort_unconstrainable(req, error) for req, error in self.structured.poll()]
+        outputs = self._step(stop)
+        return failed + outputs if failed else outputs
+
+    def _abort_unconstrainable(self, req: Request, error: str) -> RequestOutput:
+        logger.error("request %s cannot run: %s", req.request_id, error)
+        out = self.abort_request(req.request_id)
+        assert out is not None
+        return out
+
+    def _step(self, stop: bool) -> list[RequestOutput]:
         self.free_ended_exports()
         sched = self.scheduler.schedule()
         if self.group is not None:
@@ -399,6 +433,8 @@ class EngineCore:
             detok = detokenizer.step([token])
             new_text += detok.text
             status = self._check_stop(req, token, detok.stop_matched)
+            if status is None and req.grammar is not None:
+                status = self.structured.advance(req, token)
             if status is not None:
                 break
         if item.draft_token_ids:

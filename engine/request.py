@@ -12,6 +12,8 @@ import torch
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import llguidance
+
     from engine.kv_cache.export import ExportOptions
 
 
@@ -90,6 +92,9 @@ class Request:
     kv_export: ExportOptions | None = None
     """Prefill-only (disaggregated prefill): after the first token the request ends with its prompt's
     KV blocks pinned in an export (engine/kv_cache/export.py) instead of freed."""
+    grammar: llguidance.LLMatcher | None = None
+    """The structured-output matcher (params.structured_outputs), advanced over every token
+    appended; set when the request enters the scheduler (engine/structured/manager.py)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

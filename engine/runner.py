@@ -8,6 +8,7 @@ MLA path in batched calls.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,8 @@ from engine.sampler import Sampler, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.drafter import draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
+from engine.structured.bitmask import TokenBitmask
+from engine.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,11 @@ class ModelRunner:
         num_kv_blocks: int,
         eos_token_ids: tuple[int, ...],
         ep=None,
+        structured: StructuredOutputManager | None = None,
     ):
         """kv_spec: from kv_cache_spec(); ep: an engine.parallel.ep_moe.ExpertParallel (this rank
-        then loads only its experts)."""
+        then loads only its experts); structured: fills the token bitmask of requests with a
+        structured-output matcher (without it, none may have one)."""
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.device = torch.device(cfg.device)
@@ -103,6 +108,7 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device)  # the MTP layer's group last
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
+        self.structured = structured
 
     def _build_batch(
         self, items: list[ScheduledRequest]
@@ -178,11 +184,28 @@ class ModelRunner:
         )
         self.model(batch, self.kv_caches)
 
+    def _grammar_bitmask(
+        self, items: list[ScheduledRequest], sample_rows: list[int]
+    ) -> Future[TokenBitmask] | None:
+        """The step's structured-output bitmask, filled while the model runs: the rows of every
+        sampling request with a matcher, its drafts' rows included (a draft the constraint refuses
+        is then never accepted)."""
+        entries = [
+            (it.request, row, it.draft_token_ids)
+            for it, row in zip(items, sample_rows, strict=True)
+            if row >= 0 and it.request.grammar is not None
+        ]
+        if not entries:
+            return None
+        assert self.structured is not None, "a request has a grammar but the runner has no structured outputs"
+        return self.structured.bitmask(entries)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes first, grouped by query length: the model runs each group as one absorbed-MLA call.
         items = sorted(sched.scheduled, key=lambda it: (not it.is_decode, it.query_len))
         batch, sample_rows, prompt_rows = self._build_batch(items)
+        filling = self._grammar_bitmask(items, sample_rows)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
         out = RunnerOutput()
@@ -192,9 +215,20 @@ class ModelRunner:
             for it, row in zip(items, sample_rows, strict=True)
             if row >= 0 and not it.draft_token_ids
         ]
+        # Structured output: one bitmask for every constrained row of the step, the sampled rows
+        # and each speculating request's verification rows (masked here: the sampler masks its own
+        # rows after taking their raw logprobs).
+        bitmask = filling.result() if filling is not None else None
+        if bitmask is not None:
+            bitmask.without([row for _, row in samplers]).apply(logits)
         if samplers:
-            rows = torch.tensor([row for _, row in samplers], dtype=torch.long, device=logits.device)
-            result = self.sampler(logits[rows], [it.request for it, _ in samplers])
+            sampler_rows = [row for _, row in samplers]
+            rows = torch.tensor(sampler_rows, dtype=torch.long, device=logits.device)
+            result = self.sampler(
+                logits[rows],
+                [it.request for it, _ in samplers],
+                bitmask=bitmask.select(sampler_rows) if bitmask is not None else None,
+            )
             for (it, _), token, lps in zip(samplers, result.token_ids, result.logprobs, strict=True):
                 out.sampled[it.request.request_id] = [token]
                 if lps is not None:

@@ -1,7 +1,8 @@
 """Turn one step's logits into one token per running request.
 
-Order per row (vLLM's): min_tokens mask -> logit_bias -> repetition penalty -> frequency/presence penalties
--> temperature (0: greedy argmax of the penalised logits) -> min_p -> top_k -> top_p -> sample.
+Order per row (vLLM's): structured-output bitmask -> min_tokens mask -> logit_bias -> repetition
+penalty -> frequency/presence penalties -> temperature (0: greedy argmax of the penalised logits)
+-> min_p -> top_k -> top_p -> sample.
 Logprobs are those of the raw model distribution (log_softmax before any of the above), which
 is vLLM's default ("raw_logprobs").
 
@@ -22,6 +23,7 @@ from typing import Protocol
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import TokenBitmask
 
 # Logits a top_p row is first tried on before its row is fully sorted; see _top_k_top_p.
 _TOP_P_CANDIDATES = 256
@@ -59,10 +61,14 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: TokenBitmask | None = None
+    ) -> SamplerOutput:
         """logits: [B, V'] with V' >= vocab_size (columns past vocab_size, the padding of a
         padded lm_head, are never sampled). Modified in place, as vLLM's sampler does: the model
-        runner hands over a fresh buffer each step, and a copy of [256, V] per step is not free."""
+        runner hands over a fresh buffer each step, and a copy of [256, V] per step is not free.
+        bitmask: the allowed tokens of the constrained rows (structured output), numbered as
+        these rows; the others are not touched."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         assert logits.shape[1] >= self.vocab_size, (tuple(logits.shape), self.vocab_size)
         logits = logits[:, : self.vocab_size]  # [B, V]
@@ -74,6 +80,12 @@ class Sampler:
         uses_penalties = any(_has_penalties(p) for p in params)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
+        # Taken before anything below edits the logits in place.
+        raw_logprobs = (
+            torch.log_softmax(logits[wants_logprobs].float(), dim=-1) if wants_logprobs else None
+        )  # [len(wants_logprobs), V]
+        if bitmask is not None:
+            bitmask.apply(logits)
         if (
             not masks
             and not biased
@@ -83,11 +95,6 @@ class Sampler:
         ):
             # The common greedy-decode step: one argmax, nothing else built.
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
-
-        # Taken before anything below edits the logits in place.
-        raw_logprobs = (
-            torch.log_softmax(logits[wants_logprobs].float(), dim=-1) if wants_logprobs else None
-        )  # [len(wants_logprobs), V]
 
         if masks:
             mask_rows, mask_tokens = zip(*masks, strict=True)
