@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import ConstraintKind, StructuredOutputsParams
 from pdserve.v1 import inference_pb2 as pb
 
 _OPTIONAL_FIELDS = (
@@ -41,6 +42,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias) or None,
+        structured_outputs=structured_from_proto(msg.structured_outputs)
+        if msg.HasField("structured_outputs")
+        else None,
     )
 
 
@@ -54,7 +58,38 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
             setattr(msg, name, value)
     if params.logit_bias:
         msg.logit_bias.update(params.logit_bias)
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(params.structured_outputs))
     return msg
+
+
+def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """ValueError naming structured_outputs when no kind is set (validate checks the rest)."""
+    which = msg.WhichOneof("kind")
+    if which is None:
+        raise ValueError(
+            "structured_outputs must set one of json_schema, json_object, regex, choice, grammar"
+        )
+    if which == "json_schema":
+        return StructuredOutputsParams(json=msg.json_schema)
+    if which == "json_object":
+        if not msg.json_object:
+            raise ValueError("structured_outputs.json_object must be true when set")
+        return StructuredOutputsParams(json_object=True)
+    if which == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    return StructuredOutputsParams(**{which: getattr(msg, which)})
+
+
+def structured_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    kind, text = params.key()  # a schema travels as its compact JSON text
+    if kind is ConstraintKind.JSON:
+        return pb.StructuredOutputs(json_schema=text)
+    if kind is ConstraintKind.JSON_OBJECT:
+        return pb.StructuredOutputs(json_object=True)
+    if kind is ConstraintKind.CHOICE:
+        return pb.StructuredOutputs(choice=pb.Choices(choices=params.choice))
+    return pb.StructuredOutputs(**{kind.value: text})  # regex, grammar
 
 
 def logprobs_to_proto(entries: list[dict[int, float] | None]) -> list[pb.Logprobs]:

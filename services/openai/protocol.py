@@ -3,8 +3,8 @@
 Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
 types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
 lenient about fields it does not know, as OpenAI's API is. Fields that would silently change the
-meaning of a request if ignored (`suffix`, `best_of`, `tools`, a non-text `response_format`, and
-`echo` on chat) are rejected instead.
+meaning of a request if ignored (`suffix`, `best_of`, `tools`, and `echo` on chat) are
+rejected instead. Structured output (`response_format`, ...) is read by structured.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jinja2
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
+from services.openai.structured import StructuredOutputError, structured_outputs
 from services.router.api import (
     CHAT_ROLES,
     MAX_STOP,
@@ -244,7 +245,6 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
         "suffix": body.get("suffix") not in (None, ""),
         "best_of": body.get("best_of") not in (None, 1),
         "tools": bool(body.get("tools")),
-        "response_format": body.get("response_format") not in (None, {"type": "text"}),
     }
     for name, bad in unsupported.items():
         if bad:
@@ -444,12 +444,21 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int
         prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         logit_bias=_logit_bias(body, vocab_size),
+        structured_outputs=_structured_outputs(body),
     )
     try:  # the engine's own checks (min_tokens <= max_tokens, ...) as a backstop
         params.validate(vocab_size)
     except ValueError as e:
         raise ApiError(str(e), param_from_message(str(e))) from None
     return params
+
+
+def _structured_outputs(body: dict):
+    """response_format, structured_outputs or guided_* (services/openai/structured.py)."""
+    try:
+        return structured_outputs(body)
+    except StructuredOutputError as e:
+        raise ApiError(str(e), e.param) from None
 
 
 def _common(body: dict) -> dict[str, Any]:

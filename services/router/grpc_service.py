@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+from engine.structured.compiler import check as check_structured_outputs
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
@@ -80,6 +81,14 @@ class InferenceService(pb_grpc.InferenceServicer):
         async with self.core.admit(1, context.time_remaining()) as queued:
             # Tokenizing (and rendering a chat template) costs time linear in the text: off the loop.
             inp.prompt_token_ids = await self.core.off_loop(self._encode, which, request)
+            if inp.params.structured_outputs is not None:  # the grammar library's own check
+                kind = request.sampling.structured_outputs.WhichOneof("kind")
+                await self.core.off_loop(
+                    check_structured_outputs,
+                    inp.params.structured_outputs,
+                    "sampling.structured_outputs",
+                    f"sampling.structured_outputs.{kind}",
+                )
             echo = None
             if request.echo:
                 text = request.text if which == "text" else None
