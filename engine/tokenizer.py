@@ -72,7 +72,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The conversation as the template renders it. `tools`: OpenAI's tool objects
+        ({"type": "function", "function": {...}}), passed as HF passes them; a template that does
+        not use them leaves them out."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -81,9 +86,19 @@ class Tokenizer:
             raise jinja2.exceptions.TemplateError(message)
 
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """HF's `tojson` filter: plain json.dumps. Jinja's own escapes <, >, & and ' for HTML, which
+    would change the text the model sees."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

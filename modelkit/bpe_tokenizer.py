@@ -29,11 +29,52 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN, 
 CORPUS_CHARS = 4_000_000
 """Cap on the training text: ~4 MB trains a 32k vocabulary in a few seconds on one core."""
 
-# DeepSeek-V3's chat template without the tool-call branches: bos, the system prompts joined by a
-# blank line, then <｜User｜>text and <｜Assistant｜>text<｜end▁of▁sentence｜> per turn. Written with
-# whitespace control everywhere so it renders the same under transformers and plain jinja2.
+
+def _jinja_str(text: str) -> str:
+    """text as a Jinja string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+# DeepSeek-V3's tool-call markers. They are text to this tokenizer (not added tokens): the model
+# writes them as ordinary byte-level pieces, and no decode option strips them.
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+TOOL_CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
+TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
+TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+
+# What the template tells the model about `tools` (DeepSeek-V3's own template does not render
+# them; its hosted API adds them to the system prompt): each function as JSON, then the call syntax.
+TOOLS_INTRO = (
+    "## Tools\n\nYou may call these functions. Each is given as JSON: its name, what it does, and "
+    "its parameters as a JSON schema.\n"
+)
+TOOLS_USAGE = (
+    f"\n\nTo call functions, write {TOOL_CALLS_BEGIN}, then for each call {TOOL_CALL_BEGIN}function"
+    f"{TOOL_SEP}NAME\n```json\nARGUMENTS\n```{TOOL_CALL_END} (one call per line), then {TOOL_CALLS_END}."
+)
+
+_CALL = (
+    "'" + TOOL_CALL_BEGIN + "' + call['type'] + '" + TOOL_SEP + "' + call['function']['name']"
+    " + '\\n```json\\n' + call['function']['arguments'] + '\\n```" + TOOL_CALL_END + "'"
+)
+# DeepSeek-V3's chat template (tokenizer_config.json of deepseek-ai/DeepSeek-V3): bos, the system
+# prompts joined by a blank line, then <｜User｜>text and <｜Assistant｜>text<｜end▁of▁sentence｜> per
+# turn. An assistant turn's tool calls follow its text inside the tool-calls markers, one per line
+# with the arguments in a json fence; the `tool` results after it sit inside the tool-outputs
+# markers, and the turn after them (or the generation prompt) opens with <｜tool▁outputs▁end｜>
+# instead of <｜Assistant｜>. Three departures from DeepSeek's text, each where it renders wrongly:
+# a turn with one call is closed too (DeepSeek's closes only after the second), every turn with
+# calls opens the same way (DeepSeek's only the first in a conversation), and tool outputs that a
+# user turn follows are closed. Rendered with `tools`, the system prompt ends with the functions
+# (TOOLS_INTRO, TOOLS_USAGE). Written with whitespace control everywhere so it renders the same
+# under transformers and plain jinja2.
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system_prompt='', is_first_sp=true) -%}"
+    "{%- set ns = namespace(system_prompt='', is_first_sp=true, is_tool=false, is_output_first=true) -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{%- if ns.is_first_sp -%}"
@@ -44,14 +85,38 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{{- bos_token + ns.system_prompt -}}"
+    "{%- if tools -%}"
+    "{%- if ns.system_prompt -%}{{- '\\n\\n' -}}{%- endif -%}"
+    "{{- " + _jinja_str(TOOLS_INTRO) + " -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool['function'] | tojson) -}}{%- endfor -%}"
+    "{{- " + _jinja_str(TOOLS_USAGE) + " -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}"
+    "{%- if ns.is_tool -%}{{- '" + TOOL_OUTPUTS_END + "' -}}{%- set ns.is_tool = false -%}{%- endif -%}"
     "{{- '" + USER_TOKEN + "' + message['content'] -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '" + ASSISTANT_TOKEN + "' + message['content'] + '" + EOS_TOKEN + "' -}}"
+    "{%- if ns.is_tool -%}{{- '" + TOOL_OUTPUTS_END + "' -}}{%- set ns.is_tool = false -%}"
+    "{%- else -%}{{- '" + ASSISTANT_TOKEN + "' -}}{%- endif -%}"
+    "{%- if message['content'] is not none -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if message['tool_calls'] -%}"
+    "{{- '" + TOOL_CALLS_BEGIN + "' -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- " + _CALL + " -}}"
+    "{%- endfor -%}"
+    "{{- '" + TOOL_CALLS_END + "' -}}"
+    "{%- endif -%}"
+    "{{- '" + EOS_TOKEN + "' -}}"
+    "{%- set ns.is_output_first = true -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if ns.is_output_first -%}{{- '" + TOOL_OUTPUTS_BEGIN + "' -}}{%- else -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '" + TOOL_OUTPUT_BEGIN + "' + message['content'] + '" + TOOL_OUTPUT_END + "' -}}"
+    "{%- set ns.is_tool = true -%}{%- set ns.is_output_first = false -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '" + ASSISTANT_TOKEN + "' -}}{%- endif -%}"
+    "{%- if ns.is_tool -%}{{- '" + TOOL_OUTPUTS_END + "' -}}"
+    "{%- elif add_generation_prompt -%}{{- '" + ASSISTANT_TOKEN + "' -}}{%- endif -%}"
 )
 
 

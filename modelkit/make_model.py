@@ -34,7 +34,7 @@ __all__ = ["PRESETS", "ModelPreset", "make_model", "train_tokenizer", "BOS_TOKEN
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 """Bump when the recipe (init scales, config fields, tokenizer) changes, so old folders are rebuilt."""
 
 OUTPUT_FILES = (
