@@ -214,7 +214,7 @@ GRPC_CASES = [
             sampling=_sp(),
         ),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "chat.messages[1].role must be one of ['system', 'user', 'assistant', 'developer'], got 'wizard'",
+        "chat.messages[1].role must be one of ['system', 'user', 'assistant', 'developer', 'tool'], got 'wizard'",
     ),
 ]
 

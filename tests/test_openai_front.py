@@ -610,7 +610,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "messages": ["hi"]}, "messages[0]", "object"),
     (
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "tool", "content": "x"}]},
+        {**CHAT, "messages": [{"role": "function", "content": "x"}]},
         "messages[0].role",
         "one of",
     ),
@@ -631,7 +631,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
     ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, "temperature", "[0, 2]"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "with a name"),
+    ("/v1/completions", {**CMPL, "tools": [{"type": "function"}]}, "tools", "not supported"),
 ]
 
 

@@ -3,8 +3,9 @@
 Nothing here does I/O, so `server.py` stays a thin layer of handlers. Parsing is strict about
 types and ranges (an `ApiError` names the field in `param` and the limit in its message) and
 lenient about fields it does not know, as OpenAI's API is. Fields that would silently change the
-meaning of a request if ignored (`suffix`, `best_of`, `tools`, and `echo` on chat) are
-rejected instead. Structured output (`response_format`, ...) is read by structured.py.
+meaning of a request if ignored (`suffix`, `best_of`, `echo` on chat, and `tools` on completions)
+are rejected instead. Structured output (`response_format`, ...) is read by structured.py, tool
+calling (`tools`, `tool_choice`, tool messages) by tools.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jinja2
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.openai.structured import StructuredOutputError, structured_outputs
+from services.openai.tools import ToolError, ToolRequest, conflict, tool_call_id, tool_calls, tool_request
 from services.router.api import (
     CHAT_ROLES,
     MAX_STOP,
@@ -244,7 +246,7 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
         "echo": chat and body.get("echo") not in (None, False),
         "suffix": body.get("suffix") not in (None, ""),
         "best_of": body.get("best_of") not in (None, 1),
-        "tools": bool(body.get("tools")),
+        "tools": not chat and bool(body.get("tools")),
     }
     for name, bad in unsupported.items():
         if bad:
@@ -290,6 +292,8 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     """The request's own `prompt_logprobs` (the response's field of that name); params may ask
     the engine for more when echo needs them."""
+    tools: ToolRequest | None = None
+    """Chat `tools`: the output is parsed for calls unless tool_choice is "none"."""
 
     @property
     def top_logprobs(self) -> int | None:
@@ -385,30 +389,55 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _chat_prompt(body: dict, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
-    """Render the messages with the model's chat template. The template writes the BOS itself, so
-    the text is encoded without special tokens: the ids HF's apply_chat_template(tokenize=True) gives."""
+def _chat_message(message: Any, i: int) -> dict:
+    """One request message as the template takes it: role, content, and an assistant's
+    `tool_calls` or a tool result's `tool_call_id`."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ApiError(f"{where} must be an object with role and content", where)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        where = f"{where}.role"
+        raise ApiError(f"{where} must be one of {list(CHAT_ROLES)}, got {_show(role)}", where)
+    out: dict[str, Any] = {"role": CHAT_ROLES[role]}
+    content = message.get("content")
+    try:
+        calls = tool_calls(message, where) if role == "assistant" else []
+        if role == "tool":
+            out["tool_call_id"] = tool_call_id(message, where)
+    except ToolError as e:
+        raise ApiError(str(e), e.param) from None
+    if calls:
+        out["tool_calls"] = calls
+        # A call's content may be null: DeepSeek's own template tells null from "".
+        out["content"] = None if content is None else _message_text(content, f"{where}.content")
+    else:
+        out["content"] = _message_text(content, f"{where}.content")
+    return out
+
+
+def _chat_prompt(
+    body: dict, tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+) -> list[int]:
+    """Render the messages (and tools) with the model's chat template. The template writes the BOS
+    itself, so the text is encoded without special tokens: the ids HF's
+    apply_chat_template(tokenize=True) gives."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
-    rendered = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            where = f"messages[{i}].role"
-            raise ApiError(f"{where} must be one of {list(CHAT_ROLES)}, got {_show(role)}", where)
-        rendered.append(
-            {
-                "role": CHAT_ROLES[role],
-                "content": _message_text(message.get("content"), f"messages[{i}].content"),
-            }
-        )
-    _check_text_bytes("".join(m["content"] for m in rendered), tokenizer, max_model_len)
+    rendered = [_chat_message(message, i) for i, message in enumerate(messages)]
+    texts = [m["content"] or "" for m in rendered]
+    texts += [c["function"]["arguments"] for m in rendered for c in m.get("tool_calls", ())]
+    if tools is not None:
+        texts.append(json.dumps(tools.tools, ensure_ascii=False))
+    _check_text_bytes("".join(texts), tokenizer, max_model_len)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            rendered,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools.tools if tools is not None else None,
+        )
     except (jinja2.TemplateError, ValueError) as e:
         raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -513,7 +542,11 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     request may use the rest of the context window (as vLLM)."""
     _check_model(body, frontend.model_name)
     _reject_unsupported(body, chat=True)
-    prompt = _chat_prompt(body, frontend.tokenizer, frontend.max_model_len)
+    try:
+        tools = tool_request(body)
+    except ToolError as e:
+        raise ApiError(str(e), e.param) from None
+    prompt = _chat_prompt(body, frontend.tokenizer, frontend.max_model_len, tools)
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", max(1, frontend.max_model_len - len(prompt)), 1)
@@ -522,6 +555,17 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     if top and not want_logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:  # tool_choice "required" or a named function
+        if params.structured_outputs is not None:
+            error = conflict(tools)
+            raise ApiError(str(error), error.param)
+        params.structured_outputs = constraint
     return ParsedRequest(
-        chat=True, prompts=[prompt], params=params, prompt_logprobs=params.prompt_logprobs, **_common(body)
+        chat=True,
+        prompts=[prompt],
+        params=params,
+        prompt_logprobs=params.prompt_logprobs,
+        tools=tools,
+        **_common(body),
     )

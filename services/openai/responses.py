@@ -6,12 +6,15 @@ the non-streaming paths build their JSON the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from tokenizers import decoders
 
 from engine.tokenizer import Tokenizer
+from services.openai.tool_parser import ToolCallParser
+from services.openai.tools import ToolRequest
 from services.router.api import Delta, Frontend, Usage
 
 LOGPROB_FLOOR = -9999.0
@@ -75,7 +78,11 @@ class ChoiceOutput:
     With `echo` (the prompt's text and token ids), the first chunk starts with the prompt's text
     and, with logprobs, the prompt tokens' logprobs (the first token's null) in the legacy
     completions shape; text_offset then indexes the echoed text and goes on into the completion.
-    A special token the text leaves out (skip_special_tokens) takes no room in it."""
+    A special token the text leaves out (skip_special_tokens) takes no room in it.
+
+    With `tools` (chat, tool_choice not "none") the text goes through a ToolCallParser: content
+    deltas carry the text before the calls, `tool_calls` deltas the calls, and a choice that made
+    calls and stopped finishes with "tool_calls"."""
 
     def __init__(
         self,
@@ -86,8 +93,10 @@ class ChoiceOutput:
         echo: tuple[str, list[int]] | None = None,
         prompt_logprobs: int | None = None,
         skip_special_tokens: bool = True,
+        tools: ToolRequest | None = None,
     ):
         self.chat, self.index, self.top_logprobs, self._strings = chat, index, top_logprobs, strings
+        self._tools = ToolCallParser(tools.max_calls) if chat and tools is not None and tools.parse else None
         self._echo = echo
         self._prompt_top = prompt_logprobs
         self._skip_special = skip_special_tokens
@@ -122,6 +131,17 @@ class ChoiceOutput:
         text = echoed + delta.text
         self.num_tokens += len(delta.token_ids)
         self.text.append(text)
+        calls = []
+        if self._tools is not None:
+            released = self._tools.feed(text)
+            if delta.finish_reason is not None:
+                last = self._tools.finish()
+                for call in last.calls:
+                    released.add_arguments(call.index, call.arguments)
+                released.content += last.content
+            text, calls = released.content, [call.json() for call in released.calls]
+            if delta.finish_reason == "stop" and self._tools.calls:
+                delta = dataclasses.replace(delta, finish_reason="tool_calls")
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         self.usage = delta.usage or self.usage
@@ -134,10 +154,12 @@ class ChoiceOutput:
         if logprobs is not None:
             for key, values in logprobs.items():
                 self._logprobs[key].extend(values)
-        if not (text or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
+        if not (text or calls or delta.token_ids or delta.finish_reason or delta.prompt_logprobs is not None):
             return None
         if self.chat:
             choice = {"index": self.index, "delta": {"content": text} if text else {}}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
             choice = {"index": self.index, "text": text}
         choice |= {
@@ -155,6 +177,11 @@ class ChoiceOutput:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self._tools is not None:
+                content, calls = self._tools.content, self._tools.calls
+                choice["message"]["content"] = content if content or not calls else None
+                if calls:
+                    choice["message"]["tool_calls"] = [call.json() for call in calls]
         else:
             choice["text"] = text
         choice |= {

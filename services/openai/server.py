@@ -288,6 +288,7 @@ class _Api:
                 else (parsed.echo[i // parsed.n], parsed.prompts[i // parsed.n]),
                 prompt_logprobs=parsed.prompt_logprobs,
                 skip_special_tokens=parsed.params.skip_special_tokens,
+                tools=parsed.tools,
             )
             for i in range(len(inputs))
         ]

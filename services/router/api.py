@@ -27,9 +27,16 @@ MAX_TEMPERATURE = 2.0
 """API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
 MAX_STOP = 16
 """API limit on the number of stop strings per request."""
-CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+CHAT_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "developer": "system",
+    "tool": "tool",
+}
 """The chat roles both public APIs take -> the role the model's chat template renders it as.
-OpenAI's `developer` (its newer name for system instructions) renders as `system`."""
+OpenAI's `developer` (its newer name for system instructions) renders as `system`; `tool` carries
+a tool call's result."""
 
 
 def check_api_limits(params: SamplingParams) -> None:

@@ -1,0 +1,298 @@
+"""Tool calling through the served stack (router, prefill and decode workers as processes, every
+request disaggregated) with the `openai` client: tool_choice "required" and a named function give
+calls whose arguments validate against the tool's schema (a random model, held to the grammar),
+streamed deltas reassemble to the same calls, greedy outputs equal the offline engine's under the
+same prompt and constraint, a round trip (calls, then their results) renders and generates, and bad
+fields are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from services.openai.tool_parser import TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP, parse_tool_calls
+from services.openai.tools import tool_request
+
+DISAGGREGATED = {"mode": "disaggregated"}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["utc_offset"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "Local time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def stack(serving_stack):
+    return serving_stack
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model) -> LLM:
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+
+
+def _create(client, **kw):
+    args = dict(
+        model="pdserve-tiny", messages=MESSAGES, tools=TOOLS, max_tokens=160, extra_body=DISAGGREGATED
+    )
+    return client.chat.completions.create(**(args | kw))
+
+
+def _validate(calls) -> None:
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _offline(offline: LLM, body: dict, messages=MESSAGES, max_tokens: int = 160):
+    """The offline engine's greedy output for the same prompt and constraint."""
+    tools = tool_request(body)
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, tools=tools.tools), add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=tools.constraint())
+    (out,) = offline.generate(prompt_token_ids=[ids], sampling_params=[params])
+    return ids, out
+
+
+@pytest.mark.parametrize(
+    "choice, parallel",
+    [("required", False), (NAMED, True), (NAMED, False)],
+    ids=["required-one", "named", "named-one"],
+)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=5)], ids=["t0", "t1"])
+def test_an_enforced_choice_gives_one_valid_call(client, choice, parallel, sampling):
+    r = _create(client, tool_choice=choice, parallel_tool_calls=parallel, **sampling)
+    (c,) = r.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    if choice == NAMED:
+        assert call.function.name == "get_time"
+    _validate(c.message.tool_calls)
+
+
+def test_required_with_parallel_calls_gives_valid_calls(client):
+    for seed in range(3):
+        r = _create(client, tool_choice="required", temperature=1.0, seed=seed, max_tokens=400)
+        (c,) = r.choices
+        assert c.finish_reason in ("tool_calls", "length")
+        calls = c.message.tool_calls
+        complete = calls if c.finish_reason == "tool_calls" else calls[:-1]  # length may cut the last
+        assert len(calls) >= 1
+        _validate(complete)
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_streamed_deltas_reassemble_to_the_same_calls(client, choice):
+    whole = _create(client, tool_choice=choice, parallel_tool_calls=False, temperature=0.0).choices[0]
+    chunks = list(
+        _create(client, tool_choice=choice, parallel_tool_calls=False, temperature=0.0, stream=True)
+    )
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert not any(d.content and ("<｜" in d.content) for d in deltas)  # no marker text as content
+    parts = [tc for d in deltas for tc in d.tool_calls or []]
+    first, *rest = parts
+    assert (
+        first.index == 0 and first.id.startswith("call_") and first.function.name and first.type == "function"
+    )
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in rest)
+    arguments = "".join(p.function.arguments or "" for p in parts)
+    assert (first.function.name, arguments) == (
+        whole.message.tool_calls[0].function.name,
+        whole.message.tool_calls[0].function.arguments,
+    )
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # The openai client's own stream helper assembles the same call.
+    with client.chat.completions.stream(
+        model="pdserve-tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=160,
+        temperature=0.0,
+    ) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.tool_calls[0].function.arguments == arguments
+    assert final.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED, "auto", "none"])
+def test_greedy_output_is_the_offline_engines_parsed(client, offline, choice):
+    body = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False}
+    ids, ref = _offline(offline, body)
+    r = _create(client, tool_choice=choice, parallel_tool_calls=False, temperature=0.0)
+    (c,) = r.choices
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+    if choice == "none":  # not parsed: the text as the model wrote it
+        assert (c.message.content, c.message.tool_calls) == (ref.text, None)
+        return
+    content, calls = parse_tool_calls(ref.text, max_calls=1)
+    assert c.message.content == (content if content or not calls else None)
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []] == [
+        (t.name, t.arguments) for t in calls
+    ]
+
+
+def test_a_round_trip_renders_and_generates(client, offline):
+    first = _create(client, tool_choice=NAMED, temperature=0.0).choices[0].message
+    call = first.tool_calls[0]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'},
+    ]
+    body = {"tools": TOOLS, "tool_choice": "auto"}
+    ids, ref = _offline(offline, body, messages, max_tokens=12)
+    prompt = offline.tokenizer.decode(ids, skip_special_tokens=False)
+    assert (
+        f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}function{TOOL_SEP}get_time\n```json\n{call.function.arguments}"
+        in prompt
+    )
+    assert prompt.endswith(
+        '<｜tool▁output▁begin｜>{"time": "12:00"}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>'
+    )
+    r = client.chat.completions.create(
+        model="pdserve-tiny",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=12,
+        temperature=0.0,
+        extra_body=DISAGGREGATED,
+    )
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.token_ids)
+    content, calls = parse_tool_calls(ref.text)
+    assert (r.choices[0].message.content or "") == content and not calls
+
+
+BAD = [
+    ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type", "must be 'function'"),
+    (
+        {"tools": [TOOLS[0], {"type": "function", "function": {"name": "a b"}}]},
+        "tools[1].function.name",
+        "letters",
+    ),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name", "64"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "twice"),
+    ({"tools": [TOOLS[0]] * 129}, "tools", "limit of 128"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+        "tools[0].function.parameters",
+        "JSON schema",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "x": "y" * 70000}},
+                }
+            ]
+        },
+        "tools[0].function.parameters",
+        "limit of 65536",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objx"}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        "not a valid JSON schema",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice.function.name",
+        "not one of",
+    ),
+    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required'"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+        "cannot be combined",
+    ),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "send tools"),
+    ({"function_call": "auto"}, "function_call", "send tools"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": 5}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+        "JSON string",
+    ),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "non-empty string"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD, ids=[p + ":" + m for _, p, m in BAD])
+def test_a_bad_tool_field_is_a_400_naming_it(client, body, param, message):
+    args = dict(model="pdserve-tiny", messages=MESSAGES, max_tokens=4) | body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            **{k: v for k, v in args.items() if k in ("model", "messages", "max_tokens")},
+            extra_body={k: v for k, v in args.items() if k not in ("model", "messages", "max_tokens")},
+        )
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert re.search(re.escape(message), e.value.body["message"]), e.value.body["message"]
+
+
+def test_tool_messages_without_tools_render(client):
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"}]},
+    ]
+    r = client.chat.completions.create(model="pdserve-tiny", messages=messages, max_tokens=3, temperature=0.0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
