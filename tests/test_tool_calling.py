@@ -3,20 +3,24 @@ request disaggregated) with the `openai` client: tool_choice "required" and a na
 calls whose arguments validate against the tool's schema (a random model, held to the grammar),
 streamed deltas reassemble to the same calls, greedy outputs equal the offline engine's under the
 same prompt and constraint, a round trip (calls, then their results) renders and generates, and bad
-fields are 400s naming the field."""
+fields are 400s naming the field. Over gRPC the same conversation (Chat.tools, ChatMessage.tool_calls
+and tool_call_id) renders to the same prompt."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from pdserve.v1 import inference_pb2 as pb
 from services.openai.tool_parser import TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP, parse_tool_calls
 from services.openai.tools import tool_request
+from tests.service_testing import generate, inference
 
 DISAGGREGATED = {"mode": "disaggregated"}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
@@ -296,3 +300,75 @@ def test_tool_messages_without_tools_render(client):
     ]
     r = client.chat.completions.create(model="pdserve-tiny", messages=messages, max_tokens=3, temperature=0.0)
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+# ---- gRPC: the same conversation renders to the same prompt ------------------------------------
+
+
+def _grpc_chat(call_id: str, arguments: str, **tool_kw) -> pb.Chat:
+    return pb.Chat(
+        messages=[
+            pb.ChatMessage(role="user", content=MESSAGES[0]["content"]),
+            pb.ChatMessage(
+                role="assistant", tool_calls=[pb.ToolCall(id=call_id, name="get_time", arguments=arguments)]
+            ),
+            pb.ChatMessage(role="tool", tool_call_id=call_id, content='{"time": "12:00"}'),
+        ],
+        tools=[
+            pb.Tool(
+                name=t["function"]["name"],
+                description=t["function"]["description"],
+                parameters=json.dumps(t["function"]["parameters"]),
+            )
+            for t in TOOLS
+        ]
+        + [pb.Tool(**tool_kw)] * bool(tool_kw),
+    )
+
+
+def test_grpc_renders_tools_calls_and_results_as_http(stack, offline):
+    arguments = '{"utc_offset":1}'
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c7", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c7", "content": '{"time": "12:00"}'},
+    ]
+    ids, ref = _offline(offline, {"tools": TOOLS}, messages, max_tokens=8)
+    stub = inference(stack)
+    got = list(stub.Tokenize(pb.TokenizeRequest(chat=_grpc_chat("c7", arguments)), timeout=30).token_ids)
+    assert got == ids
+    tokens, msgs = generate(
+        stub, chat=_grpc_chat("c7", arguments), sampling=pb.SamplingParams(temperature=0.0, max_tokens=8)
+    )
+    assert tokens == ref.token_ids and msgs[-1].usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize(
+    "chat, field",
+    [
+        (_grpc_chat("c1", "{}", name="bad name"), "chat.tools[2].function.name must be 1 to 64 letters"),
+        (_grpc_chat("c1", "{}", name="get_time"), "chat.tools[2].function.name 'get_time' is given twice"),
+        (_grpc_chat("c1", "{}", name="f", parameters="{"), "chat.tools[2].parameters is not valid JSON"),
+        (
+            pb.Chat(messages=[pb.ChatMessage(role="tool", content="x")]),
+            "chat.messages[0].tool_call_id must be set",
+        ),
+        (
+            pb.Chat(messages=[pb.ChatMessage(role="user", tool_calls=[pb.ToolCall(name="f")])]),
+            "chat.messages[0].tool_calls is only allowed on an assistant message",
+        ),
+    ],
+    ids=["name", "twice", "parameters", "tool_call_id", "tool_calls-on-user"],
+)
+def test_grpc_bad_tool_fields_are_invalid_argument(stack, chat, field):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(inference(stack), chat=chat, sampling=pb.SamplingParams(max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), (
+        err.value.details()
+    )

@@ -133,7 +133,7 @@ def tool_request(body: dict) -> ToolRequest | None:
         if raw_choice not in (None, "none"):
             raise ToolError("tool_choice is only allowed when tools are given", "tool_choice")
         return None
-    tools = _tools(raw_tools)
+    tools = check_tools(raw_tools)
     choice, name = _choice(raw_choice, {t["function"]["name"] for t in tools})
     request = ToolRequest(tools, choice, name, parallel is not False)
     if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
@@ -157,7 +157,8 @@ def conflict(request: ToolRequest) -> ToolError:
     )
 
 
-def _tools(raw: Any) -> list[dict]:
+def check_tools(raw: Any) -> list[dict]:
+    """OpenAI's `tools` checked, as the template renders them (ToolRequest.tools)."""
     if not isinstance(raw, list):
         raise ToolError("tools must be a list of {type: function, function: {...}} objects", "tools")
     if len(raw) > MAX_TOOLS:

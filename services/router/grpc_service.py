@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from engine.structured.compiler import check as check_structured_outputs
@@ -9,6 +10,7 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument, NotFound
+from services.openai.tools import ToolError, check_tools
 from services.router import api_proto
 from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes, echo_text, prepare_echo
 from services.router.core import RouterCore
@@ -18,15 +20,66 @@ VERSION = "0.1.0"
 
 def chat_messages(chat: pb.Chat) -> list[dict]:
     """The chat as the template takes it; INVALID_ARGUMENT naming the message for a role the
-    template does not render (it would be dropped from the prompt without a word)."""
+    template does not render (it would be dropped from the prompt without a word), and for a tool
+    message without the id of its call."""
     if not chat.messages:
         raise InvalidArgument("chat.messages must not be empty")
+    messages = []
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(
                 f"chat.messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role[:64]!r}"
             )
-    return [{"role": CHAT_ROLES[m.role], "content": m.content} for m in chat.messages]
+        message = {"role": CHAT_ROLES[m.role], "content": m.content}
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidArgument(f"chat.messages[{i}].tool_call_id must be set on a tool message")
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidArgument(
+                    f"chat.messages[{i}].tool_calls is only allowed on an assistant message"
+                )
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments or "{}"},
+                }
+                for c in m.tool_calls
+            ]
+        messages.append(message)
+    return messages
+
+
+def chat_tools(chat: pb.Chat) -> list[dict] | None:
+    """Chat.tools as the template takes them (OpenAI's tool objects), checked as over HTTP;
+    INVALID_ARGUMENT naming chat.tools[i] and the field."""
+    if not chat.tools:
+        return None
+    raw = []
+    for i, t in enumerate(chat.tools):
+        function: dict = {"name": t.name}
+        if t.description:
+            function["description"] = t.description
+        if t.parameters:
+            try:
+                function["parameters"] = json.loads(t.parameters)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InvalidArgument(f"chat.tools[{i}].parameters is not valid JSON: {e}") from None
+        raw.append({"type": "function", "function": function})
+    try:
+        return check_tools(raw)
+    except ToolError as e:
+        raise InvalidArgument(f"chat.{e}") from None
+
+
+def _chat_bytes(chat: pb.Chat) -> int:
+    """UTF-8 bytes of a chat's text: contents, call arguments and tools."""
+    texts = [m.content for m in chat.messages]
+    texts += [c.arguments for m in chat.messages for c in m.tool_calls]
+    texts += [t.description + t.parameters for t in chat.tools]
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
 
 class InferenceService(pb_grpc.InferenceServicer):
@@ -48,7 +101,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             add_gen = (
                 request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             )
-            rendered = tok.apply_chat_template(chat_messages(request.chat), add_generation_prompt=add_gen)
+            rendered = tok.apply_chat_template(
+                chat_messages(request.chat), add_generation_prompt=add_gen, tools=chat_tools(request.chat)
+            )
             return tok.encode(rendered, add_special_tokens=False)  # the template writes the BOS
         raise InvalidArgument("prompt is required: set text, token_ids or chat")
 
@@ -57,7 +112,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         if which == "text":
             num_bytes = len(request.text.encode("utf-8", "surrogatepass"))
         elif which == "chat":
-            num_bytes = sum(len(m.content.encode("utf-8", "surrogatepass")) for m in request.chat.messages)
+            num_bytes = _chat_bytes(request.chat)
         else:
             return
         check_prompt_bytes(num_bytes, self.core.tokenizer, self.core.max_model_len)
