@@ -501,6 +501,9 @@ class EngineCore:
             new_token_ids=new_ids,
             new_text=new_text,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
+            new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :]
+            if req.params.logprobs is not None
+            else None,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             finished=finished,
             finish_reason=status.value if finished else None,

@@ -22,7 +22,11 @@ class RequestOutput:
     new_text: str = ""
     """Text released since the previous output for this request."""
     logprobs: list[dict[int, float]] | None = None
-    """Per generated token: token id -> logprob for the sampled token and the top-N."""
+    """Per generated token: token id -> logprob for the sampled token and the top-N. (The
+    request's own list, which later steps extend: read `new_logprobs` for this step's.)"""
+    new_logprobs: list[dict[int, float]] | None = None
+    """The logprobs of new_token_ids, taken when the output was made: another thread may read an
+    output while the engine thread goes on appending to `logprobs`."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """Per prompt token (None for the first): the same, for the prompt."""
     finished: bool = False

@@ -19,6 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from modelkit.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN
+from services.common import convert
 
 BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID = 0, 1, 3, 4
 MAX_TOKENS = 12
@@ -267,6 +268,23 @@ def test_greedy_logprobs_hold_the_sampled_token_as_the_max(llm, greedy, n):
         assert tok in entry
         assert entry[tok] == max(entry.values())
         assert all(v <= 0 for v in entry.values())
+
+
+def test_a_step_output_keeps_its_own_logprobs_after_later_steps(llm):
+    """The worker converts an output on its event loop while the engine thread steps on: what a
+    step's output says about its new tokens must not move when later steps append to the
+    request (it once read the tail of the live list and reported a later token's logprob)."""
+    core = llm.engine
+    core.add_request("live", core.tokenizer.encode(PROMPTS[2]), _params(max_tokens=6, logprobs=2))
+    outputs = []
+    while core.has_request("live"):
+        outputs.extend(core.step())
+    final = outputs[-1]
+    assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+    assert [lp for o in outputs for lp in o.new_logprobs] == final.logprobs
+    for out in outputs:  # converted only now, after every step ran
+        msg = convert.output_to_proto(out, first=False)
+        assert [entry.token_ids[0] for entry in msg.logprobs] == out.new_token_ids
 
 
 def test_sampled_logprobs_are_the_top_n_plus_the_sampled_token(llm):

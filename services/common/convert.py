@@ -112,10 +112,9 @@ def set_stop_reason(msg: pb.GenerateResponse, reason: int | str | None) -> None:
 
 def output_to_proto(out: RequestOutput, first: bool) -> pb.GenerateResponse:
     """This step's delta of an engine output (logprobs of the new tokens; prompt logprobs on the first)."""
-    n = len(out.new_token_ids)
     msg = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text)
-    if out.logprobs is not None and n:
-        msg.logprobs.extend(logprobs_to_proto(out.logprobs[-n:]))
+    if out.new_logprobs:  # not the tail of out.logprobs: the engine thread may have appended since
+        msg.logprobs.extend(logprobs_to_proto(out.new_logprobs))
     if first and out.prompt_logprobs is not None:
         msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
     if out.finished and out.finish_reason in FINISH_REASONS:
