@@ -230,10 +230,10 @@ def test_export_pins_blocks_until_release(pd):
 
     # Pinned blocks are never handed out: a request that needs every other block (238 + 2 tokens
     # = 60 blocks) runs without touching their contents.
-    pinned = read_slab(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p))
+    pinned = read_slab(p.kv_spec, p.runner.kv_caches, kv.block_ids, 0, _num_layers(p))
     filler = _whole(p, _prompt(238, seed=1), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     assert filler.metrics.num_preemptions == 0
-    assert read_slab(p.runner.kv_caches, kv.block_ids, 0, _num_layers(p)) == pinned
+    assert read_slab(p.kv_spec, p.runner.kv_caches, kv.block_ids, 0, _num_layers(p)) == pinned
     assert bm.num_free_blocks == NUM_BLOCKS - 4
 
     assert p.release_export("x") is True

@@ -4,6 +4,7 @@ codec's stored-block format checked against it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -95,19 +96,28 @@ def test_the_engine_refuses_what_it_cannot_run_yet():
     with pytest.raises(NotImplementedError, match="'indexer_keys' is described but not run yet"):
         KVCacheSpec((LATENT, MTP, indexer), "m").check_runnable()
     mixed = KVCacheSpec((LATENT, dataclasses.replace(MTP, block_size=8)), "m")
-    with pytest.raises(ValueError, match=r"different block sizes \[4, 8\]"):
+    with pytest.raises(
+        NotImplementedError, match="latent group of 4-entry blocks under 8-token engine blocks"
+    ):
         mixed.check_runnable()
+    with pytest.raises(ValueError, match="block holds 3 tokens, which does not divide the engine block of 4"):
+        KVCacheSpec((LATENT, dataclasses.replace(MTP, block_size=3)), "m")
 
 
 def test_allocate_follows_the_groups_and_check_caches_holds_to_them():
+    """The engine block is the largest group block (8 tokens): the latent group's 4-token blocks
+    come two to an engine block, so its tensors have twice the rows."""
     mixed = KVCacheSpec((LATENT, CacheGroupSpec(CacheKind.INDEXER_KEYS, (3,), 8, 12, torch.bfloat16)), "m")
+    assert mixed.block_size == 8 and [mixed.sub_blocks(g) for g in mixed.groups] == [2, 1]
+    assert mixed.group_block_ids(LATENT, [3, 0]) == [6, 7, 0, 1]
+    assert mixed.bytes_per_block == 3 * 2 * LATENT.block_bytes + 8 * 12 * 2
     caches = mixed.allocate(5, "cpu")
-    assert [tuple(c.shape) for c in caches] == [(5, 4, 80)] * 3 + [(5, 8, 12)]
+    assert [tuple(c.shape) for c in caches] == [(10, 4, 80)] * 3 + [(5, 8, 12)]
     assert [c.dtype for c in caches] == [torch.float32] * 3 + [torch.bfloat16]
     assert all(not c.any() for c in caches)
     mixed.check_caches(caches)
     with pytest.raises(
-        ValueError, match=r"layer 3 cache is \(5, 4, 80\) torch.float32, the spec says \[num_blocks, 8, 12\]"
+        ValueError, match=r"layer 3 cache is \(10, 4, 80\) torch.float32, the spec says \[5, 8, 12\]"
     ):
         mixed.check_caches(caches[:3] + [caches[0]])
     with pytest.raises(ValueError, match="3 layer caches, the spec has 4 layers"):
@@ -136,8 +146,9 @@ def test_a_stored_block_round_trips_every_group(spec):
     assert len(blob) == BLOCK_HEADER_BYTES + spec.bytes_per_block
     assert decode_block(spec, blob, dst, 1)
     for layer, (s, d, b) in enumerate(zip(src, dst, before, strict=True)):
-        assert torch.equal(d[1], s[2]), layer
-        assert torch.equal(d[[0, 2, 3]], b[[0, 2, 3]]), layer
+        rows = functools.partial(spec.group_block_ids, spec.group_of(layer))  # engine -> group blocks
+        assert torch.equal(d[rows([1])], s[rows([2])]), layer
+        assert torch.equal(d[rows([0, 2, 3])], b[rows([0, 2, 3])]), layer
 
 
 def _flip(blob: bytes, at: int) -> bytes:

@@ -8,6 +8,7 @@ layers [layer_start, +num_layers) x blocks [block_start, +num_blocks) of a trans
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
 from collections import Counter
@@ -39,11 +40,13 @@ def _one_group(num_layers: int, block_size: int, width: int, dtype: torch.dtype)
 
 
 def _per(spec: KVCacheSpec) -> int:
-    return spec.groups[0].block_bytes
+    """One engine block of one layer of the first group."""
+    return spec.layer_bytes_per_block(spec.groups[0])
 
 
 # A latent group and a test-only second group of another kind, block size, width and dtype (the
-# shape DeepSeek-V3.2's indexer-key cache will have beside the latent cache).
+# shape DeepSeek-V3.2's indexer-key cache will have beside the latent cache). The engine block is
+# 8 tokens: two of the latent group's 4-token blocks, one of the indexer group's.
 TWO_GROUPS = KVCacheSpec(
     (
         CacheGroupSpec(
@@ -60,7 +63,7 @@ GEOS = [
     _one_group(3, 4, 80, torch.float32),  # the tiny model: per = 1280
     _one_group(5, 3, 7, torch.float16),  # odd everything: per = 42
     _one_group(61, 64, 576, torch.bfloat16),  # DeepSeek-V3: per = 73728, all layers > MAX_CHUNK_BYTES
-    TWO_GROUPS,  # per = 1280 (layers 0-2) and 192 (layers 3-4)
+    TWO_GROUPS,  # per = 2 x 1280 (layers 0-2) and 192 (layers 3-4)
 ]
 # max_bytes as a function of the geometry: below one block-layer, exactly one, between, one block
 # of all layers, just over it, several blocks, and far over the gRPC cap.
@@ -104,7 +107,7 @@ def test_plan_covers_every_layer_block_once_within_the_cap(case):
         assert s.num_layers >= 1 and s.num_blocks >= 1
         group = geo.group_of(s.layer_start)
         assert s.layer_start + s.num_layers <= group.layer_start + group.num_layers, "a slab spans groups"
-        per = group.block_bytes
+        per = geo.layer_bytes_per_block(group)
         size = s.num_layers * s.num_blocks * per
         if limit >= per:
             assert size <= limit, s
@@ -179,15 +182,16 @@ def test_chunks_round_trip_through_the_wire(geo, max_bytes):
     src_ids, dst_ids, first = [7, 2, 9, 4, 0], [1, 3, 5, 6, 8], 1
     for slab in plan(geo, first, len(src_ids), max_bytes):
         blocks = slice(slab.block_start, slab.block_start + slab.num_blocks)
-        data = read_slab(src, src_ids[blocks], slab.layer_start, slab.num_layers)
+        data = read_slab(geo, src, src_ids[blocks], slab.layer_start, slab.num_layers)
         wire = make_chunk(geo, slab, data).SerializeToString()
         chunk = kv_pb.KvChunk.FromString(wire)
         assert check_chunk(geo, chunk, first, len(src_ids)) == slab
         write_slab(geo, dst, dst_ids[blocks], slab.layer_start, chunk.data)
     for layer in range(geo.num_layers):
+        rows = functools.partial(geo.group_block_ids, geo.group_of(layer))  # engine -> group blocks
         for s, d in zip(src_ids[first:], dst_ids[first:], strict=True):
-            assert torch.equal(dst[layer][d], src[layer][s]), (layer, d)
-        untouched = [b for b in range(10) if b not in dst_ids[first:]]  # incl. the hit block 1
+            assert torch.equal(dst[layer][rows([d])], src[layer][rows([s])]), (layer, d)
+        untouched = rows([b for b in range(10) if b not in dst_ids[first:]])  # incl. the hit block 1
         assert torch.equal(dst[layer][untouched], dst_before[layer][untouched])
 
 

@@ -1,7 +1,8 @@
 """KV blocks as bytes, one format for every way KV leaves or enters an engine.
 
-A slab is layers [layer_start, layer_start + L) of one cache group x some blocks, laid out as
-[L, num_blocks, block_size, width] row-major in the group's dtype, little-endian. Two framings
+A slab is layers [layer_start, layer_start + L) of one cache group x some engine blocks, laid out
+as [L, num_blocks x sub_blocks, block_size, width] row-major in the group's dtype, little-endian
+(an engine block is `spec.sub_blocks(g)` of the group's blocks; see spec.py). Two framings
 carry slabs:
 
 - a KV transfer chunk (services/kv_transfer/wire.py) puts the slab's header fields in a protobuf
@@ -58,12 +59,17 @@ class Slab:
 
 def slab_shape(spec: KVCacheSpec, slab: Slab) -> list[int]:
     g = spec.group_of(slab.layer_start)
-    return [slab.num_layers, slab.num_blocks, g.block_size, g.width]
+    return [slab.num_layers, slab.num_blocks * spec.sub_blocks(g), g.block_size, g.width]
 
 
-def read_slab(caches: list[torch.Tensor], block_ids: list[int], layer_start: int, num_layers: int) -> bytes:
-    """Copy out layers [layer_start, +num_layers) (one group) x the given blocks as bytes."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=caches[layer_start].device)
+def read_slab(
+    spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int], layer_start: int, num_layers: int
+) -> bytes:
+    """Copy out layers [layer_start, +num_layers) (one group) x the given engine blocks as bytes."""
+    g = spec.group_of(layer_start)
+    index = torch.tensor(
+        spec.group_block_ids(g, block_ids), dtype=torch.long, device=caches[layer_start].device
+    )
     slab = torch.stack(
         [caches[layer].index_select(0, index) for layer in range(layer_start, layer_start + num_layers)]
     )
@@ -77,10 +83,10 @@ def write_slab(
     layer_start: int,
     data: bytes | memoryview,
 ) -> None:
-    """Write a slab produced by read_slab into the given blocks; its layer count follows from its
-    length. KVCodecError (nothing written) if it is not whole layers of one group."""
+    """Write a slab produced by read_slab into the given engine blocks; its layer count follows
+    from its length. KVCodecError (nothing written) if it is not whole layers of one group."""
     g = _group_at(spec, layer_start)
-    per_layer = len(block_ids) * g.block_bytes
+    per_layer = len(block_ids) * spec.layer_bytes_per_block(g)
     if not block_ids or len(data) % per_layer:
         raise KVCodecError(
             f"KV slab has {len(data)} bytes, not a whole number of layers of {len(block_ids)} blocks"
@@ -92,8 +98,9 @@ def write_slab(
             f"[{g.layer_start}, {g.layer_start + g.num_layers})"
         )
     slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(g.dtype)
-    slab = slab.view(num_layers, len(block_ids), g.block_size, g.width)
-    index = torch.tensor(block_ids, dtype=torch.long, device=caches[layer_start].device)
+    ids = spec.group_block_ids(g, block_ids)
+    slab = slab.view(num_layers, len(ids), g.block_size, g.width)
+    index = torch.tensor(ids, dtype=torch.long, device=caches[layer_start].device)
     for i in range(num_layers):
         cache = caches[layer_start + i]
         cache.index_copy_(0, index, slab[i].to(cache.device))
@@ -144,13 +151,14 @@ def check_slab(
         raise KVCodecError(
             f"KV chunk blocks [{slab.block_start}, +{slab.num_blocks}) outside [{first_block}, {end_block})"
         )
-    if len(data) != slab.num_layers * slab.num_blocks * g.block_bytes:
+    if len(data) != slab.num_layers * slab.num_blocks * spec.layer_bytes_per_block(g):
         raise KVCodecError(f"KV chunk has {len(data)} bytes, its header says {expected}")
 
 
 def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int) -> bytes:
-    """One block of every layer -> header + each group's [layers, 1, block_size, width] slab."""
-    payload = b"".join(read_slab(caches, [block_id], g.layer_start, g.num_layers) for g in spec.groups)
+    """One engine block of every layer -> header + each group's [layers, sub_blocks, block_size,
+    width] slab."""
+    payload = b"".join(read_slab(spec, caches, [block_id], g.layer_start, g.num_layers) for g in spec.groups)
     header = _BLOCK_HEADER.pack(
         _MAGIC, _VERSION, bytes.fromhex(spec.compat_hash()), len(payload), crc32(payload)
     )
@@ -170,7 +178,7 @@ def decode_block(spec: KVCacheSpec, blob: bytes, caches: list[torch.Tensor], blo
         return False
     offset = 0
     for g in spec.groups:
-        n = g.num_layers * g.block_bytes
+        n = g.num_layers * spec.layer_bytes_per_block(g)
         write_slab(spec, caches, [block_id], g.layer_start, payload[offset : offset + n])
         offset += n
     return True

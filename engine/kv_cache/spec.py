@@ -2,8 +2,16 @@
 
 A cache group is a set of layers whose caches share one geometry: `block_size` entries per block,
 `width` elements per entry, one dtype and one element layout. Every layer's cache is a tensor
-[num_blocks, block_size, width]; the engine keeps them in one list, indexed by the spec's layer
-numbers (a group's layers are a contiguous range of that list).
+[num_group_blocks, block_size, width]; the engine keeps them in one list, indexed by the spec's
+layer numbers (a group's layers are a contiguous range of that list).
+
+Groups may have different block sizes. The engine allocates, prefix-caches, evicts, transfers and
+offloads in engine blocks of `block_size` tokens (the spec's), the largest group block in tokens;
+every group's block, in tokens (block_size x tokens_per_entry), divides it, so one engine block is
+`sub_blocks(g)` consecutive blocks of group g, and each group's block table follows from the
+engine's (`group_block_ids`). A request's blocks in every group are thus allocated, cached and
+moved together, block for block. (Caches whose blocks live and die on their own -- a sliding
+window's, freed behind the window -- need tables of their own; none is run yet.)
 
 For DeepSeek-V2/V3 an entry is one token's MLA latent row, `c_kv` (kv_lora_rank) then the rotary
 key `k_pe` (qk_rope_head_dim), and there are at most two groups: the model's layers, and the MTP
@@ -140,6 +148,12 @@ class KVCacheSpec:
                     f"{g.layer_start}, expected {expected}"
                 )
             expected += g.num_layers
+        for g in self.groups:
+            if self.block_size % _tokens_per_block(g):
+                raise ValueError(
+                    f"a {g.kind.value} group's block holds {_tokens_per_block(g)} tokens, which does not "
+                    f"divide the engine block of {self.block_size} tokens"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -153,16 +167,28 @@ class KVCacheSpec:
 
     @property
     def block_size(self) -> int:
-        """The one block size of an engine whose groups share it (all the runnable kinds today)."""
-        sizes = {g.block_size for g in self.groups}
-        if len(sizes) != 1:
-            raise ValueError(f"cache groups have different block sizes {sorted(sizes)}")
-        return sizes.pop()
+        """Tokens per engine block: the largest group block, in tokens."""
+        return max(_tokens_per_block(g) for g in self.groups)
+
+    def sub_blocks(self, g: CacheGroupSpec) -> int:
+        """Blocks of group g in one engine block."""
+        return self.block_size // _tokens_per_block(g)
+
+    def group_block_ids(self, g: CacheGroupSpec, block_ids: list[int]) -> list[int]:
+        """Group g's block table for these engine blocks, in order."""
+        k = self.sub_blocks(g)
+        if k == 1:
+            return list(block_ids)
+        return [b * k + j for b in block_ids for j in range(k)]
+
+    def layer_bytes_per_block(self, g: CacheGroupSpec) -> int:
+        """One engine block of one of group g's layers."""
+        return self.sub_blocks(g) * g.block_bytes
 
     @property
     def bytes_per_block(self) -> int:
-        """One block id's bytes over every layer of every group."""
-        return sum(g.num_layers * g.block_bytes for g in self.groups)
+        """One engine block's bytes over every layer of every group."""
+        return sum(g.num_layers * self.layer_bytes_per_block(g) for g in self.groups)
 
     def describe(self) -> dict:
         return {"model": self.model_fingerprint, "groups": [g.describe() for g in self.groups]}
@@ -198,21 +224,29 @@ class KVCacheSpec:
             raise ValueError(f"KV cache spec lacks the field {e.args[0]!r}") from None
 
     def check_runnable(self) -> None:
-        """Refuse, by name, what this engine cannot run yet: the next models' cache kinds and
-        groups with different block sizes (one block table per group is not built)."""
+        """Refuse, by name, what this engine cannot run yet: the next models' cache kinds, and
+        attention over a group whose blocks are smaller than the engine block (the runner builds
+        one slot mapping, in engine blocks)."""
         for g in self.groups:
             if g.kind not in RUNNABLE_KINDS:
                 raise NotImplementedError(f"cache group kind {g.kind.value!r} is described but not run yet")
-        self.block_size  # noqa: B018 - raises on mixed block sizes
+            if self.sub_blocks(g) != 1:
+                raise NotImplementedError(
+                    f"a {g.kind.value} group of {g.block_size}-entry blocks under {self.block_size}-token "
+                    "engine blocks is allocated and moved, but not attended yet"
+                )
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
-        """The layer caches, zeroed: [num_blocks, block_size, width] per layer, in layer order.
+        """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
+        g.block_size, g.width] per layer of group g, in layer order.
 
         Written in full up front (not lazily zero-mapped) so the kernel can back them with huge
         pages: decode gathers blocks from all over the cache, and 4 KiB pages made every block a
         string of TLB misses (a 5x slower gather measured in a VM)."""
         return [
-            torch.empty(num_blocks, g.block_size, g.width, dtype=g.dtype, device=device).zero_()
+            torch.empty(
+                num_blocks * self.sub_blocks(g), g.block_size, g.width, dtype=g.dtype, device=device
+            ).zero_()
             for g in self.groups
             for _ in g.layers
         ]
@@ -221,13 +255,19 @@ class KVCacheSpec:
         """The tensors are this spec's (after allocate, or caches handed in from outside)."""
         if len(caches) != self.num_layers:
             raise ValueError(f"{len(caches)} layer caches, the spec has {self.num_layers} layers")
+        num_blocks = caches[0].shape[0] // self.sub_blocks(self.groups[0]) if caches[0].dim() else 0
         for layer, cache in enumerate(caches):
             g = self.group_of(layer)
-            if cache.dim() != 3 or cache.shape[1:] != (g.block_size, g.width) or cache.dtype != g.dtype:
+            rows = num_blocks * self.sub_blocks(g)
+            if cache.dim() != 3 or cache.shape != (rows, g.block_size, g.width) or cache.dtype != g.dtype:
                 raise ValueError(
                     f"layer {layer} cache is {tuple(cache.shape)} {cache.dtype}, the spec says "
-                    f"[num_blocks, {g.block_size}, {g.width}] {g.dtype}"
+                    f"[{rows}, {g.block_size}, {g.width}] {g.dtype} for {num_blocks} engine blocks"
                 )
+
+
+def _tokens_per_block(g: CacheGroupSpec) -> int:
+    return g.block_size * g.tokens_per_entry
 
 
 def _dtype_named(name: str) -> torch.dtype:

@@ -78,7 +78,7 @@ class KVPort:
         """Any thread, inside a read of the export: layers of one cache group x some of its
         pinned blocks (slab.block_start indexes the export's blocks)."""
         ids = export.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
-        return read_slab(self._caches, ids, slab.layer_start, slab.num_layers)
+        return read_slab(self.spec, self._caches, ids, slab.layer_start, slab.num_layers)
 
     def sink(self, request_id: str, block_ids: list[int]) -> ImportSink:
         return ImportSink(request_id, self.spec, self._caches, block_ids)

@@ -33,7 +33,7 @@ def plan(spec: KVCacheSpec, first_block: int, num_blocks: int, max_bytes: int) -
     block (one block of one layer is the smallest slab)."""
     out = []
     for g in spec.groups:
-        per = g.block_bytes
+        per = spec.layer_bytes_per_block(g)  # one engine block of one layer
         cap = max(min(max_bytes, MAX_CHUNK_BYTES), per)
         layers = min(g.num_layers, cap // per)
         blocks = max(1, cap // (layers * per))

@@ -170,7 +170,7 @@ class WorkerService(wgrpc.WorkerServicer):
             kv_cache=wpb.KvCacheGeometry(
                 num_layers=spec.num_layers,
                 num_blocks=core.num_kv_blocks,
-                block_size=first.block_size,
+                block_size=spec.block_size,
                 width=first.width,
                 dtype=DTYPE_CODES[first.dtype],
             ),
