@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || (echo "need $(PYTHON)" && exit 1)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,nixl]'
 	touch $@
 
 venv: $(VENV)/.installed

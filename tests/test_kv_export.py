@@ -320,3 +320,79 @@ def test_pinned_blocks_are_bounded_per_caller(table, freed):
 )
 def test_caller_key_is_the_peer_host_without_its_port(peer, key):
     assert caller_key(peer) == key
+
+
+# ---- remote reads (a peer READs the blocks itself, over NIXL) ------------------------------------------
+
+
+@pytest.mark.parametrize("done, state", [(True, ExportState.SUCCEEDED), (False, ExportState.ABORTED)])
+def test_the_peers_release_ends_its_remote_read_and_the_export_once(table, freed, done, state):
+    t = _export(table, "a")
+    assert table.begin_remote_read(t.export_id, hold_s=5.0) is t
+    assert t.state is ExportState.READING and t.active_reads == 1 and t.remote_read_until == 1005.0
+    assert table.expire_due() == 0 and freed == []
+    table.release(t.export_id, done=done)
+    assert freed == ["a"] and t.state is state and t.remote_read_until is None
+    assert _counts(table) == {state.value: 1}
+
+
+def test_a_remote_read_the_peer_never_ends_ends_at_its_deadline_then_the_lease_runs_out(table, freed, clock):
+    t = _export(table, "a", lease_s=1.0)
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    clock.now += 4.9  # past the lease, not past the read's deadline: still pinned
+    assert table.expire_due() == 0 and freed == [] and t.state is ExportState.READING
+    clock.now += 0.2  # the read's deadline passed: it ends; the lease gets RELEASE_ROOM_S
+    assert table.expire_due() == 0 and freed == []
+    assert t.state is ExportState.PENDING and t.active_reads == 0 and t.remote_read_until is None
+    clock.now += export_mod.RELEASE_ROOM_S + 0.1
+    assert table.expire_due() == 1 and freed == ["a"]
+    assert _counts(table) == {"expired": 1}
+    with pytest.raises(ExportNotFound, match=r"has ended \(expired\)"):
+        table.release(t.export_id, done=True)  # a peer that wakes up late: a clear error, no double free
+    assert freed == ["a"]
+
+
+def test_a_retried_remote_read_extends_the_one_in_progress(table, freed, clock):
+    t = _export(table, "a")
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    clock.now += 2.0
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    assert t.active_reads == 1 and t.remote_read_until == 1007.0
+    table.release(t.export_id, done=True)
+    assert freed == ["a"]
+
+
+def test_a_remote_read_is_capped_by_the_total_lease(clock, freed):
+    table = _table(freed, max_lease_s=300.0, max_total_lease_s=20.0)
+    t = _export(table, "a")
+    table.begin_remote_read(t.export_id, hold_s=250.0)
+    assert t.remote_read_until == 1020.0
+
+
+def test_release_during_a_pull_and_a_remote_read_waits_for_the_pull(table, freed):
+    t = _export(table, "a")
+    table.begin_read(t.export_id)  # a gRPC pull of the same export, still streaming
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    table.release(t.export_id, done=True)
+    assert freed == [] and t.active_reads == 1 and t.pending_end is ExportState.SUCCEEDED
+    table.end_read(t)
+    assert freed == ["a"] and t.state is ExportState.SUCCEEDED
+
+
+def test_abort_all_ends_remote_reads(table, freed):
+    t = _export(table, "a")
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    table.abort_all()
+    assert freed == ["a"] and t.state is ExportState.ABORTED
+
+
+def test_remote_read_refusals(table, freed, clock):
+    t = _export(table, "a", lease_s=1.0)
+    with pytest.raises(ValueError, match="hold_s must be > 0"):
+        table.begin_remote_read(t.export_id, hold_s=0)
+    with pytest.raises(ExportNotFound, match="unknown transfer 'nope'"):
+        table.begin_remote_read("nope", hold_s=1.0)
+    clock.now += 2.0
+    with pytest.raises(ExportNotFound, match=r"has ended \(expired\)"):
+        table.begin_remote_read(t.export_id, hold_s=1.0)
+    assert freed == ["a"]

@@ -8,6 +8,11 @@ starts from pristine engines (no requests, nothing cached, free queue in id orde
 are filled with noise, so a block that should have been written and was not shows up as wrong
 tokens rather than as stale-but-right values.
 
+The transfer runs both ways a worker moves KV (`TRANSPORTS`): slabs read through the producer's
+KV port and written through the consumer's import sink (what the gRPC chunk stream does), and a
+NIXL READ of the producer's registered blocks straight into the sink's (engine/kv_cache/nixl.py,
+with the producer's checksums verified).
+
 Legend: BS tokens per block; `n` a prompt's block count; `hits` leading prompt blocks the
 consumer already had in its prefix cache (not transferred).
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -25,6 +31,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache import nixl
 from engine.kv_cache.codec import Slab, read_slab
 from engine.kv_cache.export import ExportOptions
 from engine.kv_cache.hashing import hash_blocks
@@ -42,6 +49,7 @@ SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True,
 PARAMS = {"greedy": GREEDY, "seeded": SEEDED}
 # Shorter than a block, an exact block multiple, a multiple plus a partial block.
 PROMPT_LENS = {"prompt3-short": 3, "prompt8-exact": 8, "prompt13-partial": 13}
+TRANSPORTS = ["slabs", "nixl"]
 
 
 def _core(model: str, **kw) -> EngineCore:
@@ -71,12 +79,21 @@ def _reset(core: EngineCore, noise_seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    return SimpleNamespace(
-        producer=_core(tiny_model),
-        consumer=_core(tiny_model),
+    producer, consumer = _core(tiny_model), _core(tiny_model)
+    producer_agent = nixl.NixlAgent("handover-producer", producer.kv_port)
+    consumer_agent = nixl.NixlAgent("handover-consumer", consumer.kv_port)
+    a = producer_agent
+    yield SimpleNamespace(
+        producer=producer,
+        consumer=consumer,
         # The whole request, colocated; no prefix cache, so no state carries between tests.
         reference=_core(tiny_model, enable_prefix_caching=False),
+        producer_agent=producer_agent,
+        consumer_agent=consumer_agent,
+        peer=consumer_agent.add_peer(a.name, a.metadata, list(a.regions), a.num_blocks, a.mem_type),
     )
+    consumer_agent.close()
+    producer_agent.close()
 
 
 @pytest.fixture
@@ -120,15 +137,35 @@ def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_bl
             sink.write(slab, producer.kv_port.read_exported(kv, slab))
 
 
+def _nixl_transfer(pd, kv, rid: str, first_block: int) -> None:
+    """What a NIXL pull does: the producer's checksums taken inside a read of the export (as its
+    Prefill handler does before the handle goes out), the consumer READs the producer's blocks
+    [first_block, end) into its sink's and verifies them."""
+    export = pd.producer.exports.begin_read(kv.export_id)
+    digests = pd.producer.kv_port.digest_exported(export, first_block)
+    pd.producer.exports.end_read(export)
+    sink = pd.consumer.import_sink(rid)
+    pd.consumer_agent.read(
+        pd.peer, sink, first_block, kv.block_ids[first_block:], 30.0, threading.Event(), digests
+    )
+
+
+def _move(pd, kv, rid: str, first_block: int, transport: str) -> None:
+    if transport == "nixl":
+        _nixl_transfer(pd, kv, rid, first_block)
+    else:
+        _transfer(pd.producer, pd.consumer, kv, rid, first_block)
+
+
 def _hand_over(
-    pd, rid: str, prompt: list[int], params: SamplingParams
+    pd, rid: str, prompt: list[int], params: SamplingParams, transport: str = "slabs"
 ) -> tuple[RequestOutput, RequestOutput, int]:
     """Prefill on the producer, import on the consumer, run it there -> (first, final, hits)."""
     first = _export(pd.producer, rid, prompt, params)
     kv = first.exported_kv
     pd.consumer.begin_import(rid, prompt, first.token_ids, params, kv.generator_state)
     hits = pd.consumer.allocate_import(rid)
-    _transfer(pd.producer, pd.consumer, kv, rid, hits)
+    _move(pd, kv, rid, hits, transport)
     pd.consumer.finish_import(rid)
     assert pd.producer.release_export(rid)
     return first, run_finished(pd.consumer)[rid], hits
@@ -157,13 +194,14 @@ def _hit_ids(core: EngineCore, prompt: list[int]) -> list[int]:
 # ---- handover equals the whole request ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", PARAMS)
 @pytest.mark.parametrize("n", PROMPT_LENS.values(), ids=PROMPT_LENS.keys())
-def test_handover_matches_whole_request(pd, n, mode):
+def test_handover_matches_whole_request(pd, n, mode, transport):
     params = PARAMS[mode]
     prompt = _prompt(n)
     ref = _whole(pd.reference, prompt, params)
-    first, final, hits = _hand_over(pd, "r", prompt, params)
+    first, final, hits = _hand_over(pd, "r", prompt, params, transport)
     assert hits == 0
     assert first.token_ids == ref.token_ids[:1]
     _assert_same(first, final, ref)
@@ -332,11 +370,38 @@ def test_export_aborted_before_it_runs_pins_nothing(pd):
     assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
 
 
+def test_a_byte_flipped_after_the_checksums_were_taken_is_caught_and_recomputed(pd):
+    """NIXL: a producer block changes after its handle (and checksums) went out; the consumer's
+    verification catches it before the blocks join the batch, the import is recomputed, the tokens
+    are the whole request's, and both sides free every block once."""
+    prompt = _prompt(13)
+    first = _export(pd.producer, "r", prompt, GREEDY)
+    kv = first.exported_kv
+    export = pd.producer.exports.begin_read(kv.export_id)
+    digests = pd.producer.kv_port.digest_exported(export)
+    pd.producer.exports.end_read(export)
+    pd.producer.runner.kv_caches[1][kv.block_ids[2], 0, 5] += 1.0  # [blocks, BS, width]
+    c = pd.consumer
+    c.begin_import("r", prompt, first.token_ids, GREEDY, None)
+    assert c.allocate_import("r") == 0
+    with pytest.raises(
+        nixl.ChecksumMismatch, match="KV block 2 read from handover-producer fails its checksum"
+    ):
+        pd.consumer_agent.read(pd.peer, c.import_sink("r"), 0, kv.block_ids, 30.0, threading.Event(), digests)
+    c.recompute_import("r")
+    assert pd.producer.release_export("r")
+    final = run_finished(c)["r"]
+    _assert_same(first, final, _whole(pd.reference, prompt, GREEDY))
+    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
+
+
 # ---- consumer: prefix reuse, abort, recompute, room -------------------------------------------
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", PARAMS)
-def test_import_reuses_the_consumers_cached_prefix(pd, mode):
+def test_import_reuses_the_consumers_cached_prefix(pd, mode, transport):
     params = PARAMS[mode]
     c = pd.consumer
     warm = _prompt(13)
@@ -349,7 +414,7 @@ def test_import_reuses_the_consumers_cached_prefix(pd, mode):
     # The hits are warm's blocks; the 3 new ones come from the head of the free queue.
     assert c.requests["r"].block_ids == [0, 1, 6, 7, 8]
     assert c.block_manager.num_free_blocks == NUM_BLOCKS - 5
-    _transfer(pd.producer, c, kv, "r", 2)
+    _move(pd, kv, "r", 2, transport)
     c.finish_import("r")
     pd.producer.release_export("r")
     final = run_finished(c)["r"]

@@ -23,6 +23,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
 
@@ -44,6 +45,24 @@ class KVCodecError(ValueError):
 
 def crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data)
+
+
+def block_digests(spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int]) -> list[int]:
+    """xxh3-64 of each engine block, over every layer of every group in layer order (the block's
+    rows of each layer, as stored): what a one-sided read (NIXL) is checked against end to end.
+    Each layer's rows are gathered in one copy (to the host when the cache is on a GPU)."""
+    hashers = [xxhash.xxh3_64() for _ in block_ids]
+    if not block_ids:
+        return []
+    for g in spec.groups:
+        ids = spec.group_block_ids(g, block_ids)
+        index = torch.tensor(ids, dtype=torch.long, device=caches[g.layer_start].device)
+        for layer in range(g.layer_start, g.layer_start + g.num_layers):
+            rows = caches[layer].index_select(0, index).cpu()  # [blocks x sub_blocks, block_size, width]
+            per_block = rows.view(len(block_ids), -1).view(torch.uint8).numpy()  # [blocks, bytes]
+            for h, row in zip(hashers, per_block, strict=True):
+                h.update(row)
+    return [h.intdigest() for h in hashers]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ decode side has read them. Each export is an explicit state machine:
        +-- lease runs out ----+--> EXPIRED       a read that fails --> stays, the lease still runs
 
 An export that is being read is not ended under the read: a release or expiry asked for
-meanwhile waits until the read ends. Pinned KV is bounded twice over: a lease never runs past
+meanwhile waits until the read ends. A remote read (`begin_remote_read`: a peer READs the
+blocks itself, over NIXL) has no end_read of ours: the peer's release ends it together with the
+export, and one the peer never ends ends by itself at its deadline (`expire_due`), after which
+the lease runs out as after any read -- an export is never READING forever. Pinned KV is bounded twice over: a lease never runs past
 `created + max_total_lease_s`, however often it is renewed or read, and one caller's pinned
 blocks (its exports plus the prefills it has running, `reserve`) stay within a limit the caller
 of `reserve` passes in.
@@ -105,6 +108,11 @@ class Export:
     """An end state asked for while a read was in progress; applied when it ends."""
     bytes_sent: int = 0
     created: float = field(default_factory=time.time)
+    remote_read_until: float | None = None
+    """time.time() at which a peer's remote read ends by itself; None: none in progress."""
+    block_digests: list[int] | None = None
+    """xxh3-64 per block, computed before the handle went out (codec.block_digests); None: not
+    computed (checksums off, or the worker serves KV over gRPC only)."""
 
     @property
     def request_id(self) -> str:
@@ -219,20 +227,36 @@ class ExportTable:
 
     def end_read(self, export: Export) -> None:
         with self._locked():
-            export.active_reads -= 1
-            if export.active_reads == 0:
-                export.state = ExportState.PENDING
-                export.lease_expiry = max(
-                    export.lease_expiry, self._cap(export, time.time() + RELEASE_ROOM_S)
-                )
-                if export.pending_end is not None:
-                    self._end(export, export.pending_end)
+            self._end_read(export)
+
+    def begin_remote_read(self, export_id: str, hold_s: float) -> Export:
+        """A peer starts reading the blocks itself (one-sided, NIXL): they stay pinned until its
+        release, or until hold_s from now (capped by the export's total lease), whichever is
+        first. Asked again while one is in progress (a retried call), it extends that read."""
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        with self._locked():
+            export = self._get(export_id)
+            if export.pending_end is not None:
+                raise ExportNotFound(f"transfer {export_id!r} is being released")
+            now = time.time()
+            until = self._cap(export, now + min(hold_s, self.max_lease_s))
+            if export.remote_read_until is None:
+                if now > export.lease_expiry:
+                    raise ExportNotFound(f"transfer {export_id!r} has run out of lease")
+                export.active_reads += 1
+                export.state = ExportState.READING
+            export.remote_read_until = max(until, export.remote_read_until or 0.0)
+        return export
 
     def release(self, export_id: str, done: bool) -> None:
         """The decode side is done with the blocks (done) or gave up (abort)."""
         end = ExportState.SUCCEEDED if done else ExportState.ABORTED
         with self._locked():
             export = self._get(export_id)
+            if export.remote_read_until is not None:  # the peer's release ends its read
+                export.remote_read_until = None
+                export.active_reads -= 1
             if export.active_reads:
                 export.pending_end = end
             else:
@@ -261,18 +285,28 @@ class ExportTable:
             return export.lease_expiry
 
     def expire_due(self) -> int:
-        """End every export whose lease ran out (and is not being read); returns how many."""
+        """End every export whose lease ran out (and is not being read), after ending the remote
+        reads past their deadline; returns how many exports ended."""
         now = time.time()
         with self._locked():
+            for export in list(self._exports.values()):
+                if export.remote_read_until is not None and now > export.remote_read_until:
+                    logger.info("remote read of transfer %s ran past its deadline; ended", export.export_id)
+                    export.remote_read_until = None
+                    self._end_read(export)
             due = [e for e in self._exports.values() if e.active_reads == 0 and now > e.lease_expiry]
             for export in due:
                 self._end(export, ExportState.EXPIRED)
         return len(due)
 
     def abort_all(self) -> None:
-        """Abort every export (shutdown); ones being read end when their read does."""
+        """Abort every export (shutdown); ones being read end when their read does (a peer's
+        remote read is ended here: the worker is going away)."""
         with self._locked():
             for export in list(self._exports.values()):
+                if export.remote_read_until is not None:
+                    export.remote_read_until = None
+                    export.active_reads -= 1
                 if export.active_reads:
                     export.pending_end = ExportState.ABORTED
                 else:
@@ -312,6 +346,14 @@ class ExportTable:
     def _pinned(self, caller: str) -> int:
         held = sum(len(e.block_ids) for e in self._exports.values() if e.caller == caller)
         return held + self._reserved.get(caller, 0)
+
+    def _end_read(self, export: Export) -> None:
+        export.active_reads -= 1
+        if export.active_reads == 0:
+            export.state = ExportState.PENDING
+            export.lease_expiry = max(export.lease_expiry, self._cap(export, time.time() + RELEASE_ROOM_S))
+            if export.pending_end is not None:
+                self._end(export, export.pending_end)
 
     def _cap(self, export: Export, expiry: float) -> float:
         return min(expiry, export.created + self.max_total_lease_s)

@@ -12,22 +12,44 @@ Who may touch the cache, stated once:
   `abort_request` (which close it on the engine thread before the blocks join the batch or are
   freed). Closing waits for a write in progress, and a write after the close is refused, so a
   transfer that is cancelled mid-write can never land in blocks that were freed and handed to
-  another request.
+  another request;
+- a one-sided read (NIXL, engine/kv_cache/nixl.py) writes an importing request's blocks from the
+  network card or the transport's threads, not from Python: it may be posted only inside the
+  sink's `remote_write` slot, which the import's close cancels and then waits for -- the read's
+  transfer handle is released (or has finished) before close returns, so no READ lands in blocks
+  after the import was closed;
+- the memory a NIXL agent registers is the cache tensors' (`KVPort.memory_regions`): a peer that
+  holds the agent's metadata can read all of it, which is why the metadata is handed only to
+  authenticated callers (services/worker/service.py GetEngineInfo).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.codec import Slab, read_slab, write_slab
+from engine.kv_cache.codec import Slab, block_digests, read_slab, write_slab
 from engine.kv_cache.export import Export
 from engine.kv_cache.spec import KVCacheSpec
 
 
 class ImportClosed(RuntimeError):
     """The import ended (finished, recomputed or aborted): its blocks are no longer writable."""
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """One layer cache's memory: what a NIXL agent registers and a reader addresses."""
+
+    addr: int
+    length: int
+    """Bytes: the layer's rows for every engine block."""
+    device: int
+    """CUDA device index; 0 for host memory."""
 
 
 class ImportSink:
@@ -41,7 +63,15 @@ class ImportSink:
         self._caches = caches
         self._block_ids = list(block_ids)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._open = True
+        self._remote_writers = 0
+        self._cancel = threading.Event()
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The importing request's prompt blocks (engine block ids), in order."""
+        return tuple(self._block_ids)
 
     def write(self, slab: Slab, data: bytes) -> None:
         """Any thread. ImportClosed once the import ended; KVCodecError (nothing written) for a
@@ -56,10 +86,36 @@ class ImportSink:
                 raise ImportClosed(f"the import of request {self.request_id!r} has ended")
             write_slab(self.spec, self._caches, ids, slab.layer_start, data)
 
+    @contextmanager
+    def remote_write(self) -> Iterator[threading.Event]:
+        """Any thread: a slot for a one-sided read into the blocks (NIXL). Yields an event that
+        close() sets: the holder must then cancel its transfer and leave the slot only once the
+        transfer can no longer write (its handle released, or finished). ImportClosed if the
+        import already ended."""
+        with self._lock:
+            if not self._open:
+                raise ImportClosed(f"the import of request {self.request_id!r} has ended")
+            self._remote_writers += 1
+        try:
+            yield self._cancel
+        finally:
+            with self._lock:
+                self._remote_writers -= 1
+                self._idle.notify_all()
+
+    def digests(self, first_block: int) -> list[int]:
+        """Any thread, inside a remote_write slot: xxh3-64 of blocks [first_block, num_blocks)
+        (codec.block_digests)."""
+        return block_digests(self.spec, self._caches, self._block_ids[first_block:])
+
     def close(self) -> None:
-        """Engine thread: waits for a write in progress; later writes raise ImportClosed."""
+        """Engine thread: waits for a write in progress and cancels a remote write, waiting until
+        it can no longer land; later writes raise ImportClosed."""
         with self._lock:
             self._open = False
+            self._cancel.set()
+            while self._remote_writers:
+                self._idle.wait()
 
     @property
     def is_open(self) -> bool:
@@ -79,6 +135,28 @@ class KVPort:
         pinned blocks (slab.block_start indexes the export's blocks)."""
         ids = export.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
         return read_slab(self.spec, self._caches, ids, slab.layer_start, slab.num_layers)
+
+    def digest_exported(self, export: Export, first_block: int = 0) -> list[int]:
+        """Any thread, inside a read of the export: xxh3-64 of its blocks [first_block, end)."""
+        return block_digests(self.spec, self._caches, export.block_ids[first_block:])
+
+    def memory_regions(self) -> list[MemoryRegion]:
+        """Every layer cache's memory, in layer order (registered once with a NIXL agent; the
+        tensors live as long as the engine)."""
+        return [
+            MemoryRegion(c.data_ptr(), c.numel() * c.element_size(), max(c.get_device(), 0))
+            for c in self._caches
+        ]
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._caches[0].is_cuda
+
+    @property
+    def num_blocks(self) -> int:
+        """Engine blocks the caches hold."""
+        g = self.spec.groups[0]
+        return self._caches[g.layer_start].shape[0] // self.spec.sub_blocks(g)
 
     def sink(self, request_id: str, block_ids: list[int]) -> ImportSink:
         return ImportSink(request_id, self.spec, self._caches, block_ids)

@@ -1,0 +1,167 @@
+"""The NIXL data plane (engine/kv_cache/nixl.py) between two agents in one process, over the
+caches of a hybrid spec (a 4-token latent group and an 8-token indexer group, as in
+test_kv_hybrid): exactly the blocks asked for arrive where the consumer's block ids say, in every
+group; a block changed after its checksum was taken is caught; a closed import takes no READ and
+a read in its slot is cancelled by the close; a producer's block ids or geometry that do not fit
+are refused before anything is posted."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.kv_cache import nixl
+from engine.kv_cache.codec import block_digests
+from engine.kv_cache.transfer import ImportClosed, KVPort, MemoryRegion
+from tests.test_kv_hybrid import NUM_BLOCKS, SPEC, _filled, _rows, _same
+
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A producer and a consumer agent, each over its own caches; the consumer knows the producer."""
+    producer_caches, consumer_caches = _filled(seed=1), _filled(seed=2)
+    producer_port, consumer_port = KVPort(SPEC, producer_caches), KVPort(SPEC, consumer_caches)
+    producer = nixl.NixlAgent("test-producer", producer_port)
+    consumer = nixl.NixlAgent("test-consumer", consumer_port)
+    peer = consumer.add_peer(
+        producer.name, producer.metadata, list(producer.regions), producer.num_blocks, producer.mem_type
+    )
+    yield producer_caches, consumer_caches, consumer_port, consumer, peer
+    consumer.close()
+    producer.close()  # held to here: its memory is read until the last test
+
+
+def test_exactly_the_missing_blocks_arrive_in_every_group(pair):
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    sink = port.sink("r", [6, 1, 4])  # the consumer's blocks for a 3-block prompt
+    untouched = _rows(consumer_caches, [0, 2, 3, 5, 7, 6])  # 6: a prefix hit, not read
+    before = _rows(consumer_caches, [6])
+    expected = block_digests(SPEC, producer_caches, [3, 7])
+    n = consumer.read(peer, sink, 1, [3, 7], TIMEOUT_S, threading.Event(), expected)
+    assert n == 2 * SPEC.bytes_per_block
+    assert _same(_rows(consumer_caches, [1, 4]), _rows(producer_caches, [3, 7]))
+    assert _same(_rows(consumer_caches, [6]), before)
+    assert _same(_rows(consumer_caches, [0, 2, 3, 5, 7, 6]), untouched)
+    assert sink.digests(1) == expected
+
+
+def test_a_block_changed_after_its_checksum_was_taken_is_caught(pair):
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    expected = block_digests(SPEC, producer_caches, [2, 5])
+    flipped = producer_caches[4][5].view(torch.uint8)  # the indexer group's last layer, block 5
+    flipped[0, 3] ^= 0x10
+    try:
+        sink = port.sink("r", [0, 3])
+        with pytest.raises(
+            nixl.ChecksumMismatch, match=r"KV block 1 read from test-producer fails its checksum"
+        ):
+            consumer.read(peer, sink, 0, [2, 5], TIMEOUT_S, threading.Event(), expected)
+    finally:
+        flipped[0, 3] ^= 0x10
+
+
+def test_a_closed_import_takes_no_read(pair):
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    sink = port.sink("r", [2])
+    before = _rows(consumer_caches, [2])
+    sink.close()
+    with pytest.raises(ImportClosed):
+        consumer.read(peer, sink, 0, [0], TIMEOUT_S, threading.Event())
+    assert _same(_rows(consumer_caches, [2]), before)
+
+
+def test_close_cancels_a_read_in_its_slot_and_waits_for_it(pair, monkeypatch):
+    """The close comes while the transfer is (held) in flight: the read is cancelled and its
+    handle released before close returns; the read raises ImportClosed; later reads are refused."""
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    sink = port.sink("r", [5])
+    posted, events = threading.Event(), []
+    real_status, real_release = consumer._status, consumer._release
+
+    def in_flight(call, *args):
+        real_status(call, *args)
+        posted.set()
+        return consumer._b.NIXL_IN_PROG
+
+    def release(handle):
+        real_release(handle)
+        events.append("handle released")
+
+    monkeypatch.setattr(consumer, "_status", in_flight)
+    monkeypatch.setattr(consumer, "_release", release)
+    result = {}
+
+    def read():
+        try:
+            consumer.read(peer, sink, 0, [1], TIMEOUT_S, threading.Event())
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert posted.wait(TIMEOUT_S)
+    sink.close()
+    events.append("closed")
+    t.join(TIMEOUT_S)
+    assert events == ["handle released", "closed"]
+    assert isinstance(result.get("error"), ImportClosed)
+    with pytest.raises(ImportClosed):
+        consumer.read(peer, sink, 0, [1], TIMEOUT_S, threading.Event())
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([1], r"block_ids: 1 from the producer, the handle leaves 2 to read"),
+        ([1, NUM_BLOCKS], rf"block_ids\[1\] = {NUM_BLOCKS} outside the producer's \[0, {NUM_BLOCKS}\)"),
+        ([-1, 2], r"block_ids\[0\] = -1 outside"),
+    ],
+    ids=["short", "past-the-end", "negative"],
+)
+def test_producer_block_ids_that_do_not_fit_are_refused_before_posting(pair, ids, message):
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    sink = port.sink("r", [3, 4])
+    before = _rows(consumer_caches, [3, 4])
+    with pytest.raises(ValueError, match=message):
+        consumer.read(peer, sink, 0, ids, TIMEOUT_S, threading.Event())
+    assert _same(_rows(consumer_caches, [3, 4]), before)
+
+
+def test_a_peer_whose_geometry_is_not_our_specs_is_refused(pair):
+    *_, consumer, peer = pair
+    regions = list(peer.regions)
+    args = dict(name="p2", metadata=b"x", regions=regions, num_blocks=NUM_BLOCKS, mem_type="DRAM")
+    cases = [
+        (dict(regions=regions[:-1]), r"nixl.regions has 4 entries, the KV cache spec has 5 layers"),
+        (
+            dict(regions=[*regions[:3], MemoryRegion(regions[3].addr, 1, 0), regions[4]]),
+            r"nixl.regions\[3\].length is 1",
+        ),
+        (dict(num_blocks=0), r"nixl.num_blocks must be in \(0, 2\^31\)"),
+        (dict(mem_type="HBM"), r"nixl.mem_type must be one of"),
+        (dict(metadata=b""), r"nixl.metadata must be 1 to"),
+        (dict(name=""), r"nixl.agent_name must be 1 to 128 characters"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            consumer.add_peer(**{**args, **change})
+    with pytest.raises(ValueError, match=r"nixl.metadata of 'p2' does not load"):
+        consumer.add_peer(**args)
+
+
+def test_descriptors_follow_each_groups_block_table():
+    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
+    rows = nixl.descriptors(SPEC, regions, [5, 2])
+    latent, indexer = SPEC.groups
+    lat, idx = SPEC.layer_bytes_per_block(latent), SPEC.layer_bytes_per_block(indexer)
+    want = [
+        *[(regions[layer].addr + b * lat, lat, 0) for layer in latent.layers for b in (5, 2)],
+        *[(regions[layer].addr + b * idx, idx, 0) for layer in indexer.layers for b in (5, 2)],
+    ]
+    assert [tuple(int(x) for x in r) for r in rows] == want
+    # an engine block of the latent group is its two 4-token rows, which lie back to back
+    assert SPEC.group_block_ids(latent, [5]) == [10, 11] and lat == 2 * latent.block_bytes
