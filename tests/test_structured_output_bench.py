@@ -19,5 +19,6 @@ def test_structured_output_bench_smoke(tiny_model, tmp_path):
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
         assert r["unconstrained_tok_per_s"] > 0 and r["json_schema_tok_per_s"] > 0
-        assert len(r["ratios"]) == 2 and r["ratio"] > 0
+        assert r["unconstrained_tok_per_cpu_s"] > 0 and r["json_schema_tok_per_cpu_s"] > 0
+        assert len(r["ratios"]) == len(r["ratios_cpu"]) == 2 and r["ratio"] > 0 and r["ratio_cpu"] > 0
     assert result["compile_ms"]["cold"] > 0 and result["compile_ms"]["cached"] >= 0
