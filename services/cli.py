@@ -249,6 +249,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_producers=tuple(e.strip() for e in args.kv_producers.split(",") if e.strip())
         if args.kv_producers
         else None,
+        kv_transport=args.kv_transport,
+        kv_checksums=args.kv_checksum,
         **chunk,
     )
     cfg = WorkerServerConfig(
@@ -423,6 +425,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-producers", default=None, help="prefill workers host:port,... a decode worker may pull KV from"
+    )
+    p.add_argument(
+        "--kv-transport",
+        choices=["auto", "nixl", "grpc"],
+        default="auto",
+        help="how KV moves between workers: NIXL READs of registered memory, the gRPC chunk stream, "
+        "or NIXL when both sides have it (auto)",
+    )
+    p.add_argument(
+        "--no-kv-checksum",
+        dest="kv_checksum",
+        action="store_false",
+        help="skip the end-to-end checksum of KV moved over NIXL (trusted fabrics only)",
     )
     p.add_argument(
         "--kv-chunk-bytes",

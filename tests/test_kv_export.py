@@ -396,3 +396,12 @@ def test_remote_read_refusals(table, freed, clock):
     with pytest.raises(ExportNotFound, match=r"has ended \(expired\)"):
         table.begin_remote_read(t.export_id, hold_s=1.0)
     assert freed == ["a"]
+
+
+def test_the_producers_own_read_leaves_the_lease_as_it_was(table, freed, clock):
+    t = _export(table, "a", lease_s=0.5)
+    table.begin_read(t.export_id)  # the producer taking its checksums before the handle goes out
+    table.end_read(t, room=False)
+    assert t.lease_expiry == 1000.5
+    clock.now += 0.6
+    assert table.expire_due() == 1 and freed == ["a"]

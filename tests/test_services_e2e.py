@@ -3,6 +3,10 @@
 Outputs are compared with the offline engine (the reference the parity tests tie to HF), through
 gRPC and through the `openai` client; KV really moves; cancellation, lease expiry and a corrupt
 KV chunk leave no block behind.
+
+The shared stack's workers move KV over NIXL (--kv-transport auto, NIXL installed); the tests
+where the transport matters also run against a stack whose workers move it over the gRPC chunk
+stream (`transport_stack`), and give the same tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
 from services.common.security import handle_mac
 from services.launcher import free_port
-from tests.service_testing import generate, inference, kv_transfer, load, metric, wait_until, worker
+from tests.service_testing import (
+    generate,
+    inference,
+    kv_transfer,
+    load,
+    metric,
+    start_stack,
+    wait_until,
+    worker,
+)
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -44,6 +57,43 @@ MODES = {"disaggregated": pb.SERVING_MODE_DISAGGREGATED, "colocated": pb.SERVING
 @pytest.fixture(scope="module")
 def stack(serving_stack):
     return serving_stack
+
+
+@pytest.fixture(scope="module")
+def grpc_stack(tiny_model, tmp_path_factory):
+    """A stack whose workers move KV over the gRPC chunk stream only."""
+    grpc_only = ["--kv-transport", "grpc"]
+    st = start_stack(
+        tiny_model,
+        tmp_path_factory.mktemp("grpc-stack"),
+        router_args=["--colocate-max-tokens", "0"],
+        worker_args={"prefill": grpc_only, "decode": grpc_only},
+    )
+    yield st
+    codes = st.stop()
+    assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"
+
+
+TRANSPORTS = ["nixl", "grpc"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def transport_stack(request, transport, stack):
+    """The shared stack (KV over NIXL), then the gRPC-only one."""
+    return stack if transport == "nixl" else request.getfixturevalue("grpc_stack")
+
+
+def _moved_over(st, transport: str) -> bool:
+    """The decode worker said, once per producer, how KV from it moves."""
+    log = st.workers("decode")[0].log_path.read_text()
+    producer = st.workers("prefill")[0].endpoint
+    nixl_lines = log.count(f"KV from producer {producer} moves over NIXL")
+    return nixl_lines == 1 if transport == "nixl" else nixl_lines == 0 and "gRPC only" in log
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +127,9 @@ def _parallel(fn, items):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_grpc_batch_matches_the_offline_engine(stack, offline, mode):
+def test_grpc_batch_matches_the_offline_engine(transport_stack, transport, offline, mode):
     """Different prompts at once: every greedy token and top-3 logprob equals the offline engine's."""
+    stack = transport_stack
     stub = inference(stack)
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
     results = _parallel(lambda p: generate(stub, text=p, sampling=sampling, mode=MODES[mode]), PROMPTS)
@@ -98,11 +149,13 @@ def test_grpc_batch_matches_the_offline_engine(stack, offline, mode):
         assert (last.usage.kv_transfer_bytes > 0) == (
             mode == "disaggregated"
         )  # fresh prompts: all of their KV moves
+    if mode == "disaggregated":
+        assert _moved_over(stack, transport)
 
 
-def test_seeded_sampling_is_the_same_disaggregated_colocated_and_offline(stack, offline):
+def test_seeded_sampling_is_the_same_disaggregated_colocated_and_offline(transport_stack, offline):
     """The prefill rank's generator state travels with the KV, so the random stream continues."""
-    stub = inference(stack)
+    stub = inference(transport_stack)
     kw = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
     ref = _reference(offline, [PROMPTS[1]], **kw)[0].token_ids
     for mode in MODES.values():
@@ -172,9 +225,10 @@ def test_openai_client_matches_the_offline_engine(stack, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
 
 
-def test_kv_bytes_moved_are_reported_and_counted(stack, tiny_model):
+def test_kv_bytes_moved_are_reported_and_counted(transport_stack, tiny_model):
     """A fresh 40-token prompt: 3 blocks of 16 tokens x layers x (kv_lora_rank + rope) x fp32 move,
     the usage says so and the router's counter grows by as much."""
+    stack = transport_stack
     cfg = json.load(open(f"{tiny_model}/config.json"))
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     before = metric(
@@ -205,7 +259,10 @@ def test_kv_bytes_moved_are_reported_and_counted(stack, tiny_model):
     assert msgs[-1].usage.cached_tokens == 32  # the prefill rank's prefix cache
 
 
-def test_cancel_after_three_tokens_frees_blocks_on_both_workers(stack, prefill_ep, decode_ep, token):
+def test_cancel_after_three_tokens_frees_blocks_on_both_workers(transport_stack):
+    stack = transport_stack
+    token = stack.token
+    prefill_ep, decode_ep = stack.workers("prefill")[0].endpoint, stack.workers("decode")[0].endpoint
     base_p, base_d = load(prefill_ep, token).num_free_blocks, load(decode_ep, token).num_free_blocks
     prompt = [11 + (i * 17) % 3000 for i in range(50)]
     call = inference(stack).Generate(

@@ -225,9 +225,11 @@ class ExportTable:
             export.state = ExportState.READING
         return export
 
-    def end_read(self, export: Export) -> None:
+    def end_read(self, export: Export, room: bool = True) -> None:
+        """room: leave the lease at least RELEASE_ROOM_S, for the release that follows a
+        consumer's read (False for the producer's own reads, the checksums: the lease stays)."""
         with self._locked():
-            self._end_read(export)
+            self._end_read(export, room)
 
     def begin_remote_read(self, export_id: str, hold_s: float) -> Export:
         """A peer starts reading the blocks itself (one-sided, NIXL): they stay pinned until its
@@ -347,11 +349,14 @@ class ExportTable:
         held = sum(len(e.block_ids) for e in self._exports.values() if e.caller == caller)
         return held + self._reserved.get(caller, 0)
 
-    def _end_read(self, export: Export) -> None:
+    def _end_read(self, export: Export, room: bool = True) -> None:
         export.active_reads -= 1
         if export.active_reads == 0:
             export.state = ExportState.PENDING
-            export.lease_expiry = max(export.lease_expiry, self._cap(export, time.time() + RELEASE_ROOM_S))
+            if room:
+                export.lease_expiry = max(
+                    export.lease_expiry, self._cap(export, time.time() + RELEASE_ROOM_S)
+                )
             if export.pending_end is not None:
                 self._end(export, export.pending_end)
 

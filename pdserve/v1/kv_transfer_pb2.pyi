@@ -71,6 +71,54 @@ class PullRequest(_message.Message):
     max_chunk_bytes: int
     def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_block: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class BeginReadRequest(_message.Message):
+    __slots__ = ("transfer_id", "epoch", "first_block", "read_timeout_ms")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    READ_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    epoch: int
+    first_block: int
+    read_timeout_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_block: _Optional[int] = ..., read_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class BeginReadResponse(_message.Message):
+    __slots__ = ("block_ids", "block_checksums", "read_deadline_unix_ms")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    READ_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    read_deadline_unix_ms: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_checksums: _Optional[_Iterable[int]] = ..., read_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class NixlRegion(_message.Message):
+    __slots__ = ("addr", "length", "device_id")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    length: int
+    device_id: int
+    def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class NixlAgentInfo(_message.Message):
+    __slots__ = ("agent_name", "metadata", "regions", "mem_type", "num_blocks", "checksums")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    metadata: bytes
+    regions: _containers.RepeatedCompositeFieldContainer[NixlRegion]
+    mem_type: str
+    num_blocks: int
+    checksums: bool
+    def __init__(self, agent_name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., mem_type: _Optional[str] = ..., num_blocks: _Optional[int] = ..., checksums: _Optional[bool] = ...) -> None: ...
+
 class KvCacheGroup(_message.Message):
     __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry")
     KIND_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class KvTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.KvChunk.FromString,
                 _registered_method=True)
+        self.BeginRead = channel.unary_unary(
+                '/pdserve.v1.KvTransfer/BeginRead',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.KvTransfer/Release',
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -56,6 +61,15 @@ class KvTransferServicer:
 
     def Pull(self, request, context):
         """Stream the requested blocks of a pinned transfer. A Pull keeps the lease alive while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginRead(self, request, context):
+        """Start a NIXL read of a pinned transfer: the blocks stay pinned until Release, or until
+        read_deadline (the read then ends by itself and the lease runs out as after a Pull).
+        FAILED_PRECONDITION when this worker does not serve KV over NIXL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PullRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.KvChunk.SerializeToString,
+            ),
+            'BeginRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRead,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -122,6 +141,33 @@ class KvTransfer:
             '/pdserve.v1.KvTransfer/Pull',
             pdserve_dot_v1_dot_kv__transfer__pb2.PullRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvTransfer/BeginRead',
+            pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.BeginReadResponse.FromString,
             options,
             channel_credentials,
             insecure,

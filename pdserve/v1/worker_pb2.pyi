@@ -39,7 +39,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "dp_rank", "identity", "kv_cache", "compat_hash", "max_model_len", "vocab_size", "dp_size", "ep_size", "kv_cache_spec")
+    __slots__ = ("role", "model", "dp_rank", "identity", "kv_cache", "compat_hash", "max_model_len", "vocab_size", "dp_size", "ep_size", "kv_cache_spec", "nixl")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class EngineInfo(_message.Message):
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model: str
     dp_rank: int
@@ -62,7 +63,8 @@ class EngineInfo(_message.Message):
     dp_size: int
     ep_size: int
     kv_cache_spec: _kv_transfer_pb2.KvCacheSpec
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_rank: _Optional[int] = ..., identity: _Optional[_Union[_kv_transfer_pb2.KvProducer, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheGeometry, _Mapping]] = ..., compat_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., kv_cache_spec: _Optional[_Union[_kv_transfer_pb2.KvCacheSpec, _Mapping]] = ...) -> None: ...
+    nixl: _kv_transfer_pb2.NixlAgentInfo
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_rank: _Optional[int] = ..., identity: _Optional[_Union[_kv_transfer_pb2.KvProducer, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheGeometry, _Mapping]] = ..., compat_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., kv_cache_spec: _Optional[_Union[_kv_transfer_pb2.KvCacheSpec, _Mapping]] = ..., nixl: _Optional[_Union[_kv_transfer_pb2.NixlAgentInfo, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms")

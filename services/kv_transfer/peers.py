@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
+from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.common.errors import ServiceError
 from services.common.grpc_utils import channel
 from services.common.security import Security, verify_handle_mac
@@ -51,24 +52,33 @@ class PeerStubs:
         self.security = security
         self.max_channels = max_channels
         self._connect = connect
-        self._open: OrderedDict[str, tuple[grpc.aio.Channel, kv_grpc.KvTransferStub]] = OrderedDict()
+        self._open: OrderedDict[str, tuple[grpc.aio.Channel, kv_grpc.KvTransferStub, wgrpc.WorkerStub]] = (
+            OrderedDict()
+        )
         self._closing: dict[grpc.aio.Channel, asyncio.Task] = {}  # evicted, in their grace
 
     def __len__(self) -> int:
         return len(self._open)
 
     def kv(self, endpoint: str) -> kv_grpc.KvTransferStub:
+        return self._entry(endpoint)[1]
+
+    def worker(self, endpoint: str) -> wgrpc.WorkerStub:
+        """The producer's Worker service (GetEngineInfo: its NIXL agent), on the same channel."""
+        return self._entry(endpoint)[2]
+
+    def _entry(self, endpoint: str):
         entry = self._open.get(endpoint)
         if entry is not None:
             self._open.move_to_end(endpoint)
-            return entry[1]
+            return entry
         while len(self._open) >= self.max_channels:
-            _, (old, _) = self._open.popitem(last=False)
+            _, (old, *_) = self._open.popitem(last=False)
             self._close_later(old)
         ch = self._connect(endpoint, self.security)
-        stub = kv_grpc.KvTransferStub(ch)
-        self._open[endpoint] = (ch, stub)
-        return stub
+        entry = (ch, kv_grpc.KvTransferStub(ch), wgrpc.WorkerStub(ch))
+        self._open[endpoint] = entry
+        return entry
 
     def forget(self, endpoint: str) -> None:
         """Drop and close the channel to a peer that failed (it may have restarted: the next call
@@ -84,7 +94,7 @@ class PeerStubs:
 
     async def close(self) -> None:
         """Close every channel at once (shutdown), the ones still in their grace too."""
-        channels = [ch for ch, _ in self._open.values()]
+        channels = [ch for ch, *_ in self._open.values()]
         self._open.clear()
         for ch, task in list(self._closing.items()):
             task.cancel()  # ends the grace wait before the channel is closed; closed below

@@ -1,6 +1,8 @@
-"""`KvTransfer` service of a prefill worker: streams an export's pinned blocks, releases them,
-renews leases. The exports and their leases are the engine's (engine/kv_cache/export.py); this
-is their transport."""
+"""`KvTransfer` service of a prefill worker: streams an export's pinned blocks (Pull) or hands
+them to a NIXL reader (BeginRead: the block ids and checksums; the reader READs them itself),
+releases them, renews leases. The exports and their leases are the engine's
+(engine/kv_cache/export.py); this is their transport. A reader names an export and a first
+block, never an address: what it is told to read is the export's own blocks."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.kv_cache.export import ExportNotFound, ExportReleasing, ExportTable
+from engine.kv_cache.export import RELEASE_ROOM_S, ExportNotFound, ExportReleasing, ExportTable
 from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
@@ -37,17 +39,22 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         self.identity = identity
         self.metrics = metrics
         self.port: KVPort | None = None
+        self.nixl = False
+        """This worker serves KV over NIXL (its agent's metadata is in GetEngineInfo)."""
 
-    def engine_ready(self, port: KVPort) -> None:
-        self.port = port
+    def engine_ready(self, port: KVPort, nixl: bool = False) -> None:
+        self.port, self.nixl = port, nixl
+
+    def _check_epoch(self, transfer_id: str, epoch: int) -> None:
+        if epoch != self.identity.epoch:
+            raise FailedPrecondition(
+                f"transfer {transfer_id!r} is from epoch {epoch}; this worker is at epoch {self.identity.epoch}"
+            )
 
     async def Pull(self, request: kv_pb.PullRequest, context):
         if self.port is None:
             raise Unavailable("engine is not ready")
-        if request.epoch != self.identity.epoch:
-            raise FailedPrecondition(
-                f"transfer {request.transfer_id!r} is from epoch {request.epoch}; this worker is at epoch {self.identity.epoch}"
-            )
+        self._check_epoch(request.transfer_id, request.epoch)
         with export_statuses():
             export = self.exports.begin_read(request.transfer_id)
         try:
@@ -64,6 +71,34 @@ class KvTransferService(kv_grpc.KvTransferServicer):
                 yield make_chunk(self.port.spec, slab, data)
         finally:
             self.exports.end_read(export)
+
+    async def BeginRead(self, request: kv_pb.BeginReadRequest, context) -> kv_pb.BeginReadResponse:
+        if self.port is None:
+            raise Unavailable("engine is not ready")
+        if not self.nixl:
+            raise FailedPrecondition("this worker does not serve KV over NIXL; pull it with KvTransfer.Pull")
+        self._check_epoch(request.transfer_id, request.epoch)
+        if request.read_timeout_ms <= 0:
+            raise InvalidArgument(f"read_timeout_ms must be > 0, got {request.read_timeout_ms}")
+        with export_statuses():
+            num_blocks = len(self.exports.get(request.transfer_id).block_ids)
+            if not 0 <= request.first_block <= num_blocks:
+                raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
+            # The read ends by itself a margin after the reader's own deadline, by which it has
+            # cancelled its READ: the blocks are never freed under a READ that is still allowed.
+            export = self.exports.begin_remote_read(
+                request.transfer_id, request.read_timeout_ms / 1000 + RELEASE_ROOM_S
+            )
+        first = request.first_block
+        digests = export.block_digests[first:] if export.block_digests is not None else []
+        nbytes = (num_blocks - first) * self.port.spec.bytes_per_block
+        export.bytes_sent += nbytes
+        self.metrics.labels(self.metrics.kv_transfer_bytes, "sent").inc(nbytes)
+        return kv_pb.BeginReadResponse(
+            block_ids=export.block_ids[first:],
+            block_checksums=digests,
+            read_deadline_unix_ms=int(export.remote_read_until * 1000),
+        )
 
     async def Release(self, request: kv_pb.ReleaseRequest, context) -> kv_pb.ReleaseResponse:
         with export_statuses():

@@ -20,7 +20,9 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache import nixl
 from engine.kv_cache.export import ExportTable
+from engine.kv_cache.transfer import KVPort
 from engine.parallel.groups import GroupConfig, ParallelGroup
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2_grpc as wgrpc
@@ -76,6 +78,26 @@ async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner
     return runner
 
 
+def start_nixl(mode: str, name: str, port: KVPort) -> nixl.NixlAgent | None:
+    """The worker's NIXL agent for --kv-transport mode: None for grpc, and for auto when NIXL is
+    not installed or its agent cannot start (said once, here); nixl without it is an error."""
+    if mode == "grpc":
+        logger.info("KV transport: gRPC only (--kv-transport grpc)")
+        return None
+    if not nixl.available():
+        if mode == "nixl":
+            raise RuntimeError("--kv-transport nixl, but NIXL is not installed: pip install 'pdserve[nixl]'")
+        logger.warning("KV transport: gRPC only (NIXL is not installed; pip install 'pdserve[nixl]')")
+        return None
+    try:
+        return nixl.NixlAgent(name, port)
+    except Exception as e:
+        if mode == "nixl":
+            raise
+        logger.warning("KV transport: gRPC only (the NIXL agent did not start: %s)", e)
+        return None
+
+
 async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     settings = cfg.settings
     metrics = Metrics(settings.role)
@@ -126,8 +148,16 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         await set_health(health, live=False, ready=False)
         await server.stop(0)
         return 1
-    service.engine_ready(core.kv_spec)
-    kv_service.engine_ready(core.kv_port)
+    try:  # on the loop, before it serves again: GetEngineInfo never answers without the agent
+        agent = start_nixl(settings.kv_transport, f"pdserve-{identity.engine_id}", core.kv_port)
+    except Exception:
+        logger.exception("the NIXL agent did not start")
+        await set_health(health, live=False, ready=False)
+        await server.stop(0)
+        engine.stop()
+        return 1
+    service.engine_ready(core.kv_spec, core.kv_port, agent)
+    kv_service.engine_ready(core.kv_port, nixl=agent is not None)
     bm = core.block_manager
     metrics.gauge(
         "pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running)
@@ -253,7 +283,10 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await service.peers.close()
+    service.transports.close()
     engine.stop()
+    if agent is not None:
+        agent.close()
     logger.info("%s worker on %s stopped", settings.role, endpoint)
     return code
 

@@ -21,7 +21,9 @@ import torch
 from engine.kv_cache.codec import DTYPE_CODES
 from engine.kv_cache.export import DEFAULT_MAX_TOTAL_LEASE_S, ExportOptions, ExportTable, PinLimitExceeded
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.nixl import NixlAgent
 from engine.kv_cache.spec import KVCacheSpec
+from engine.kv_cache.transfer import KVPort
 from engine.outputs import RequestOutput
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
@@ -38,7 +40,8 @@ from services.common.errors import (
 from services.common.grpc_utils import caller_key, remaining
 from services.common.metrics import Metrics
 from services.common.security import Security
-from services.kv_transfer import consumer
+from services.kv_transfer import consumer, nixl_pull
+from services.kv_transfer.nixl_pull import KV_TRANSPORTS, Transports, agent_info
 from services.kv_transfer.peers import PeerStubs, check_handle
 from services.kv_transfer.wire import MAX_CHUNK_BYTES, spec_to_proto
 from services.worker.async_engine import AsyncEngine, EngineDead
@@ -75,8 +78,17 @@ class WorkerSettings:
     kv_producers: tuple[str, ...] | None = None
     """host:port of the prefill workers a decode worker may pull KV from; None: any producer
     (whose handle is signed, when the worker has an internal token)."""
+    kv_transport: str = "auto"
+    """How KV moves: "nixl" (this worker's caches registered with a NIXL agent; producers must
+    offer theirs), "grpc" (the KvTransfer chunk stream only), "auto" (NIXL when installed here and
+    offered by the producer, gRPC otherwise)."""
+    kv_checksums: bool = True
+    """Take (producer) and verify (consumer) an end-to-end checksum of every block moved over
+    NIXL; off only on trusted fabrics."""
 
     def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         if not 0 < self.max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in (0, 1], got {self.max_pinned_fraction}")
         if self.max_total_lease_s <= 0:
@@ -107,10 +119,18 @@ class WorkerService(wgrpc.WorkerServicer):
         self.draining = False
         self.kv_spec: KVCacheSpec | None = None
         self.compat_hash = ""
+        self.port: KVPort | None = None
+        self.nixl: NixlAgent | None = None
+        """This worker's NIXL agent (None: KV moves over gRPC only)."""
+        self.transports = Transports(settings.kv_transport, None, self.peers)
         self._tasks: set[asyncio.Task] = set()
 
-    def engine_ready(self, kv_spec: KVCacheSpec) -> None:
+    def engine_ready(
+        self, kv_spec: KVCacheSpec, port: KVPort | None = None, agent: NixlAgent | None = None
+    ) -> None:
         self.kv_spec, self.compat_hash = kv_spec, kv_spec.compat_hash()
+        self.port, self.nixl = port, agent
+        self.transports.agent = agent
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -180,6 +200,9 @@ class WorkerService(wgrpc.WorkerServicer):
             vocab_size=core.model_cfg.vocab_size,
             dp_size=self.settings.dp_size,
             ep_size=self.settings.ep_size,
+            # Only callers that passed the internal token / mutual TLS get here (the interceptor
+            # guards every Worker method): the metadata lets its holder READ all of our KV memory.
+            nixl=agent_info(self.nixl, self.settings.kv_checksums) if self.nixl is not None else None,
         )
 
     async def GetLoad(self, request, context) -> wpb.Load:
@@ -244,6 +267,8 @@ class WorkerService(wgrpc.WorkerServicer):
             kv = out.exported_kv
             if kv is not None:
                 exported = True
+                if self.nixl is not None and self.settings.kv_checksums:
+                    await self._take_checksums(kv.export_id)
                 response.kv_handle.CopyFrom(
                     kv_pb.KvHandle(
                         transfer_id=kv.export_id,
@@ -266,6 +291,15 @@ class WorkerService(wgrpc.WorkerServicer):
         finally:
             self.exports.unreserve(caller, num_blocks)  # the export (if any) counts its blocks now
             self.engine.close_stream(rid)
+
+    async def _take_checksums(self, export_id: str) -> None:
+        """The export's per-block checksums, taken before its handle goes out (inside a read:
+        the blocks are pinned and the engine writes them no more), for NIXL readers to verify."""
+        export = self.exports.begin_read(export_id)
+        try:
+            export.block_digests = await asyncio.to_thread(self.port.digest_exported, export)
+        finally:
+            self.exports.end_read(export, room=False)
 
     async def Decode(self, request: wpb.DecodeRequest, context):
         self._admit("decode", "colocated")
@@ -380,15 +414,21 @@ class WorkerService(wgrpc.WorkerServicer):
 
         first_block, sink = await self.engine.call(allocate, retry_until_set=True)
         start = time.monotonic()
+        pull_timeout = timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S
 
         async def pull() -> int:
+            peer = await self.transports.choose(handle.producer, pull_timeout)
+            if peer is not None:
+                return await nixl_pull.pull(
+                    self.transports, peer, handle, sink, first_block, pull_timeout, self.settings.kv_checksums
+                )
             return await consumer.pull(
                 self.peers.kv(handle.producer.endpoint),
                 handle,
                 sink,
                 first_block,
                 self.settings.kv_chunk_bytes,
-                timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S,
+                pull_timeout,
             )
 
         try:

@@ -1,0 +1,215 @@
+"""The decode side of a NIXL transfer: which transport each producer gets, and the pull itself.
+
+Negotiation (`--kv-transport`): "grpc" never uses NIXL; "nixl" requires it of every producer
+(FAILED_PRECONDITION naming the producer otherwise); "auto" uses NIXL with a producer whose
+GetEngineInfo carries a NIXL agent and the gRPC chunk stream with one that does not. The choice
+is made once per producer incarnation (engine id and epoch: a restarted producer is asked again)
+and logged once.
+
+The pull: BeginRead pins the blocks for the read and names them (the producer's block ids and
+checksums), the engine's NixlAgent READs them into the import sink's blocks off the event loop,
+verifies the checksums, and returns; the caller then releases the producer (done or abort), which
+ends the read there. Cancelling the pull cancels the READ and waits until its transfer handle is
+released before the cancellation goes on, so no Release reaches the producer while our READ may
+still be in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from engine.kv_cache import nixl
+from engine.kv_cache.transfer import ImportClosed, ImportSink, MemoryRegion
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.common.errors import DataLoss, FailedPrecondition, ServiceError
+from services.kv_transfer.peers import PeerStubs
+
+logger = logging.getLogger(__name__)
+
+KV_TRANSPORTS = ("auto", "nixl", "grpc")
+INFO_TIMEOUT_S = 10.0
+MAX_KNOWN_PRODUCERS = 256
+READ_THREADS = 8
+"""NIXL reads waited on at once (each holds a thread while it polls)."""
+
+
+def agent_info(agent: nixl.NixlAgent, checksums: bool) -> kv_pb.NixlAgentInfo:
+    """What GetEngineInfo hands to authenticated callers (see engine/kv_cache/nixl.py: Security)."""
+    return kv_pb.NixlAgentInfo(
+        agent_name=agent.name,
+        metadata=agent.metadata,
+        regions=[kv_pb.NixlRegion(addr=r.addr, length=r.length, device_id=r.device) for r in agent.regions],
+        mem_type=agent.mem_type,
+        num_blocks=agent.num_blocks,
+        checksums=checksums,
+    )
+
+
+class Transports:
+    """Per producer: NIXL (its PeerAgent) or the gRPC chunk stream (None). Only the event loop
+    calls this."""
+
+    def __init__(self, mode: str, agent: nixl.NixlAgent | None, peers: PeerStubs):
+        if mode not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {mode!r}")
+        self.mode = mode
+        self.agent = agent
+        self.peers = peers
+        self._known: OrderedDict[tuple[str, int], nixl.PeerAgent | None] = OrderedDict()
+        self._asking: dict[tuple[str, int], asyncio.Future] = {}
+        self.executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="nixl-read")
+
+    async def choose(self, producer: kv_pb.KvProducer, timeout: float | None) -> nixl.PeerAgent | None:
+        """The producer's agent when KV from it moves over NIXL; None: over gRPC."""
+        if self.mode == "grpc" or self.agent is None:
+            return None
+        key = (producer.engine_id, producer.epoch)
+        if key in self._known:
+            self._known.move_to_end(key)
+            return self._known[key]
+        asking = self._asking.get(key)
+        if asking is None:  # the first pulls from a producer ask it once, together
+            asking = self._asking[key] = asyncio.ensure_future(self._ask(producer, key, timeout))
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        return await asyncio.shield(asking)
+
+    async def _ask(
+        self, producer: kv_pb.KvProducer, key: tuple[str, int], timeout: float | None
+    ) -> nixl.PeerAgent | None:
+        try:
+            info = await self.peers.worker(producer.endpoint).GetEngineInfo(
+                wpb.GetEngineInfoRequest(), timeout=min(timeout or INFO_TIMEOUT_S, INFO_TIMEOUT_S)
+            )
+        except grpc.aio.AioRpcError as e:
+            if self.mode == "nixl":
+                raise ServiceError(
+                    f"GetEngineInfo of KV producer {producer.endpoint} failed: {e.details()}", e.code()
+                ) from None
+            # auto: not remembered; the gRPC pull meets the same producer and says what is wrong
+            logger.info(
+                "KV from producer %s over gRPC: GetEngineInfo failed (%s)", producer.endpoint, e.code()
+            )
+            return None
+        if (info.identity.engine_id, info.identity.epoch) != key:
+            return None  # not the worker that issued the handle: the pull says why (epoch)
+        peer = None
+        if not info.HasField("nixl"):
+            reason = "it does not serve KV over NIXL"
+        else:
+            n = info.nixl
+            try:
+                peer = self.agent.add_peer(
+                    n.agent_name,
+                    n.metadata,
+                    [MemoryRegion(r.addr, r.length, r.device_id) for r in n.regions],
+                    n.num_blocks,
+                    n.mem_type,
+                )
+            except ValueError as e:
+                reason = f"its NIXL agent is refused: {e}"
+        if peer is None:
+            if self.mode == "nixl":
+                raise FailedPrecondition(
+                    f"KV producer {producer.endpoint} cannot be read over NIXL ({reason}) and this worker "
+                    "runs --kv-transport nixl"
+                )
+            logger.warning("KV from producer %s moves over gRPC: %s", producer.endpoint, reason)
+        else:
+            logger.info("KV from producer %s moves over NIXL (agent %s)", producer.endpoint, peer.name)
+        self._remember(key, peer)
+        return peer
+
+    def forget(self, producer: kv_pb.KvProducer) -> None:
+        """A NIXL read from this producer failed: drop its agent (asked again next time)."""
+        peer = self._known.pop((producer.engine_id, producer.epoch), None)
+        if peer is not None and self.agent is not None:
+            self.agent.forget_peer(peer.name)
+
+    def _remember(self, key: tuple[str, int], peer: nixl.PeerAgent | None) -> None:
+        self._known[key] = peer
+        while len(self._known) > MAX_KNOWN_PRODUCERS:
+            _, old = self._known.popitem(last=False)
+            if old is not None and self.agent is not None:
+                self.agent.forget_peer(old.name)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+async def pull(
+    transports: Transports,
+    peer: nixl.PeerAgent,
+    handle: kv_pb.KvHandle,
+    sink: ImportSink,
+    first_block: int,
+    timeout: float,
+    verify: bool,
+) -> int:
+    """READ blocks [first_block, handle.num_blocks) of the handle's export into the sink's over
+    NIXL, checked against the producer's checksums when verify; returns the bytes read. Raises
+    ServiceError: DATA_LOSS (a checksum, or block ids that do not fit), FAILED_PRECONDITION (no
+    checksums offered while verify), DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the READ failed)."""
+    stub = transports.peers.kv(handle.producer.endpoint)
+    try:
+        begun = await stub.BeginRead(
+            kv_pb.BeginReadRequest(
+                transfer_id=handle.transfer_id,
+                epoch=handle.producer.epoch,
+                first_block=first_block,
+                read_timeout_ms=max(1, int(timeout * 1000)),
+            ),
+            timeout=min(timeout, INFO_TIMEOUT_S),
+        )
+    except grpc.aio.AioRpcError as e:
+        raise ServiceError(
+            f"BeginRead of transfer {handle.transfer_id} at {handle.producer.endpoint} failed: {e.details()}",
+            e.code(),
+        ) from None
+    want = handle.num_blocks - first_block
+    if len(begun.block_ids) != want:
+        raise DataLoss(f"BeginRead gave {len(begun.block_ids)} block_ids, the handle leaves {want} to read")
+    digests = None
+    if verify:
+        if len(begun.block_checksums) != want:
+            raise FailedPrecondition(
+                f"KV producer {handle.producer.endpoint} offers {len(begun.block_checksums)} block checksums "
+                f"for {want} blocks: start it with checksums on, or this worker with --no-kv-checksum"
+            )
+        digests = list(begun.block_checksums)
+    cancel = threading.Event()
+    loop = asyncio.get_running_loop()
+    read = loop.run_in_executor(
+        transports.executor,
+        transports.agent.read,
+        peer,
+        sink,
+        first_block,
+        list(begun.block_ids),
+        timeout,
+        cancel,
+        digests,
+    )
+    try:
+        return await asyncio.shield(read)
+    except asyncio.CancelledError:
+        cancel.set()
+        await asyncio.wait([read])  # the READ's handle is released before anyone releases the producer
+        raise
+    except nixl.ChecksumMismatch as e:
+        raise DataLoss(str(e)) from None
+    except ValueError as e:  # the producer's block ids do not fit its own geometry
+        raise DataLoss(f"BeginRead of transfer {handle.transfer_id}: {e}") from None
+    except nixl.NixlTimeout as e:
+        raise ServiceError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    except (ImportClosed, nixl.NixlCancelled) as e:
+        raise ServiceError(str(e), grpc.StatusCode.CANCELLED) from None
+    except nixl.NixlError as e:
+        transports.forget(handle.producer)
+        raise ServiceError(str(e), grpc.StatusCode.UNAVAILABLE) from None
