@@ -336,19 +336,25 @@ def test_the_peers_release_ends_its_remote_read_and_the_export_once(table, freed
     assert _counts(table) == {state.value: 1}
 
 
-def test_a_remote_read_the_peer_never_ends_ends_at_its_deadline_then_the_lease_runs_out(table, freed, clock):
+def test_a_remote_read_the_peer_never_ends_ends_at_its_deadline_with_its_export(table, freed, clock):
     t = _export(table, "a", lease_s=1.0)
     table.begin_remote_read(t.export_id, hold_s=5.0)
     clock.now += 4.9  # past the lease, not past the read's deadline: still pinned
     assert table.expire_due() == 0 and freed == [] and t.state is ExportState.READING
-    clock.now += 0.2  # the read's deadline passed: it ends; the lease gets RELEASE_ROOM_S
-    assert table.expire_due() == 0 and freed == []
-    assert t.state is ExportState.PENDING and t.active_reads == 0 and t.remote_read_until is None
-    clock.now += export_mod.RELEASE_ROOM_S + 0.1
+    clock.now += 0.2  # the read's deadline passed: it ends, and the export whose lease ran out
     assert table.expire_due() == 1 and freed == ["a"]
-    assert _counts(table) == {"expired": 1}
+    assert t.remote_read_until is None and _counts(table) == {"expired": 1}
     with pytest.raises(ExportNotFound, match=r"has ended \(expired\)"):
         table.release(t.export_id, done=True)  # a peer that wakes up late: a clear error, no double free
+    assert freed == ["a"]
+
+
+def test_a_remote_read_that_ends_at_its_deadline_leaves_a_running_lease_running(table, freed, clock):
+    t = _export(table, "a", lease_s=30.0)
+    table.begin_remote_read(t.export_id, hold_s=5.0)
+    clock.now += 5.1
+    assert table.expire_due() == 0 and t.state is ExportState.PENDING and t.lease_expiry == 1030.0
+    table.release(t.export_id, done=False)
     assert freed == ["a"]
 
 

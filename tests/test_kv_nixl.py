@@ -7,6 +7,7 @@ are refused before anything is posted."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import pytest
@@ -165,3 +166,41 @@ def test_descriptors_follow_each_groups_block_table():
     assert [tuple(int(x) for x in r) for r in rows] == want
     # an engine block of the latent group is its two 4-token rows, which lie back to back
     assert SPEC.group_block_ids(latent, [5]) == [10, 11] and lat == 2 * latent.block_bytes
+
+
+def _producer_process(conn) -> None:
+    """A producer in its own process: an agent over the hybrid spec's caches, its metadata sent
+    back; then it waits to be killed."""
+    caches = _filled(seed=3)
+    agent = nixl.NixlAgent("dying-producer", KVPort(SPEC, caches))
+    conn.send((agent.metadata, [(r.addr, r.length, r.device) for r in agent.regions], agent.num_blocks))
+    conn.recv()
+
+
+def test_a_producer_that_dies_mid_transfer_fails_the_read_with_a_status_and_frees_its_slot(pair):
+    """The producer process is killed after the consumer loaded its agent: the READ ends with
+    NixlError (not a hang, not a success), the sink's slot is left (close does not wait), and
+    the consumer's other blocks are untouched."""
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_producer_process, args=(there,), daemon=True)
+    proc.start()
+    try:
+        metadata, regions, num_blocks = here.recv()
+        dying = consumer.add_peer(
+            "dying-producer", metadata, [MemoryRegion(*r) for r in regions], num_blocks, "DRAM"
+        )
+        ok = port.sink("warm", [7])
+        assert consumer.read(dying, ok, 0, [2], TIMEOUT_S, threading.Event()) == SPEC.bytes_per_block
+    finally:
+        proc.kill()
+        proc.join()
+    sink = port.sink("r", [2, 6])
+    before = _rows(consumer_caches, [0, 1, 3, 4, 5])
+    with pytest.raises(nixl.NixlError) as err:
+        consumer.read(dying, sink, 0, [1, 5], TIMEOUT_S, threading.Event())
+    assert not isinstance(err.value, nixl.NixlTimeout | nixl.ChecksumMismatch)
+    sink.close()  # returns at once: no read holds the slot
+    assert _same(_rows(consumer_caches, [0, 1, 3, 4, 5]), before)
+    consumer.forget_peer("dying-producer")

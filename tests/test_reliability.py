@@ -156,13 +156,36 @@ def test_overload_is_429_with_retry_after_over_http(stack):
 # ---- worker death ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_prefill_worker_death_before_the_pull(stack, offline, policy):
-    """The decode side frees its blocks and fails (UNAVAILABLE) or recomputes the prompt."""
+def _handover(prefill, decode, prompt: list[int], sampling) -> list[int]:
+    first = worker(prefill.endpoint, TOKEN).Prefill(
+        wpb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling), timeout=30
+    )
+    request = wpb.DecodeRequest(
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        output_token_ids=first.output.token_ids,
+        kv_handle=first.kv_handle,
+        kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
+    )
+    return [t for m in worker(decode.endpoint, TOKEN).Decode(request, timeout=30) for t in m.token_ids]
+
+
+@pytest.mark.parametrize(
+    "policy, known",
+    [("fail", False), ("recompute", False), ("fail", True)],
+    ids=["fail", "recompute", "fail-over-nixl"],
+)
+def test_prefill_worker_death_before_the_pull(stack, offline, policy, known):
+    """The decode side frees its blocks and fails (UNAVAILABLE) or recomputes the prompt. known:
+    the decode worker has read from this producer over NIXL before (its agent is loaded), so the
+    failure comes from the NIXL path (BeginRead, the READ), not from asking the producer."""
     prefill = stack.workers("prefill")[0]
     decode = stack.workers("decode")[0]
     prompt = [7 + (i * 3) % 3000 for i in range(40)]
     sampling = pb.SamplingParams(temperature=0, max_tokens=6)
+    if known:
+        _handover(prefill, decode, [8 + i for i in range(20)], sampling)
+        assert f"KV from producer {prefill.endpoint} moves over NIXL" in decode.log_path.read_text()
     first = worker(prefill.endpoint, TOKEN).Prefill(
         wpb.PrefillRequest(request_id=f"pd-{policy}", prompt_token_ids=prompt, sampling=sampling), timeout=30
     )

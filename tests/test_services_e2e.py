@@ -12,6 +12,7 @@ stream (`transport_stack`), and give the same tokens.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -60,14 +61,16 @@ def stack(serving_stack):
 
 
 @pytest.fixture(scope="module")
-def grpc_stack(tiny_model, tmp_path_factory):
-    """A stack whose workers move KV over the gRPC chunk stream only."""
+def grpc_stack(tiny_model, tmp_path_factory, stack):
+    """A stack whose workers move KV over the gRPC chunk stream only (the shared stack's token:
+    its workers and the shared stack's may hand KV over to each other)."""
     grpc_only = ["--kv-transport", "grpc"]
     st = start_stack(
         tiny_model,
         tmp_path_factory.mktemp("grpc-stack"),
         router_args=["--colocate-max-tokens", "0"],
         worker_args={"prefill": grpc_only, "decode": grpc_only},
+        env={"PDSERVE_INTERNAL_TOKEN": stack.token},
     )
     yield st
     codes = st.stop()
@@ -320,6 +323,14 @@ def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep, to
             kv.Pull(kv_pb.PullRequest(transfer_id=handle.transfer_id, epoch=handle.producer.epoch), timeout=5)
         )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # nor can a NIXL reader begin
+        kv.BeginRead(
+            kv_pb.BeginReadRequest(
+                transfer_id=handle.transfer_id, epoch=handle.producer.epoch, read_timeout_ms=1000
+            ),
+            timeout=5,
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
     for bad in ("no-such-transfer", ""):
         with pytest.raises(grpc.RpcError) as err:
             kv.Release(kv_pb.ReleaseRequest(transfer_id=bad), timeout=5)
@@ -331,6 +342,120 @@ def test_decode_side_gone_after_prefill_lease_expiry_frees_blocks(prefill_ep, to
             )
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _prefill(prefill_ep: str, token: str, prompt: list[int], **kw) -> wpb.PrefillResponse:
+    return worker(prefill_ep, token).Prefill(
+        wpb.PrefillRequest(
+            prompt_token_ids=prompt, sampling=pb.SamplingParams(temperature=0, max_tokens=6), **kw
+        ),
+        timeout=30,
+    )
+
+
+def _decode(decode_ep: str, token: str, prompt: list[int], first: wpb.PrefillResponse) -> list[int]:
+    """Continue a Prefill on a decode worker -> every token (the prefill's first included)."""
+    request = wpb.DecodeRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+        output_token_ids=first.output.token_ids,
+        kv_handle=first.kv_handle,
+        kv_handle_mac=handle_mac(token, first.kv_handle),
+    )
+    stream = worker(decode_ep, token).Decode(request, timeout=30)
+    return list(first.output.token_ids) + [t for m in stream for t in m.token_ids]
+
+
+def test_a_worker_without_nixl_and_one_with_it_fall_back_to_grpc_and_say_so(stack, grpc_stack, offline):
+    """Across the two stacks (one token): a NIXL decode worker pulling from a gRPC-only producer,
+    and a gRPC-only decode worker pulling from a NIXL producer, both give the offline tokens; the
+    NIXL worker says once that this producer's KV moves over gRPC; the gRPC-only producer refuses
+    BeginRead; nothing stays pinned or allocated."""
+    token = stack.token
+    nixl_prefill, nixl_decode = stack.workers("prefill")[0], stack.workers("decode")[0]
+    grpc_prefill, grpc_decode = grpc_stack.workers("prefill")[0], grpc_stack.workers("decode")[0]
+    for i, (prefill, decode) in enumerate([(grpc_prefill, nixl_decode), (nixl_prefill, grpc_decode)] * 2):
+        prompt = [3 + (i * 7 + j * 11) % 3000 for j in range(37)]
+        ref = offline.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+        )[0]
+        assert (
+            _decode(decode.endpoint, token, prompt, _prefill(prefill.endpoint, token, prompt))
+            == ref.token_ids
+        )
+    said = f"KV from producer {grpc_prefill.endpoint} moves over gRPC: it does not serve KV over NIXL"
+    assert nixl_decode.log_path.read_text().count(said) == 1
+    assert "KV transport: gRPC only (--kv-transport grpc)" in grpc_decode.log_path.read_text()
+    assert (
+        worker(grpc_prefill.endpoint, token)
+        .GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+        .HasField("nixl")
+        is False
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        kv_transfer(grpc_prefill.endpoint, token).BeginRead(
+            kv_pb.BeginReadRequest(transfer_id="x", read_timeout_ms=1000), timeout=5
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "Pull" in err.value.details()
+    for w in (nixl_prefill, grpc_prefill):
+        assert wait_until(lambda w=w: load(w.endpoint, token).num_pinned_transfers == 0, 5.0)
+
+
+def test_nixl_metadata_goes_to_authenticated_callers_only(prefill_ep, token):
+    info = worker(prefill_ep, token).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+    assert info.nixl.metadata and info.nixl.checksums and len(info.nixl.regions) == info.kv_cache.num_layers
+    for caller in (worker(prefill_ep), worker(prefill_ep, "not-the-token")):
+        with pytest.raises(grpc.RpcError) as err:
+            caller.GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+        assert err.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def test_a_nixl_reader_that_never_releases_ends_by_itself_and_frees_the_blocks_once(prefill_ep, token):
+    """A decode worker that died mid-read (BeginRead, then nothing): the producer ends the read at
+    the reader's deadline plus its margin, the export with it once its lease ran out; the blocks
+    are freed once and a late Release is NOT_FOUND."""
+    base = load(prefill_ep, token).num_free_blocks
+    prompt = [4 + (i * 19) % 3000 for i in range(33)]
+    handle = _prefill(prefill_ep, token, prompt, lease_ms=200).kv_handle
+    kv = kv_transfer(prefill_ep, token)
+    begun = kv.BeginRead(
+        kv_pb.BeginReadRequest(
+            transfer_id=handle.transfer_id, epoch=handle.producer.epoch, first_block=1, read_timeout_ms=500
+        ),
+        timeout=5,
+    )
+    assert len(begun.block_ids) == len(begun.block_checksums) == handle.num_blocks - 1 == 2
+    time.sleep(0.4)  # past the lease, inside the read: still pinned
+    assert load(prefill_ep, token).num_pinned_transfers == 1
+    assert wait_until(lambda: load(prefill_ep, token).num_pinned_transfers == 0, 5.0)
+    assert load(prefill_ep, token).num_free_blocks == base
+    with pytest.raises(grpc.RpcError) as err:
+        kv.Release(kv_pb.ReleaseRequest(transfer_id=handle.transfer_id), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(read_timeout_ms=0), "read_timeout_ms must be > 0"),
+        (dict(first_block=4), r"first_block 4 outside \[0, 3\]"),
+        (dict(epoch=1), "is from epoch 1"),
+        (dict(transfer_id="nope"), "unknown transfer 'nope'"),
+    ],
+    ids=["no-timeout", "first-block", "epoch", "unknown"],
+)
+def test_begin_read_refuses_what_does_not_fit_and_pins_nothing(prefill_ep, token, change, message):
+    prompt = [6 + (i * 23) % 3000 for i in range(40)]
+    handle = _prefill(prefill_ep, token, prompt).kv_handle
+    kv = kv_transfer(prefill_ep, token)
+    request = dict(transfer_id=handle.transfer_id, epoch=handle.producer.epoch, read_timeout_ms=1000)
+    with pytest.raises(grpc.RpcError) as err:
+        kv.BeginRead(kv_pb.BeginReadRequest(**{**request, **change}), timeout=5)
+    assert re.search(message, err.value.details())
+    kv.Release(
+        kv_pb.ReleaseRequest(transfer_id=handle.transfer_id, reason=kv_pb.RELEASE_REASON_ABORT), timeout=5
+    )
+    assert wait_until(lambda: load(prefill_ep, token).num_pinned_transfers == 0, 5.0)
 
 
 class CorruptProducer(kv_grpc.KvTransferServicer):

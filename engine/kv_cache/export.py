@@ -12,8 +12,8 @@ decode side has read them. Each export is an explicit state machine:
 An export that is being read is not ended under the read: a release or expiry asked for
 meanwhile waits until the read ends. A remote read (`begin_remote_read`: a peer READs the
 blocks itself, over NIXL) has no end_read of ours: the peer's release ends it together with the
-export, and one the peer never ends ends by itself at its deadline (`expire_due`), after which
-the lease runs out as after any read -- an export is never READING forever. Pinned KV is bounded twice over: a lease never runs past
+export, and one the peer never ends ends by itself at its deadline (`expire_due`), and the
+export with it when its lease has run out -- an export is never READING forever. Pinned KV is bounded twice over: a lease never runs past
 `created + max_total_lease_s`, however often it is renewed or read, and one caller's pinned
 blocks (its exports plus the prefills it has running, `reserve`) stay within a limit the caller
 of `reserve` passes in.
@@ -295,7 +295,7 @@ class ExportTable:
                 if export.remote_read_until is not None and now > export.remote_read_until:
                     logger.info("remote read of transfer %s ran past its deadline; ended", export.export_id)
                     export.remote_read_until = None
-                    self._end_read(export)
+                    self._end_read(export, room=False)  # its reader is gone: no release will follow
             due = [e for e in self._exports.values() if e.active_reads == 0 and now > e.lease_expiry]
             for export in due:
                 self._end(export, ExportState.EXPIRED)

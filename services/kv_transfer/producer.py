@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.kv_cache.export import RELEASE_ROOM_S, ExportNotFound, ExportReleasing, ExportTable
+from engine.kv_cache.export import ExportNotFound, ExportReleasing, ExportTable
 from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
@@ -20,6 +20,10 @@ from services.common.metrics import Metrics
 from services.kv_transfer.wire import make_chunk, plan
 
 logger = logging.getLogger(__name__)
+
+READ_MARGIN_S = 1.0
+"""A NIXL read is held this long past the reader's own deadline, by which the reader has
+cancelled its READ (it polls every POLL_S): the blocks are never freed under a READ still allowed."""
 
 
 @contextmanager
@@ -84,10 +88,8 @@ class KvTransferService(kv_grpc.KvTransferServicer):
             num_blocks = len(self.exports.get(request.transfer_id).block_ids)
             if not 0 <= request.first_block <= num_blocks:
                 raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
-            # The read ends by itself a margin after the reader's own deadline, by which it has
-            # cancelled its READ: the blocks are never freed under a READ that is still allowed.
             export = self.exports.begin_remote_read(
-                request.transfer_id, request.read_timeout_ms / 1000 + RELEASE_ROOM_S
+                request.transfer_id, request.read_timeout_ms / 1000 + READ_MARGIN_S
             )
         first = request.first_block
         digests = export.block_digests[first:] if export.block_digests is not None else []
