@@ -4,8 +4,9 @@ schema's compile time, cold and cached.
 
     python benchmarks/structured_output.py --model models/pdserve-bench --batches 1,32
 
-For each batch B, `--rounds` rounds alternate the two sides (which goes first alternates too, so
-a shared VM's drift falls on both). A side is B greedy requests with random prompt ids, each
+For each batch B (after one untimed run at that size), `--rounds` rounds alternate the two sides
+(which goes first alternates too, so a shared VM's drift falls on both; the prefix cache is reset
+before each, so both prefill alike). A side is B greedy requests with random prompt ids, each
 decoding `--max-tokens` tokens (ignore_eos): decode tok/s excludes the prefill (from the last
 request's first token on). The constraint is an object whose one string property must be at
 least `--min-length` characters long, so no request completes it within max_tokens: every step
@@ -49,6 +50,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag:
     """Decode tokens per second and per CPU second of the prompts run together, from the last
     request's first token on."""
     engine = llm.engine
+    engine.block_manager.pool.reset_prefix_cache()  # both sides prefill the same way
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}-{time.monotonic_ns()}", ids, params)
     started: set[str] = set()
@@ -98,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     llm.engine.structured.check(constraint)  # the tokenizer's vocabulary and this schema, once
     warm = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(2)]
-    decode_rate(llm, warm, plain, "warm")
     decode_rate(llm, warm, constrained, "warm-c")
 
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
+        warm = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        decode_rate(llm, warm, plain, f"warm-{batch}")  # this batch size's shapes once, untimed
         rates: dict[str, list[tuple[float, float]]] = {"unconstrained": [], "json_schema": []}
         for r in range(args.rounds):
             prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
