@@ -23,14 +23,15 @@ COPY kernels kernels
 COPY services services
 COPY pdserve pdserve
 # torch at the version pyproject.toml pins: from PyTorch's CPU index for the CPU variant (no
-# CUDA libraries), from PyPI (CUDA bundled) for the CUDA one; then the project itself.
+# CUDA libraries), from PyPI (CUDA bundled) for the CUDA one; then the project itself, with NIXL
+# (the KV data plane between workers; its wheel takes the torch already installed).
 RUN TORCH="torch==$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' pyproject.toml)" \
     && case "$VARIANT" in \
          cpu) pip install --index-url https://download.pytorch.org/whl/cpu "$TORCH" ;; \
          cuda) pip install "$TORCH" ;; \
          *) echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
        esac \
-    && pip install . \
+    && pip install '.[nixl]' \
     && pdserve --help >/dev/null
 
 FROM ${PYTHON_IMAGE}

@@ -76,6 +76,13 @@ SCENARIOS: dict[str, dict] = {
         },
         "workers": {"colocated": {"enabled": True}},
     },
+    "network-policy-grpc-kv": {
+        "networkPolicy": {"enabled": True},
+        "kvTransfer": {"transport": "grpc", "checksum": False, "ucx": {}},
+    },
+    "nixl-ucx": {
+        "kvTransfer": {"transport": "nixl", "checksum": True, "ucx": {"UCX_TLS": "rc,tcp,cuda_copy"}}
+    },
     "redis-existing-secret": {"redis": {"auth": {"existingSecret": "redis-pw", "secretKey": "pw"}}},
     "redis-no-auth": {"redis": {"auth": {"enabled": False}}},
     "monitoring": {"monitoring": {"enabled": True}},
@@ -115,6 +122,8 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "typo": ({"routr": {"replicas": 1}}, "routr"),
     "redis-password-not-url-safe": ({"redis": {"auth": {"password": "p@ss/word"}}}, "password"),
     "external-http-redis": ({"redis": {"enabled": False, "externalUrl": "http://redis:6379"}}, "externalUrl"),
+    "unknown-kv-transport": ({"kvTransfer": {"transport": "rdma"}}, "transport"),
+    "non-ucx-env-in-ucx": ({"kvTransfer": {"ucx": {"LD_PRELOAD": "x.so"}}}, "LD_PRELOAD"),
 }
 
 
@@ -671,7 +680,7 @@ def test_network_policies_admit_only_the_release_to_workers_and_redis():
     assert covered(redis) == {"redis"} and covered(router) == {"router"}
     for spec in (workers, redis, router):
         assert spec["policyTypes"] == ["Ingress"]
-    internal, metrics = workers["ingress"]
+    internal, metrics, data_plane = workers["ingress"]
     for rule in (internal, redis["ingress"][0]):
         (peer,) = rule["from"]
         assert set(peer) == {"podSelector"}  # this namespace only
@@ -689,3 +698,35 @@ def test_network_policies_admit_only_the_release_to_workers_and_redis():
         assert {"grpc", "metrics"} <= set(ports_of(c))
     assert "redis" in ports_of(labels["redis"][1]["spec"]["containers"][0])
     assert {"grpc", "http"} <= set(ports_of(labels["router"][1]["spec"]["containers"][0]))
+    # NIXL (kvTransfer.transport auto): workers take UCX's connections from workers only, any port.
+    ((peer),) = data_plane["from"]
+    assert "ports" not in data_plane and set(peer) == {"podSelector"}
+    assert {c for c, (lab, _) in labels.items() if _selects(peer["podSelector"], lab)} == {
+        "prefill",
+        "decode",
+        "colocated",
+    }
+    # The gRPC chunk stream only: no such rule.
+    grpc_only = {
+        p["metadata"]["name"]: p["spec"] for p in by_kind(scenario("network-policy-grpc-kv"), "NetworkPolicy")
+    }
+    assert len(grpc_only[f"{FULLNAME}-workers"]["ingress"]) == 2
+
+
+@pytest.mark.parametrize("name", ["default", "network-policy-grpc-kv", "nixl-ucx"])
+def test_kv_transport_checksum_and_ucx_settings_reach_every_worker(name):
+    kv = {"transport": "auto", "checksum": True, "ucx": {}} | SCENARIOS[name].get("kvTransfer", {})
+    workers = 0
+    for _, tpl, c in pdserve_containers(scenario(name)):
+        args = parse(c)
+        if args.command != "worker":
+            continue
+        workers += 1
+        assert (args.kv_transport, args.kv_checksum) == (kv["transport"], kv["checksum"])
+        env = env_of(c)
+        assert {k: env[k]["value"] for k in env if k.startswith("UCX_")} == kv["ucx"]
+        # /dev/shm: a memory-backed emptyDir (NCCL, and UCX's shared memory inside the pod)
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        (shm,) = [v for v in tpl["spec"]["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+    assert workers >= 2

@@ -60,6 +60,11 @@ spec:
         {{- end }}
         - --grace-s
         - {{ $root.Values.drain.graceSeconds | quote }}
+        - --kv-transport
+        - {{ $root.Values.kvTransfer.transport }}
+        {{- if not $root.Values.kvTransfer.checksum }}
+        - --no-kv-checksum
+        {{- end }}
         {{- if $group }}
         - --dp
         - "1"
@@ -107,6 +112,10 @@ spec:
               {{- end }}
         {{- end }}
         {{- include "pdserve.commonEnv" (dict "root" $root "container" "worker") | nindent 8 }}
+        {{- range $name, $value := $root.Values.kvTransfer.ucx }}
+        - name: {{ $name }}
+          value: {{ $value | quote }}
+        {{- end }}
         {{- with $w.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
