@@ -26,12 +26,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
+from engine.kv_cache.codec import block_digests
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.nixl import NixlAgent
+from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.common.security import handle_mac
+from services.kv_transfer.nixl_pull import agent_info
+from services.kv_transfer.wire import spec_from_proto
 from services.launcher import free_port
 from tests.service_testing import (
     generate,
@@ -532,6 +538,104 @@ def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy,
         assert producer.releases[0].reason == kv_pb.RELEASE_REASON_ABORT
     finally:
         server.stop(0)
+
+
+class FlippedNixlProducer(kv_grpc.KvTransferServicer, wgrpc.WorkerServicer):
+    """An in-process producer with a real NIXL agent over KV caches of the decode worker's spec:
+    it takes its blocks' checksums, then a byte of block 1 flips (after the handle was issued)."""
+
+    def __init__(self, info: wpb.EngineInfo, name: str):
+        import torch
+
+        self.engine_id = name
+        self.info = info
+        self.spec = spec_from_proto(info.kv_cache_spec)
+        self.caches = self.spec.allocate(4, "cpu")
+        for c in self.caches:
+            c.copy_(torch.randn(c.shape))
+        self.agent = NixlAgent(name, KVPort(self.spec, self.caches))
+        self.block_ids = [2, 0]
+        self.digests = block_digests(self.spec, self.caches, self.block_ids)
+        self.caches[0][0].view(torch.uint8)[3, 7] ^= 0x08  # block 0: the handle's second block
+        self.releases: list[kv_pb.ReleaseRequest] = []
+
+    def GetEngineInfo(self, request, context):
+        info = wpb.EngineInfo()
+        info.CopyFrom(self.info)
+        info.identity.CopyFrom(kv_pb.KvProducer(engine_id=self.engine_id, epoch=1))
+        info.nixl.CopyFrom(agent_info(self.agent, checksums=True))
+        return info
+
+    def BeginRead(self, request, context):
+        first = request.first_block
+        return kv_pb.BeginReadResponse(
+            block_ids=self.block_ids[first:], block_checksums=self.digests[first:], read_deadline_unix_ms=1
+        )
+
+    def Release(self, request, context):
+        self.releases.append(request)
+        return kv_pb.ReleaseResponse()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_byte_flipped_after_the_handle_was_issued_is_data_loss_or_recomputed(
+    stack, decode_ep, offline, policy, token
+):
+    """Over NIXL: the decode worker's checksum catches the flipped byte before the blocks join
+    its batch; DATA_LOSS naming the block, or the offline tokens after a recompute; its blocks
+    are freed and the producer released (abort) once."""
+    info = worker(decode_ep, token).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
+    producer = FlippedNixlProducer(info, f"flipped-producer-{policy}")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    kv_grpc.add_KvTransferServicer_to_server(producer, server)
+    wgrpc.add_WorkerServicer_to_server(producer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        prompt = [9 + (i * 41) % 3000 for i in range(20)]
+        ref = offline.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+        )[0]
+        handle = kv_pb.KvHandle(
+            transfer_id=f"flipped-{policy}",
+            producer=kv_pb.KvProducer(engine_id=producer.engine_id, epoch=1, endpoint=f"127.0.0.1:{port}"),
+            block_hashes=hash_blocks(prompt, 16),
+            num_tokens=20,
+            num_blocks=2,
+            block_size=16,
+            compat_hash=info.compat_hash,
+        )
+        policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
+        base = load(decode_ep, token).num_free_blocks
+        request = wpb.DecodeRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+            output_token_ids=ref.token_ids[:1],
+            kv_handle=handle,
+            kv_handle_mac=handle_mac(token, handle),
+            kv_failure_policy=policy_pb,
+        )
+        stream = worker(decode_ep, token).Decode(request, timeout=30)
+        if policy == "fail":
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert f"KV block 1 read from {producer.engine_id} fails its checksum" in err.value.details()
+        else:
+            tokens = [t for m in stream for t in m.token_ids]
+            assert ref.token_ids[:1] + tokens == ref.token_ids
+            log = stack.workers("decode")[0].log_path.read_text()
+            assert (
+                f"KV block 1 read from {producer.engine_id} fails its checksum" in log
+            )  # recomputed for that
+        assert wait_until(lambda: load(decode_ep, token).num_free_blocks == base, 1.0)
+        assert wait_until(lambda: len(producer.releases) == 1, 2.0)
+        assert producer.releases[0].reason == kv_pb.RELEASE_REASON_ABORT
+        time.sleep(0.2)
+        assert len(producer.releases) == 1
+    finally:
+        server.stop(0)
+        producer.agent.close()
 
 
 def test_decode_rejects_an_incompatible_handle(decode_ep, token):
