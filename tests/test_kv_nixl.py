@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,3 +205,17 @@ def test_a_producer_that_dies_mid_transfer_fails_the_read_with_a_status_and_free
     sink.close()  # returns at once: no read holds the slot
     assert _same(_rows(consumer_caches, [0, 1, 3, 4, 5]), before)
     consumer.forget_peer("dying-producer")
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides_up_to_the_cap():
+    def rows(*r):
+        return np.array(r, dtype=np.uint64).reshape(-1, 3)
+
+    local = rows((100, 10, 0), (110, 10, 0), (120, 10, 0), (200, 10, 0), (210, 10, 0), (220, 10, 0))
+    remote = rows((500, 10, 0), (510, 10, 0), (900, 10, 0), (910, 10, 0), (920, 10, 0), (930, 10, 0))
+    got_l, got_r = nixl.coalesce(local, remote, max_bytes=20)
+    # 100+110 and 500+510 merge; 120 (remote jumps to 900) stands alone; 200+210 / 910+920 merge;
+    # 220 / 930 would pass the 20-byte cap: alone.
+    assert got_l.tolist() == [[100, 20, 0], [120, 10, 0], [200, 20, 0], [220, 10, 0]]
+    assert got_r.tolist() == [[500, 20, 0], [900, 10, 0], [910, 20, 0], [930, 10, 0]]
+    assert int(got_l[:, 1].sum()) == int(local[:, 1].sum())

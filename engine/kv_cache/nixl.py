@@ -12,7 +12,8 @@ one host, RDMA across nodes), instead of the gRPC chunk stream's copies.
 Geometry. A layer's cache is [rows, block_size, width] contiguous, one region per layer; engine
 block b of group g is rows `spec.group_block_ids(g, [b])` -- `sub_blocks(g)` consecutive rows,
 one contiguous run of `spec.layer_bytes_per_block(g)` bytes. A transfer is one descriptor per
-(layer, block) on each side, in the same order, so groups of any block size move together.
+(layer, block) on each side, in the same order, so groups of any block size move together;
+runs that are contiguous on both sides are then merged (`coalesce`, pieces of <= 2 MiB).
 The consumer builds both sides itself: its own addresses from its import sink's blocks, the
 producer's from the producer's regions (checked against the spec when the peer is added) and
 the block ids the producer handed out (checked against the producer's block count). Nothing is
@@ -67,6 +68,9 @@ MAX_AGENT_NAME_CHARS = 128
 MAX_PEERS = 64
 """Remote agents loaded at once; the least recently used is dropped first."""
 MEM_TYPES = ("DRAM", "VRAM")
+MAX_DESC_BYTES = 2 << 20
+"""Longest descriptor a transfer is merged into: one per (layer, block) was ~30 % slower over
+UCX's TCP transport (18 KiB blocks), and one per layer no faster than 2 MiB pieces."""
 
 
 class NixlError(RuntimeError):
@@ -158,6 +162,31 @@ def descriptors(spec: KVCacheSpec, regions: tuple[MemoryRegion, ...], block_ids:
             rows[:, 2] = r.device
             out.append(rows)
     return np.concatenate(out) if out else np.zeros((0, 3), dtype=np.uint64)
+
+
+def coalesce(
+    local: np.ndarray, remote: np.ndarray, max_bytes: int = MAX_DESC_BYTES
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge runs of rows that continue contiguously on both sides (blocks allocated back to back)
+    into rows of at most max_bytes (or one row's length); the same merge on both sides, so row i
+    of one still pairs with row i of the other. [N, 3] x 2 -> [M, 3] x 2, M <= N."""
+    assert local.shape == remote.shape and (local[:, 1] == remote[:, 1]).all()
+    out_l, out_r = [], []
+    for (la, n, ld), (ra, _, rd) in zip(local.tolist(), remote.tolist(), strict=True):
+        if out_l:
+            pl, pr = out_l[-1], out_r[-1]
+            if (
+                la == pl[0] + pl[1]
+                and ra == pr[0] + pr[1]
+                and (ld, rd) == (pl[2], pr[2])
+                and pl[1] + n <= max_bytes
+            ):
+                pl[1] += n
+                pr[1] += n
+                continue
+        out_l.append([la, n, ld])
+        out_r.append([ra, n, rd])
+    return np.array(out_l, dtype=np.uint64).reshape(-1, 3), np.array(out_r, dtype=np.uint64).reshape(-1, 3)
 
 
 class NixlAgent:
@@ -275,8 +304,10 @@ class NixlAgent:
             raise ValueError(f"block_checksums: {len(expected_digests)} for {want} blocks")
         if want == 0:
             return 0
-        local = descriptors(self.spec, self.regions, list(sink.block_ids[first_block:]))
-        remote = descriptors(self.spec, peer.regions, list(remote_block_ids))
+        local, remote = coalesce(
+            descriptors(self.spec, self.regions, list(sink.block_ids[first_block:])),
+            descriptors(self.spec, peer.regions, list(remote_block_ids)),
+        )
         nbytes = int(local[:, 1].sum())
         b = self._b
         deadline = time.monotonic() + timeout_s
