@@ -88,6 +88,9 @@ def test_worker_metrics_count_what_moved(stack):
         assert "pdserve_kv_transfer_expired_leases_total" in text and "pdserve_num_requests_waiting" in text
     for name in ("decode-0", "decode-1"):
         assert metric(scraped[name], "pdserve_kv_transfer_seconds_count") > 0
+        # every worker has NIXL (--kv-transport auto): no pull fell back to the chunk stream
+        assert metric(scraped[name], "pdserve_kv_transfers_total", transport="nixl") > 0
+        assert metric(scraped[name], "pdserve_kv_transfers_total", transport="grpc") == 0
         assert metric(scraped[name], "pdserve_inter_token_latency_seconds_count") > 0
 
 

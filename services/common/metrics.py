@@ -71,6 +71,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_transfers = Counter(
+            "pdserve_kv_transfers",
+            "KV pulls completed, by transport (nixl, grpc)",
+            ["component", "transport"],
+            registry=r,
+        )
         self.kv_transfer_failures = Counter(
             "pdserve_kv_transfer_failures",
             "KV transfers that failed, by status code",

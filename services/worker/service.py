@@ -415,9 +415,12 @@ class WorkerService(wgrpc.WorkerServicer):
         first_block, sink = await self.engine.call(allocate, retry_until_set=True)
         start = time.monotonic()
         pull_timeout = timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S
+        transport = "grpc"
 
         async def pull() -> int:
+            nonlocal transport
             peer = await self.transports.choose(handle.producer, pull_timeout)
+            transport = "grpc" if peer is None else "nixl"
             if peer is not None:
                 return await nixl_pull.pull(
                     self.transports, peer, handle, sink, first_block, pull_timeout, self.settings.kv_checksums
@@ -452,5 +455,6 @@ class WorkerService(wgrpc.WorkerServicer):
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.kv_transfer_bytes, "received").inc(received)
         self.metrics.labels(self.metrics.kv_transfer_seconds).observe(seconds)
+        self.metrics.labels(self.metrics.kv_transfers, transport).inc()
         await self.engine.call(lambda core: core.finish_import(rid))
         return received, seconds, True
