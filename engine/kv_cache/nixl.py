@@ -217,6 +217,7 @@ class NixlAgent:
         """What a peer needs to READ this agent's registered memory (see the module docstring)."""
         self._lock = threading.Lock()
         self._peers: OrderedDict[str, PeerAgent] = OrderedDict()
+        self._metadata: dict[str, bytes] = {}
         self._closed = False
         logger.info(
             "NIXL agent %s: %d layer caches registered (%s, %.1f MiB)",
@@ -239,13 +240,15 @@ class NixlAgent:
         self, name: str, metadata: bytes, regions: list[MemoryRegion], num_blocks: int, mem_type: str
     ) -> PeerAgent:
         """Load a producer's agent (once per name; ValueError naming the field if its metadata or
-        geometry is not what our spec expects)."""
+        geometry is not what our spec expects, or if the name is known with other metadata)."""
+        peer = check_peer(self.spec, name, metadata, regions, num_blocks, mem_type)
         with self._lock:
             known = self._peers.get(name)
             if known is not None:
+                if (known, self._metadata[name]) != (peer, metadata):
+                    raise ValueError(f"nixl.agent_name {name!r} is already known with other metadata")
                 self._peers.move_to_end(name)
                 return known
-        peer = check_peer(self.spec, name, metadata, regions, num_blocks, mem_type)
         try:
             loaded = self._agent.loadRemoteMD(metadata)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
@@ -256,9 +259,12 @@ class NixlAgent:
             raise ValueError(f"nixl.metadata names agent {loaded!r}, the peer says {name!r}")
         with self._lock:
             self._peers[name] = peer
+            self._metadata[name] = metadata
             evicted = []
             while len(self._peers) > MAX_PEERS:
-                evicted.append(self._peers.popitem(last=False)[0])
+                old = self._peers.popitem(last=False)[0]
+                del self._metadata[old]
+                evicted.append(old)
         for old in evicted:
             self._invalidate(old)
         return peer
@@ -266,6 +272,7 @@ class NixlAgent:
     def forget_peer(self, name: str) -> None:
         with self._lock:
             known = self._peers.pop(name, None)
+            self._metadata.pop(name, None)
         if known is not None:
             self._invalidate(name)
 

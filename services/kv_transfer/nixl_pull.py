@@ -2,7 +2,8 @@
 
 Negotiation (`--kv-transport`): "grpc" never uses NIXL; "nixl" requires it of every producer
 (FAILED_PRECONDITION naming the producer otherwise); "auto" uses NIXL with a producer whose
-GetEngineInfo carries a NIXL agent and the gRPC chunk stream with one that does not. The choice
+GetEngineInfo carries a NIXL agent (taking checksums, when this worker verifies them) and the
+gRPC chunk stream with one that does not. The choice
 is made once per producer incarnation (engine id and epoch: a restarted producer is asked again)
 and logged once.
 
@@ -56,10 +57,13 @@ class Transports:
     """Per producer: NIXL (its PeerAgent) or the gRPC chunk stream (None). Only the event loop
     calls this."""
 
-    def __init__(self, mode: str, agent: nixl.NixlAgent | None, peers: PeerStubs):
+    def __init__(self, mode: str, agent: nixl.NixlAgent | None, peers: PeerStubs, verify: bool = True):
+        """verify: this worker checks the producer's checksums; a producer that takes none is
+        then read over gRPC (auto) or refused (nixl)."""
         if mode not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {mode!r}")
         self.mode = mode
+        self.verify = verify
         self.agent = agent
         self.peers = peers
         self._known: OrderedDict[tuple[str, int], nixl.PeerAgent | None] = OrderedDict()
@@ -102,6 +106,8 @@ class Transports:
         peer = None
         if not info.HasField("nixl"):
             reason = "it does not serve KV over NIXL"
+        elif self.verify and not info.nixl.checksums:
+            reason = "it takes no checksums (--no-kv-checksum) and this worker verifies them"
         else:
             n = info.nixl
             try:

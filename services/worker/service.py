@@ -122,7 +122,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.port: KVPort | None = None
         self.nixl: NixlAgent | None = None
         """This worker's NIXL agent (None: KV moves over gRPC only)."""
-        self.transports = Transports(settings.kv_transport, None, self.peers)
+        self.transports = Transports(settings.kv_transport, None, self.peers, verify=settings.kv_checksums)
         self._tasks: set[asyncio.Task] = set()
 
     def engine_ready(

@@ -1,0 +1,132 @@
+"""Transport negotiation on the decode side (services/kv_transfer/nixl_pull.py Transports), against
+fake producers' GetEngineInfo and two real NIXL agents over the hybrid spec: auto takes NIXL from a
+producer that offers it (with checksums, when we verify them) and gRPC otherwise, saying so once
+per producer; nixl refuses a producer without it by name; grpc never asks; concurrent first pulls
+ask once; a producer that cannot be asked is not remembered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from engine.kv_cache import nixl
+from engine.kv_cache.transfer import KVPort
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
+from pdserve.v1 import worker_pb2 as wpb
+from services.common.errors import FailedPrecondition
+from services.kv_transfer.nixl_pull import Transports, agent_info
+from tests.test_kv_hybrid import SPEC, _filled
+
+PRODUCER = kv_pb.KvProducer(engine_id="e1", epoch=7, endpoint="10.0.0.1:50061")
+
+
+@pytest.fixture(scope="module")
+def agents():
+    producer = nixl.NixlAgent("transports-producer", KVPort(SPEC, _filled(seed=4)))
+    consumer = nixl.NixlAgent("transports-consumer", KVPort(SPEC, _filled(seed=5)))
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+class FakePeers:
+    """PeerStubs' worker(): a GetEngineInfo that answers `info` (or raises `error`), counted."""
+
+    def __init__(self, info: wpb.EngineInfo | None, error: grpc.StatusCode | None = None):
+        self.info, self.error, self.asked = info, error, 0
+
+    def worker(self, endpoint: str):
+        peers = self
+
+        class Stub:
+            async def GetEngineInfo(self, request, timeout=None):
+                peers.asked += 1
+                await asyncio.sleep(0.01)
+                if peers.error is not None:
+                    raise grpc.aio.AioRpcError(peers.error, None, None, details="down")
+                return peers.info
+
+        return Stub()
+
+
+def _info(producer: nixl.NixlAgent | None, checksums: bool = True) -> wpb.EngineInfo:
+    info = wpb.EngineInfo(identity=PRODUCER)
+    if producer is not None:
+        info.nixl.CopyFrom(agent_info(producer, checksums))
+    return info
+
+
+def _choose(transports: Transports, n: int = 1):
+    async def go():
+        return await asyncio.gather(*(transports.choose(PRODUCER, 5.0) for _ in range(n)))
+
+    return asyncio.run(go())
+
+
+def test_auto_takes_nixl_from_a_producer_that_offers_it_asking_once(agents, caplog):
+    producer, consumer = agents
+    peers = FakePeers(_info(producer))
+    t = Transports("auto", consumer, peers)
+    with caplog.at_level(logging.INFO, "services.kv_transfer.nixl_pull"):
+        chosen = _choose(t, n=4) + _choose(t)
+    assert peers.asked == 1
+    assert {p.name for p in chosen} == {"transports-producer"}
+    assert caplog.text.count(f"KV from producer {PRODUCER.endpoint} moves over NIXL") == 1
+    t.close()
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("no-nixl", "it does not serve KV over NIXL"),
+        ("no-checksums", "it takes no checksums (--no-kv-checksum) and this worker verifies them"),
+    ],
+)
+def test_auto_falls_back_to_grpc_and_says_so_nixl_refuses(agents, caplog, case, reason):
+    producer, consumer = agents
+    info = _info(None) if case == "no-nixl" else _info(producer, checksums=False)
+    auto = Transports("auto", consumer, FakePeers(info))
+    with caplog.at_level(logging.INFO, "services.kv_transfer.nixl_pull"):
+        assert _choose(auto, n=3) == [None, None, None]
+    assert caplog.text.count(f"KV from producer {PRODUCER.endpoint} moves over gRPC: {reason}") == 1
+    strict = Transports("nixl", consumer, FakePeers(info))
+    with pytest.raises(
+        FailedPrecondition, match=rf"KV producer {PRODUCER.endpoint} cannot be read over NIXL"
+    ):
+        _choose(strict)
+    # not verifying: a producer without checksums is read over NIXL
+    if case == "no-checksums":
+        assert _choose(Transports("auto", consumer, FakePeers(info), verify=False))[0].name == producer.name
+    for t in (auto, strict):
+        t.close()
+
+
+def test_grpc_never_asks_and_an_unreachable_producer_is_not_remembered(agents):
+    producer, consumer = agents
+    peers = FakePeers(_info(producer))
+    assert _choose(Transports("grpc", consumer, peers)) == [None] and peers.asked == 0
+    down = FakePeers(None, error=grpc.StatusCode.UNAVAILABLE)
+    auto = Transports("auto", consumer, down)
+    assert _choose(auto) == [None] and _choose(auto) == [None]
+    assert down.asked == 2  # asked again: the gRPC pull reports the producer's real state
+    with pytest.raises(Exception, match="GetEngineInfo of KV producer 10.0.0.1:50061 failed"):
+        _choose(Transports("nixl", consumer, down))
+
+
+def test_a_producer_whose_agent_does_not_fit_our_spec_is_read_over_grpc(agents, caplog):
+    producer, consumer = agents
+    info = _info(producer)
+    del info.nixl.regions[-1]
+    with caplog.at_level(logging.INFO, "services.kv_transfer.nixl_pull"):
+        assert _choose(Transports("auto", consumer, FakePeers(info))) == [None]
+    assert "its NIXL agent is refused: nixl.regions has 4 entries" in caplog.text
+    # the same agent name again, with other metadata: refused, not taken for the known agent
+    assert _choose(Transports("auto", consumer, FakePeers(_info(producer))))[0].name == producer.name
+    info = _info(producer)
+    info.nixl.regions[0].addr += 64
+    with caplog.at_level(logging.INFO, "services.kv_transfer.nixl_pull"):
+        assert _choose(Transports("auto", consumer, FakePeers(info))) == [None]
+    assert "nixl.agent_name 'transports-producer' is already known with other metadata" in caplog.text
