@@ -209,8 +209,9 @@ def test_a_request_waits_for_its_remote_blocks_while_others_run(
     off.close()
 
 
+@pytest.mark.parametrize("transport", ["nixl", "grpc"])
 def test_a_decode_worker_loads_shared_blocks_from_redis_instead_of_pulling_them(
-    tiny_model, redis_server, tmp_path, reference
+    tiny_model, redis_server, tmp_path, reference, transport
 ):
     import time
 
@@ -220,7 +221,8 @@ def test_a_decode_worker_loads_shared_blocks_from_redis_instead_of_pulling_them(
     redis.Redis.from_url(redis_server.url).flushall()
     args = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "24"]
     args += ["--kv-offload", "redis", "--kv-redis-url", redis_server.url]
-    stack = start_stack(tiny_model, tmp_path, engine_args=args)
+    kv = ["--kv-transport", transport]  # nixl: required of both workers, never a silent fallback
+    stack = start_stack(tiny_model, tmp_path, engine_args=args, worker_args={"prefill": kv, "decode": kv})
     try:
         stub = inference(stack)
         disagg = pb.SERVING_MODE_DISAGGREGATED
