@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import grpc
 import pytest
@@ -16,8 +17,8 @@ from engine.kv_cache import nixl
 from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
-from services.common.errors import FailedPrecondition
-from services.kv_transfer.nixl_pull import Transports, agent_info
+from services.common.errors import FailedPrecondition, ServiceError
+from services.kv_transfer.nixl_pull import Transports, agent_info, pull
 from tests.test_kv_hybrid import SPEC, _filled
 
 PRODUCER = kv_pb.KvProducer(engine_id="e1", epoch=7, endpoint="10.0.0.1:50061")
@@ -130,3 +131,62 @@ def test_a_producer_whose_agent_does_not_fit_our_spec_is_read_over_grpc(agents, 
     with caplog.at_level(logging.INFO, "services.kv_transfer.nixl_pull"):
         assert _choose(Transports("auto", consumer, FakePeers(info))) == [None]
     assert "nixl.agent_name 'transports-producer' is already known with other metadata" in caplog.text
+
+
+class HeldRead:
+    """An agent whose read holds until cancelled (as a READ in flight does), recording when it ends."""
+
+    def __init__(self):
+        self.started, self.events = threading.Event(), []
+
+    def read(self, peer, sink, first_block, block_ids, timeout_s, cancel, expected):
+        self.started.set()
+        assert cancel.wait(30), "never cancelled"
+        self.events.append("read ended: handle released")
+        raise nixl.NixlCancelled("cancelled")
+
+
+class BeginReadStub:
+    async def BeginRead(self, request, timeout=None):
+        return kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[1, 2])
+
+
+def test_a_cancelled_pull_waits_for_its_read_before_the_cancellation_goes_on():
+    """The Decode that started the pull is cancelled mid-READ: the read is cancelled and has
+    released its handle before the cancellation reaches the code that releases the producer;
+    closing the transports cancels what is still in flight."""
+    agent = HeldRead()
+    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2)
+
+    class Peers:
+        def kv(self, endpoint):
+            return BeginReadStub()
+
+    transports = Transports("auto", agent, Peers())
+
+    async def go():
+        task = asyncio.ensure_future(pull(transports, None, handle, None, 0, 30.0, verify=True))
+        await asyncio.get_running_loop().run_in_executor(None, agent.started.wait, 30)
+        assert len(transports.reading) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        agent.events.append("cancellation went on")
+
+    asyncio.run(go())
+    assert agent.events == ["read ended: handle released", "cancellation went on"]
+    assert transports.reading == set()
+    # closing cancels a read still in flight
+    agent2 = HeldRead()
+    transports2 = Transports("auto", agent2, Peers())
+
+    async def closing():
+        task = asyncio.ensure_future(pull(transports2, None, handle, None, 0, 30.0, verify=True))
+        await asyncio.get_running_loop().run_in_executor(None, agent2.started.wait, 30)
+        await asyncio.get_running_loop().run_in_executor(None, transports2.close)
+        with pytest.raises(ServiceError) as err:
+            await task
+        assert err.value.code == grpc.StatusCode.CANCELLED
+
+    asyncio.run(closing())
+    assert agent2.events == ["read ended: handle released"]

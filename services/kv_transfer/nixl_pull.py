@@ -68,6 +68,8 @@ class Transports:
         self.peers = peers
         self._known: OrderedDict[tuple[str, int], nixl.PeerAgent | None] = OrderedDict()
         self._asking: dict[tuple[str, int], asyncio.Future] = {}
+        self.reading: set[threading.Event] = set()
+        """The cancel events of the reads in flight (close cancels them)."""
         self.executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="nixl-read")
 
     async def choose(self, producer: kv_pb.KvProducer, timeout: float | None) -> nixl.PeerAgent | None:
@@ -146,6 +148,10 @@ class Transports:
                 self.agent.forget_peer(old.name)
 
     def close(self) -> None:
+        """Cancel the reads in flight and wait for them (each releases its transfer handle
+        within a poll)."""
+        for cancel in list(self.reading):
+            cancel.set()
         self.executor.shutdown(wait=True)
 
 
@@ -190,19 +196,19 @@ async def pull(
             )
         digests = list(begun.block_checksums)
     cancel = threading.Event()
-    loop = asyncio.get_running_loop()
-    read = loop.run_in_executor(
-        transports.executor,
-        transports.agent.read,
-        peer,
-        sink,
-        first_block,
-        list(begun.block_ids),
-        timeout,
-        cancel,
-        digests,
-    )
+    transports.reading.add(cancel)
     try:
+        read = asyncio.get_running_loop().run_in_executor(
+            transports.executor,
+            transports.agent.read,
+            peer,
+            sink,
+            first_block,
+            list(begun.block_ids),
+            timeout,
+            cancel,
+            digests,
+        )
         return await asyncio.shield(read)
     except asyncio.CancelledError:
         cancel.set()
@@ -219,3 +225,5 @@ async def pull(
     except nixl.NixlError as e:
         transports.forget(handle.producer)
         raise ServiceError(str(e), grpc.StatusCode.UNAVAILABLE) from None
+    finally:
+        transports.reading.discard(cancel)
