@@ -6,7 +6,7 @@ when the checked-in ones differ, so a proto edit without `make protos` does not 
 
 from __future__ import annotations
 
-import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +22,8 @@ def proto_files() -> list[Path]:
 def generate(out_dir: Path) -> list[Path]:
     """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py under out_dir/pdserve/v1; return their paths."""
     import grpc_tools
-    from grpc_tools import protoc
 
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
     (out_dir / PACKAGE).mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     args = [
@@ -36,13 +35,22 @@ def generate(out_dir: Path) -> list[Path]:
         f"--grpc_python_out={out_dir}",
         *(str(p.relative_to(PROTO_ROOT)) for p in proto_files()),
     ]
-    cwd = os.getcwd()
-    os.chdir(PROTO_ROOT)  # protoc resolves the relative proto paths against -I
-    try:
-        if protoc.main(args) != 0:
-            raise RuntimeError("protoc failed: " + " ".join(args))
-    finally:
-        os.chdir(cwd)
+    # In its own process: protoc's C++ (protobuf, abseil) crashes a process that has loaded
+    # NIXL's libraries (the tests load both), and cwd is the proto root there, which protoc
+    # resolves the relative proto paths against.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from grpc_tools import protoc; sys.exit(protoc.main(sys.argv[1:]))",
+        ]
+        + args,
+        cwd=PROTO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError("protoc failed: " + " ".join(args) + "\n" + done.stderr)
     for init in (out_dir / "pdserve" / "__init__.py", out_dir / PACKAGE / "__init__.py"):
         if not init.exists():
             init.write_text('"""Generated gRPC stubs (`make protos`); do not edit."""\n')
