@@ -39,6 +39,9 @@ the transfer it was handed) -- for as long as the worker runs; it cannot write i
 for remote writes, but registration does not forbid them on every transport: treat the metadata
 as a credential). The worker hands it out only in GetEngineInfo, to callers that passed the
 internal token / mutual TLS (services/common/security.py), the same gate as every internal RPC.
+Deregistering does not revoke it on every transport: over UCX's TCP transport a READ of memory
+that was deregistered still succeeded here (close() is cleanup, not a revocation); only the
+worker's process ending, or a new agent (a restart: new name, new keys), takes the access away.
 """
 
 from __future__ import annotations
