@@ -137,9 +137,10 @@ class HeldRead:
     """An agent whose read holds until cancelled (as a READ in flight does), recording when it ends."""
 
     def __init__(self):
-        self.started, self.events = threading.Event(), []
+        self.started, self.events, self.timeouts = threading.Event(), [], []
 
     def read(self, peer, sink, first_block, block_ids, timeout_s, cancel, expected):
+        self.timeouts.append(timeout_s)
         self.started.set()
         assert cancel.wait(30), "never cancelled"
         self.events.append("read ended: handle released")
@@ -147,8 +148,11 @@ class HeldRead:
 
 
 class BeginReadStub:
+    def __init__(self, hold_ms: int = 60_000):
+        self.hold_ms = hold_ms
+
     async def BeginRead(self, request, timeout=None):
-        return kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[1, 2])
+        return kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[1, 2], read_hold_ms=self.hold_ms)
 
 
 def test_a_cancelled_pull_waits_for_its_read_before_the_cancellation_goes_on():
@@ -190,3 +194,32 @@ def test_a_cancelled_pull_waits_for_its_read_before_the_cancellation_goes_on():
 
     asyncio.run(closing())
     assert agent2.events == ["read ended: handle released"]
+    assert agent.timeouts == [30.0]  # the producer held the blocks longer than we asked
+
+
+@pytest.mark.parametrize("hold_ms, posted", [(10_000, 9.5), (400, None)], ids=["capped", "too-short"])
+def test_a_read_ends_before_the_producers_hold_on_the_blocks(hold_ms, posted):
+    """The producer may grant a shorter hold than the reader asked for (its lease limits): the
+    READ's deadline is the hold less a margin, and a hold shorter than the margin posts nothing."""
+
+    class Ends(HeldRead):
+        def read(self, *args):
+            self.timeouts.append(args[4])
+            return 123
+
+    agent = Ends()
+    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2)
+
+    class Peers:
+        def kv(self, endpoint):
+            return BeginReadStub(hold_ms)
+
+    transports = Transports("auto", agent, Peers())
+    go = pull(transports, None, handle, None, 0, 30.0, verify=True)
+    if posted is None:
+        with pytest.raises(ServiceError, match="is held for a read only 400 ms") as err:
+            asyncio.run(go)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and agent.timeouts == []
+    else:
+        assert asyncio.run(go) == 123 and agent.timeouts == [posted]
+    transports.close()

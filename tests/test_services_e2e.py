@@ -431,6 +431,7 @@ def test_a_nixl_reader_that_never_releases_ends_by_itself_and_frees_the_blocks_o
         timeout=5,
     )
     assert len(begun.block_ids) == len(begun.block_checksums) == handle.num_blocks - 1 == 2
+    assert 0 < begun.read_hold_ms <= 1500  # the reader's 500 ms and the producer's 1 s margin
     time.sleep(0.4)  # past the lease, inside the read: still pinned
     assert load(prefill_ep, token).num_pinned_transfers == 1
     assert wait_until(lambda: load(prefill_ep, token).num_pinned_transfers == 0, 5.0)
@@ -569,7 +570,10 @@ class FlippedNixlProducer(kv_grpc.KvTransferServicer, wgrpc.WorkerServicer):
     def BeginRead(self, request, context):
         first = request.first_block
         return kv_pb.BeginReadResponse(
-            block_ids=self.block_ids[first:], block_checksums=self.digests[first:], read_deadline_unix_ms=1
+            block_ids=self.block_ids[first:],
+            block_checksums=self.digests[first:],
+            read_deadline_unix_ms=1,
+            read_hold_ms=30_000,
         )
 
     def Release(self, request, context):

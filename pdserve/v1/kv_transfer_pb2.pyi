@@ -84,14 +84,16 @@ class BeginReadRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_block: _Optional[int] = ..., read_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class BeginReadResponse(_message.Message):
-    __slots__ = ("block_ids", "block_checksums", "read_deadline_unix_ms")
+    __slots__ = ("block_ids", "block_checksums", "read_deadline_unix_ms", "read_hold_ms")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     READ_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    READ_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
     read_deadline_unix_ms: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_checksums: _Optional[_Iterable[int]] = ..., read_deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    read_hold_ms: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_checksums: _Optional[_Iterable[int]] = ..., read_deadline_unix_ms: _Optional[int] = ..., read_hold_ms: _Optional[int] = ...) -> None: ...
 
 class NixlRegion(_message.Message):
     __slots__ = ("addr", "length", "device_id")

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 KV_TRANSPORTS = ("auto", "nixl", "grpc")
 INFO_TIMEOUT_S = 10.0
 MAX_KNOWN_PRODUCERS = 256
+HOLD_MARGIN_S = 0.5
+"""Our READ is cancelled this long before the producer's hold on the blocks ends."""
 READ_THREADS = 8
 """NIXL reads waited on at once (each holds a thread while it polls)."""
 
@@ -184,6 +186,14 @@ async def pull(
             f"BeginRead of transfer {handle.transfer_id} at {handle.producer.endpoint} failed: {e.details()}",
             e.code(),
         ) from None
+    # Our READ ends before the producer's hold does (it may have granted less than we asked).
+    timeout = min(timeout, begun.read_hold_ms / 1000 - HOLD_MARGIN_S)
+    if timeout <= 0:
+        raise ServiceError(
+            f"transfer {handle.transfer_id} at {handle.producer.endpoint} is held for a read only "
+            f"{begun.read_hold_ms} ms",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
     want = handle.num_blocks - first_block
     if len(begun.block_ids) != want:
         raise DataLoss(f"BeginRead gave {len(begun.block_ids)} block_ids, the handle leaves {want} to read")

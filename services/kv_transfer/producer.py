@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -96,10 +97,12 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         nbytes = (num_blocks - first) * self.port.spec.bytes_per_block
         export.bytes_sent += nbytes
         self.metrics.labels(self.metrics.kv_transfer_bytes, "sent").inc(nbytes)
+        until = export.remote_read_until
         return kv_pb.BeginReadResponse(
             block_ids=export.block_ids[first:],
             block_checksums=digests,
-            read_deadline_unix_ms=int(export.remote_read_until * 1000),
+            read_deadline_unix_ms=int(until * 1000),
+            read_hold_ms=max(0, int((until - time.time()) * 1000)),
         )
 
     async def Release(self, request: kv_pb.ReleaseRequest, context) -> kv_pb.ReleaseResponse:
