@@ -26,6 +26,7 @@ import redis
 from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
+from services.kv_transfer.nixl_pull import READ_THREADS
 from tests.redis_server import RedisServer
 from tests.service_testing import ENGINE_ARGS, inference, load, start_stack, wait_until, worker
 
@@ -45,8 +46,28 @@ MAX_RSS_GROWTH_MB = 40
 MODES = [pb.SERVING_MODE_AUTO, pb.SERVING_MODE_DISAGGREGATED, pb.SERVING_MODE_COLOCATED]
 
 
+BOUNDED_POOLS = {"nixl-read": READ_THREADS}
+"""Thread pools that fill up to a fixed size as work overlaps (not per request): held to their
+bound, not to the baseline."""
+
+
+def _thread_names(pid: int) -> list[str]:
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return names
+
+
 def _threads(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/task"))
+    """Threads outside the bounded pools; each pool is checked against its bound."""
+    names = _thread_names(pid)
+    for prefix, bound in BOUNDED_POOLS.items():
+        assert sum(n.startswith(prefix) for n in names) <= bound, (pid, prefix, names)
+    return sum(not n.startswith(tuple(BOUNDED_POOLS)) for n in names)
 
 
 def _fds(pid: int) -> int:
