@@ -493,6 +493,32 @@ class CorruptProducer(kv_grpc.KvTransferServicer):
         return kv_pb.ReleaseResponse()
 
 
+def _decode_from(decode_ep, token, info, endpoint, engine_id, transfer_id, prompt, ref, policy):
+    """Decode on the real decode worker with a signed handle to a 20-token prompt's 2 blocks on
+    a fake producer at endpoint, continuing after ref's first token, under kv_failure_policy."""
+    handle = kv_pb.KvHandle(
+        transfer_id=transfer_id,
+        producer=kv_pb.KvProducer(engine_id=engine_id, epoch=1, endpoint=endpoint),
+        block_hashes=hash_blocks(prompt, 16),
+        num_tokens=20,
+        num_blocks=2,
+        block_size=16,
+        compat_hash=info.compat_hash,
+    )
+    request = wpb.DecodeRequest(
+        request_id=transfer_id,
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+        output_token_ids=ref.token_ids[:1],
+        kv_handle=handle,
+        kv_handle_mac=handle_mac(token, handle),
+        kv_failure_policy=pb.KV_FAILURE_POLICY_RECOMPUTE
+        if policy == "recompute"
+        else pb.KV_FAILURE_POLICY_FAIL,
+    )
+    return worker(decode_ep, token).Decode(request, timeout=30)
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy, token):
     info = worker(decode_ep, token).GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
@@ -506,27 +532,10 @@ def test_corrupt_kv_chunk_is_data_loss_or_recomputed(decode_ep, offline, policy,
         ref = offline.generate(
             prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
         )[0]
-        handle = kv_pb.KvHandle(
-            transfer_id="corrupt-1",
-            producer=kv_pb.KvProducer(engine_id="fake", epoch=1, endpoint=f"127.0.0.1:{port}"),
-            block_hashes=hash_blocks(prompt, 16),
-            num_tokens=20,
-            num_blocks=2,
-            block_size=16,
-            compat_hash=info.compat_hash,
-        )
-        policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
         base = load(decode_ep, token).num_free_blocks
-        request = wpb.DecodeRequest(
-            request_id=f"corrupt-{policy}",
-            prompt_token_ids=prompt,
-            sampling=pb.SamplingParams(temperature=0, max_tokens=6),
-            output_token_ids=ref.token_ids[:1],
-            kv_handle=handle,
-            kv_handle_mac=handle_mac(token, handle),
-            kv_failure_policy=policy_pb,
+        stream = _decode_from(
+            decode_ep, token, info, f"127.0.0.1:{port}", "fake", "corrupt-1", prompt, ref, policy
         )
-        stream = worker(decode_ep, token).Decode(request, timeout=30)
         if policy == "fail":
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
@@ -600,26 +609,18 @@ def test_a_byte_flipped_after_the_handle_was_issued_is_data_loss_or_recomputed(
         ref = offline.generate(
             prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
         )[0]
-        handle = kv_pb.KvHandle(
-            transfer_id=f"flipped-{policy}",
-            producer=kv_pb.KvProducer(engine_id=producer.engine_id, epoch=1, endpoint=f"127.0.0.1:{port}"),
-            block_hashes=hash_blocks(prompt, 16),
-            num_tokens=20,
-            num_blocks=2,
-            block_size=16,
-            compat_hash=info.compat_hash,
-        )
-        policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
         base = load(decode_ep, token).num_free_blocks
-        request = wpb.DecodeRequest(
-            prompt_token_ids=prompt,
-            sampling=pb.SamplingParams(temperature=0, max_tokens=6),
-            output_token_ids=ref.token_ids[:1],
-            kv_handle=handle,
-            kv_handle_mac=handle_mac(token, handle),
-            kv_failure_policy=policy_pb,
+        stream = _decode_from(
+            decode_ep,
+            token,
+            info,
+            f"127.0.0.1:{port}",
+            producer.engine_id,
+            f"flipped-{policy}",
+            prompt,
+            ref,
+            policy,
         )
-        stream = worker(decode_ep, token).Decode(request, timeout=30)
         if policy == "fail":
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
