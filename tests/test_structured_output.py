@@ -223,22 +223,25 @@ def _loop_apply(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> to
     return out
 
 
+@pytest.mark.parametrize("every_row", [False, True], ids=["some-rows", "every-row"])
 @pytest.mark.parametrize(
     "vocab, width", [(1, 1), (31, 31), (32, 32), (33, 33), (100, 100), (64, 70)], ids=lambda v: str(v)
 )
-def test_apply_equals_the_token_by_token_reference(vocab, width):
+def test_apply_equals_the_token_by_token_reference(vocab, width, every_row):
     gen = torch.Generator().manual_seed(vocab)
     words = words_per_row(vocab)
     bits = torch.randint(-(2**31), 2**31, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
     bits[1] = -1  # everything allowed
     bits[2, 0] = -(2**31)  # only bit 31 (the sign bit) of the first word
-    logits = torch.randn(5, width, generator=gen)  # width > 32 W: a padded lm_head
-    rows = [4, 0, 2]
+    logits = torch.randn(3 if every_row else 5, width, generator=gen)  # width > 32 W: a padded lm_head
+    logits[0, 0] = float("-inf")  # a token already refused stays refused
+    rows = [0, 1, 2] if every_row else [4, 0, 2]
     want = _loop_apply(logits, rows, bits)
     got = logits.clone()
     TokenBitmask(rows, bits).apply(got)
     assert torch.equal(got, want)
-    assert torch.equal(got[[1, 3]], logits[[1, 3]])  # unconstrained rows untouched
+    if not every_row:
+        assert torch.equal(got[[1, 3]], logits[[1, 3]])  # unconstrained rows untouched
 
 
 def test_select_and_without_renumber_rows():
