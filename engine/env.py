@@ -55,3 +55,18 @@ def fault() -> str | None:
 def log_level() -> str:
     """PDSERVE_LOG_LEVEL: log level of the processes a stack launcher starts (default INFO)."""
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
+
+
+def native_kernels() -> bool:
+    """PDSERVE_NATIVE_KERNELS: "0" keeps the engine on torch's CPU kernels instead of building and
+    loading its native ones (kernels/native; default on where the CPU has AVX512-BF16)."""
+    return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+def native_build_dir() -> str:
+    """PDSERVE_NATIVE_DIR: where the native CPU kernels are built and cached (default
+    $XDG_CACHE_HOME/pdserve/native, or ~/.cache/pdserve/native)."""
+    if value := os.environ.get("PDSERVE_NATIVE_DIR"):
+        return value
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pdserve", "native")

@@ -8,20 +8,12 @@ from pathlib import Path
 
 import torch
 
+from engine import env
+from kernels import native
+
 logger = logging.getLogger(__name__)
 
 _NATIVE_HALF_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 @functools.cache  # the answer is fixed per machine; the warning below is logged once
@@ -35,7 +27,16 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
-    if any(flag in _cpu_flags() for flag in _NATIVE_HALF_FLAGS.get(dtype, ())):
+    if any(flag in native.cpu_flags() for flag in _NATIVE_HALF_FLAGS.get(dtype, ())):
         return dtype
     logger.warning("this CPU has no native %s arithmetic: computing in float32 on %s weights", dtype, dtype)
     return torch.float32
+
+
+def use_native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Build (once per machine) and load the native CPU kernels (kernels/native) for a model
+    computing in `dtype` on `device`: bf16 on a CPU with AVX512-BF16, unless PDSERVE_NATIVE_KERNELS=0.
+    True when they are loaded; the engine otherwise runs torch's."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not env.native_kernels():
+        return False
+    return native.load(Path(env.native_build_dir()))

@@ -18,7 +18,7 @@ from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
 from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
-from engine.platform import compute_dtype
+from engine.platform import compute_dtype, use_native_kernels
 from engine.sampler import Sampler, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.drafter import draft_with_mtp
@@ -88,6 +88,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = kv_spec.block_size
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
+        self.native_kernels = use_native_kernels(self.dtype, self.device)
+        """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512-BF16)."""
         self.spec = cfg.spec
         self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)
         self.max_model_len = max_model_len

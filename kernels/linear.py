@@ -11,12 +11,20 @@ weight once for all rows. Measured on the 2-core development VM with weights out
 are close for the layer weights; the wide LM head still reads faster as w @ x^T for a batch's
 logits, which DeepseekV2ForCausalLM.compute_logits keeps. GPUs always take x @ w^T (cuBLAS has its
 own small-M kernels).
+
+A single bf16 row, where the native kernels are loaded (kernels/native: AVX512-BF16 CPUs), takes
+neither: their product reads the weight once at 9-11 GB/s for a layer's 0.25-1 MB weights and
+~25 GB/s for the LM head, against 4-5 and ~17 through torch (1.4-2.1x faster per call, 2-core
+Xeon, benchmarks/linear_native.py). From two rows on torch's products stay: the native kernel
+turns compute-bound there.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native
 
 FEW_ROWS = 16  # from 2 rows to below this many, CPU products are taken as w @ x^T
 PAD_ONE_ROW_MIN = 1 << 18  # a single row through a weight this large is padded to 2 rows: the
@@ -25,6 +33,14 @@ PAD_ONE_ROW_MIN = 1 << 18  # a single row through a weight this large is padded 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] | None -> [M, N] (contiguous), any device."""
+    if x.dim() == 2 and x.shape[0] == 1 and native.loaded() and native.takes(x, weight):
+        y = native.linear_bf16(x, weight)
+        return y if bias is None else y.add_(bias)
+    return linear_torch(x, weight, bias)
+
+
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` through torch's products only (the native kernels' baseline)."""
     rows = x.shape[0]
     if x.device.type != "cpu" or x.dim() != 2 or not 0 < rows < FEW_ROWS:
         return F.linear(x, weight, bias)

@@ -18,6 +18,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.models.layers import Linear, RMSNorm
+from kernels import native
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
 from kernels.mla import mla_decode
@@ -50,12 +51,17 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, L], set by process_weights
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
+        self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native one-token products
+        self.w_uv: torch.Tensor | None = None  # [H, v, L], a view of kv_b_proj's weight
 
     def process_weights(self) -> None:
         """Split kv_b_proj into the absorbed-form matrices once the weights are loaded."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
+        if native.loaded() and native.takes(w, w):  # one decode token: per-head products as GEMVs
+            self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
+            self.w_uv = w[:, self.nope_dim :]
 
     def forward(
         self,
@@ -113,10 +119,16 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup):
         """Absorbed: q_* [D*s, H, *] -> [D*s, H, v]."""
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D*s, H, L]
+        one = q_nope.shape[0] == 1 and self.w_uk_t is not None  # one token: the native products
+        if one:
+            q_lat = native.linear_bf16(q_nope.transpose(0, 1), self.w_uk_t).transpose(0, 1)  # [1, H, L]
+        else:
+            q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D*s, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1).view(group.num_seqs, group.query_len, self.num_heads, -1)
         o_lat, _ = mla_decode(
             q, kv_cache, group.block_table, group.seq_lens, self.scale, self.kv_lora_rank, return_lse=False
         )  # [D, s, H, L]
         o_lat = o_lat.reshape(-1, self.num_heads, self.kv_lora_rank)
+        if one:
+            return native.linear_bf16(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)  # [1, H, v]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D*s, H, v]

@@ -1,0 +1,138 @@
+"""Native CPU kernels: C++ sources in this folder, compiled the first time an engine asks for them
+on a machine that can run them, and cached.
+
+Why native code: at decode's few rows a product is bound by reading its weight, but each call
+through torch costs more than the bytes do (kernels/linear.py has the figures); a kernel that only
+reads the weight and multiplies gets ~2.5x closer to the memory. The source is built with torch's
+extension builder against ATen's thread pool only (about 10 s; not against torch's tensor headers,
+which take four times as long), into `build_dir`, keyed by the source, the compiler flags and the
+torch version, so a stale build is never loaded.
+
+Process-wide, like torch.ops: `load` is called once by the engine (engine/engine_core.py, with the
+build folder and switch from engine/env.py), and the kernels (kernels/linear.py) ask `linear_bf16`
+only when `loaded()`. A machine without the instructions, or where the build fails (no compiler),
+keeps the torch path; the engine logs which it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+"""/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
+
+_library: ModuleType | None = None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported() -> bool:
+    return all(flag in cpu_flags() for flag in REQUIRED_FLAGS)
+
+
+def load(build_dir: Path) -> bool:
+    """Build (once per source and torch version, under a lock other processes wait on) and load
+    the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
+    without AVX512-BF16 or when the build fails."""
+    global _library
+    if _library is not None:
+        return True
+    if not supported():
+        logger.info("native CPU kernels: this CPU lacks %s; using torch's", "/".join(REQUIRED_FLAGS))
+        return False
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    name = f"pdserve_native_{key}"
+    folder = Path(build_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    built = folder / f"{name}.so"
+    from torch.utils import cpp_extension  # imports setuptools: only here
+
+    try:
+        if built.exists() and not (folder / "lock").exists():  # built before, and no build under way
+            spec = importlib.util.spec_from_file_location(name, built)
+            assert spec is not None and spec.loader is not None
+            _library = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_library)
+        else:  # builds under the folder's lock file; another process building it waits
+            _library = cpp_extension.load(
+                name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder), verbose=False
+            )
+    except Exception as e:  # no compiler, no ninja, no Python headers: the torch path still works
+        logger.warning("native CPU kernels: build failed (%s); using torch's", str(e).splitlines()[0][:200])
+        return False
+    logger.info("native CPU kernels loaded from %s", folder)
+    return True
+
+
+def loaded() -> bool:
+    return _library is not None
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_bf16 runs x [M, K] @ weight [N, K]^T as they are: CPU bf16, unit stride
+    along K."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]; or batched, x [B, M, K] and weight [B, N, K] -> [B, M, N]
+    (y[b] = x[b] @ weight[b]^T). bf16 in and out, unit stride along K, float32 sums rounded to
+    nearest even. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    batched = x.dim() == 3
+    if x.dim() not in (2, 3) or weight.dim() != x.dim() or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"x [M, K] and weight [N, K] (or [B, M, K] and [B, N, K]) must share B and K, "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if batched and x.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"x [B, M, K] and weight [B, N, K] must share B, got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if not takes(x, weight):
+        raise ValueError(
+            f"x and weight must be CPU bfloat16 with unit stride along K, got {x.dtype} {tuple(x.stride())} "
+            f"on {x.device} and {weight.dtype} {tuple(weight.stride())} on {weight.device}"
+        )
+    x3 = x if batched else x.unsqueeze(0)  # [B, M, K]
+    w3 = weight if batched else weight.unsqueeze(0)  # [B, N, K]
+    b, rows, k = x3.shape
+    n = w3.shape[1]
+    y = torch.empty(b, rows, n, dtype=torch.bfloat16)  # [B, M, N]
+    if b and rows and n:
+        _library.linear_bf16(
+            x3.data_ptr(), x3.stride(0), x3.stride(1),
+            w3.data_ptr(), w3.stride(0), w3.stride(1),
+            y.data_ptr(), y.stride(0), y.stride(1),
+            b, rows, n, k,
+        )  # fmt: skip
+    return y if batched else y.squeeze(0)
