@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine import LLM, SamplingParams
 from services.openai.structured import structured_outputs
-from services.openai.tool_parser import parse_tool_calls
-from services.openai.tools import tool_request
+from services.router.tool_parser import parse_tool_calls
+from services.router.tools import tool_request
 
 MODEL = "pdserve-tiny"
 QUESTION = "What is the weather in Paris this week?"

@@ -4,7 +4,10 @@ calls whose arguments validate against the tool's schema (a random model, held t
 streamed deltas reassemble to the same calls, greedy outputs equal the offline engine's under the
 same prompt and constraint, a round trip (calls, then their results) renders and generates, and bad
 fields are 400s naming the field. Over gRPC the same conversation (Chat.tools, ChatMessage.tool_calls
-and tool_call_id) renders to the same prompt."""
+and tool_call_id) renders to the same prompt; Chat.tool_choice required / named gives parsed calls
+(GenerateResponse.tool_calls, FINISH_REASON_TOOL_CALLS) valid against the schema, the same from
+Complete, from Generate's deltas put together and from the HTTP API; none gives the text that auto
+parses; a bad tool_choice is INVALID_ARGUMENT worded as the HTTP API's 400."""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
-from services.openai.tool_parser import TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP, parse_tool_calls
-from services.openai.tools import tool_request
+from services.router.tool_parser import TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_SEP, parse_tool_calls
+from services.router.tools import tool_request
 from tests.service_testing import generate, inference
 
 DISAGGREGATED = {"mode": "disaggregated"}
@@ -372,3 +375,142 @@ def test_grpc_bad_tool_fields_are_invalid_argument(stack, chat, field):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), (
         err.value.details()
     )
+
+
+# ---- gRPC: tool_choice and parsed calls, unary (Complete) and streamed (Generate) -------------
+
+GRPC_TOOLS = [
+    pb.Tool(
+        name=t["function"]["name"],
+        description=t["function"]["description"],
+        parameters=json.dumps(t["function"]["parameters"]),
+    )
+    for t in TOOLS
+]
+GRPC_CHOICES = {
+    "required": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+    "named": pb.ToolChoice(function=pb.FunctionName(name="get_time")),
+    "auto": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_AUTO),
+    "none": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE),
+}
+HTTP_CHOICES = {"required": "required", "named": NAMED, "auto": "auto", "none": "none"}
+
+
+def _grpc_request(
+    choice: str | None, tools=GRPC_TOOLS, parallel: bool | None = False, max_tokens: int = 160, **sampling
+) -> pb.GenerateRequest:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=MESSAGES[0]["content"])], tools=tools)
+    if choice is not None:
+        chat.tool_choice.CopyFrom(GRPC_CHOICES[choice])
+    if parallel is not None:
+        chat.parallel_tool_calls = parallel
+    return pb.GenerateRequest(
+        chat=chat,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+        mode=pb.SERVING_MODE_DISAGGREGATED,
+    )
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_grpc_enforced_choice_gives_parsed_calls_unary_and_streamed(stack, client, choice):
+    stub = inference(stack)
+    whole = stub.Complete(_grpc_request(choice), timeout=60)
+    assert whole.finish_reason == pb.FINISH_REASON_TOOL_CALLS and whole.text == ""
+    (call,) = whole.tool_calls
+    assert call.index == 0 and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    assert call.name in (("get_time",) if choice == "named" else SCHEMAS)
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    # Streamed: the call's first part names it, the others carry its arguments on; together they
+    # are the unary answer (the same greedy tokens).
+    msgs = list(stub.Generate(_grpc_request(choice), timeout=60))
+    parts = [part for m in msgs for part in m.tool_calls]
+    first, *rest = parts
+    assert first.index == 0 and first.id.startswith("call_") and first.name == call.name
+    assert all(p.index == 0 and p.id == "" and p.name == "" for p in rest)
+    assert "".join(p.arguments for p in parts) == call.arguments
+    assert "".join(m.text for m in msgs) == "" and not any(m.finish_reason for m in msgs[:-1])
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert [t for m in msgs for t in m.token_ids] == list(whole.token_ids)
+    # One implementation: the HTTP API gives the same call for the same request.
+    http = _create(client, tool_choice=HTTP_CHOICES[choice], parallel_tool_calls=False, temperature=0.0)
+    (http_call,) = http.choices[0].message.tool_calls
+    assert (http_call.function.name, http_call.function.arguments) == (call.name, call.arguments)
+    assert http.usage.completion_tokens == len(whole.token_ids)
+
+
+def test_grpc_none_gives_the_text_and_auto_parses_the_same_text(stack):
+    stub = inference(stack)
+    none = stub.Complete(_grpc_request("none", max_tokens=24), timeout=60)
+    assert not none.tool_calls and none.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    assert len(none.token_ids) == none.usage.completion_tokens
+    content, calls = parse_tool_calls(none.text, max_calls=1)
+    for choice in ("auto", None):  # an unset tool_choice is auto
+        auto = stub.Complete(_grpc_request(choice, max_tokens=24), timeout=60)
+        assert auto.token_ids == none.token_ids  # the same prompt: the tools are rendered either way
+        assert auto.text == content
+        assert [(c.name, c.arguments) for c in auto.tool_calls] == [(c.name, c.arguments) for c in calls]
+
+
+def _http_error(client, **body) -> str:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="pdserve-tiny", messages=MESSAGES, max_tokens=4, extra_body=body)
+    return e.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "request_kw, http_body, field",
+    [
+        (
+            dict(
+                choice=None,
+                tools=GRPC_TOOLS,
+                tool_choice=pb.ToolChoice(function=pb.FunctionName(name="nope")),
+            ),
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "chat.tool_choice.function.name 'nope' is not one of the tools given",
+        ),
+        (
+            dict(choice="required", tools=[]),
+            {"tool_choice": "required"},
+            "chat.tool_choice is only allowed when tools are given",
+        ),
+        (
+            dict(choice="named", tools=[]),
+            {"tool_choice": NAMED},
+            "chat.tool_choice is only allowed when tools are given",
+        ),
+        (
+            dict(choice=None, tool_choice=pb.ToolChoice(mode=7)),
+            None,
+            "chat.tool_choice.mode must be one of TOOL_CHOICE_MODE_AUTO, TOOL_CHOICE_MODE_NONE, "
+            "TOOL_CHOICE_MODE_REQUIRED, got 7",
+        ),
+        (dict(choice=None, tool_choice=pb.ToolChoice()), None, "chat.tool_choice must set mode or function"),
+        (
+            dict(choice="required", structured=pb.StructuredOutputs(json_object=True)),
+            None,
+            "chat.tool_choice 'required' cannot be combined with sampling.structured_outputs",
+        ),
+    ],
+    ids=["unknown-name", "required-without-tools", "named-without-tools", "mode", "empty", "conflict"],
+)
+def test_grpc_bad_tool_choice_is_invalid_argument_worded_as_http(stack, client, request_kw, http_body, field):
+    kw = dict(request_kw)
+    tool_choice, structured = kw.pop("tool_choice", None), kw.pop("structured", None)
+    request = _grpc_request(**kw)
+    if tool_choice is not None:
+        request.chat.tool_choice.CopyFrom(tool_choice)
+    if structured is not None:
+        request.sampling.structured_outputs.CopyFrom(structured)
+    stub = inference(stack)
+    for unary in (False, True):
+        with pytest.raises(grpc.RpcError) as err:
+            if unary:
+                stub.Complete(request, timeout=30)
+            else:
+                list(stub.Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(
+            field
+        ), err.value.details()
+    if http_body is not None:  # the HTTP API's 400 says the same, without the chat. prefix
+        assert "chat." + _http_error(client, **http_body) == err.value.details()

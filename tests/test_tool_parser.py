@@ -1,4 +1,4 @@
-"""services/openai/tool_parser.py on crafted DeepSeek-V3 outputs: whole, and streamed in chunks split
+"""services/router/tool_parser.py on crafted DeepSeek-V3 outputs: whole, and streamed in chunks split
 anywhere (inside markers too), which must release the same content and calls and never a part of a
 marker as content."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.openai.tool_parser import (
+from services.router.tool_parser import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
     TOOL_CALLS_BEGIN,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x98\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\x08Logprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x90\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.pdserve.v1.ToolB\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x05 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12%\n\x04mode\x18\x07 \x01(\x0e\x32\x17.pdserve.v1.ServingMode\x12\x36\n\x11kv_failure_policy\x18\x08 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\x12\x0c\n\x04\x65\x63ho\x18\t \x01(\x08\x42\x08\n\x06prompt\"k\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\"h\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x03\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x03\x12\x0f\n\x07ttft_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65\x32\x65_ns\x18\x05 \x01(\x03\"\x98\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12-\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x15\n\rdisaggregated\x18\x0b \x01(\x08\x12\x16\n\x0e\x65\x63ho_token_ids\x18\x0c \x03(\x05\x12\x11\n\techo_text\x18\r \x01(\tB\r\n\x0bstop_reason\"\x93\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"\x16\n\x14GetServerInfoRequest\"`\n\rWorkerSummary\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\"{\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.WorkerSummary*`\n\x0bServingMode\x12\x15\n\x11SERVING_MODE_AUTO\x10\x00\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16SERVING_MODE_COLOCATED\x10\x02*N\n\x0fKvFailurePolicy\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbe\x02\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x98\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x94\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\x08Logprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xf7\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x05tools\x18\x03 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"p\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.ToolChoiceModeH\x00\x12,\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.FunctionNameH\x00\x42\x08\n\x06\x63hoice\"\x1c\n\x0c\x46unctionName\x12\x0c\n\x04name\x18\x01 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x05 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12%\n\x04mode\x18\x07 \x01(\x0e\x32\x17.pdserve.v1.ServingMode\x12\x36\n\x11kv_failure_policy\x18\x08 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\x12\x0c\n\x04\x65\x63ho\x18\t \x01(\x08\x42\x08\n\x06prompt\"k\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x03\"h\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x03\x12\x12\n\nprefill_ns\x18\x02 \x01(\x03\x12\x16\n\x0ekv_transfer_ns\x18\x03 \x01(\x03\x12\x0f\n\x07ttft_ns\x18\x04 \x01(\x03\x12\x0e\n\x06\x65\x32\x65_ns\x18\x05 \x01(\x03\"\xc7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12-\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x14.pdserve.v1.Logprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x15\n\rdisaggregated\x18\x0b \x01(\x08\x12\x16\n\x0e\x65\x63ho_token_ids\x18\x0c \x03(\x05\x12\x11\n\techo_text\x18\r \x01(\t\x12-\n\ntool_calls\x18\x0e \x03(\x0b\x32\x19.pdserve.v1.ToolCallDeltaB\r\n\x0bstop_reason\"\x93\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"\x16\n\x14GetServerInfoRequest\"`\n\rWorkerSummary\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\"{\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.WorkerSummary*e\n\x0eToolChoiceMode\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x02*`\n\x0bServingMode\x12\x15\n\x11SERVING_MODE_AUTO\x10\x00\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16SERVING_MODE_COLOCATED\x10\x02*N\n\x0fKvFailurePolicy\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\x85\x03\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a!.pdserve.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SERVINGMODE']._serialized_start=3015
-  _globals['_SERVINGMODE']._serialized_end=3111
-  _globals['_KVFAILUREPOLICY']._serialized_start=3113
-  _globals['_KVFAILUREPOLICY']._serialized_end=3191
-  _globals['_FINISHREASON']._serialized_start=3193
-  _globals['_FINISHREASON']._serialized_end=3313
+  _globals['_TOOLCHOICEMODE']._serialized_start=3386
+  _globals['_TOOLCHOICEMODE']._serialized_end=3487
+  _globals['_SERVINGMODE']._serialized_start=3489
+  _globals['_SERVINGMODE']._serialized_end=3585
+  _globals['_KVFAILUREPOLICY']._serialized_start=3587
+  _globals['_KVFAILUREPOLICY']._serialized_end=3665
+  _globals['_FINISHREASON']._serialized_start=3668
+  _globals['_FINISHREASON']._serialized_end=3818
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=835
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=579
@@ -56,33 +58,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=1232
   _globals['_TOOL']._serialized_end=1293
   _globals['_CHAT']._serialized_start=1296
-  _globals['_CHAT']._serialized_end=1440
-  _globals['_TOKENIDS']._serialized_start=1442
-  _globals['_TOKENIDS']._serialized_end=1465
-  _globals['_GENERATEREQUEST']._serialized_start=1468
-  _globals['_GENERATEREQUEST']._serialized_end=1778
-  _globals['_USAGE']._serialized_start=1780
-  _globals['_USAGE']._serialized_end=1887
-  _globals['_TIMINGS']._serialized_start=1889
-  _globals['_TIMINGS']._serialized_end=1993
-  _globals['_GENERATERESPONSE']._serialized_start=1996
-  _globals['_GENERATERESPONSE']._serialized_end=2404
-  _globals['_TOKENIZEREQUEST']._serialized_start=2407
-  _globals['_TOKENIZEREQUEST']._serialized_end=2554
-  _globals['_TOKENIZERESPONSE']._serialized_start=2556
-  _globals['_TOKENIZERESPONSE']._serialized_end=2616
-  _globals['_LISTMODELSREQUEST']._serialized_start=2618
-  _globals['_LISTMODELSREQUEST']._serialized_end=2637
-  _globals['_MODELCARD']._serialized_start=2639
-  _globals['_MODELCARD']._serialized_end=2705
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2707
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2766
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2768
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2790
-  _globals['_WORKERSUMMARY']._serialized_start=2792
-  _globals['_WORKERSUMMARY']._serialized_end=2888
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2890
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=3013
-  _globals['_INFERENCE']._serialized_start=3316
-  _globals['_INFERENCE']._serialized_end=3634
+  _globals['_CHAT']._serialized_end=1543
+  _globals['_TOOLCHOICE']._serialized_start=1545
+  _globals['_TOOLCHOICE']._serialized_end=1657
+  _globals['_FUNCTIONNAME']._serialized_start=1659
+  _globals['_FUNCTIONNAME']._serialized_end=1687
+  _globals['_TOOLCALLDELTA']._serialized_start=1689
+  _globals['_TOOLCALLDELTA']._serialized_end=1764
+  _globals['_TOKENIDS']._serialized_start=1766
+  _globals['_TOKENIDS']._serialized_end=1789
+  _globals['_GENERATEREQUEST']._serialized_start=1792
+  _globals['_GENERATEREQUEST']._serialized_end=2102
+  _globals['_USAGE']._serialized_start=2104
+  _globals['_USAGE']._serialized_end=2211
+  _globals['_TIMINGS']._serialized_start=2213
+  _globals['_TIMINGS']._serialized_end=2317
+  _globals['_GENERATERESPONSE']._serialized_start=2320
+  _globals['_GENERATERESPONSE']._serialized_end=2775
+  _globals['_TOKENIZEREQUEST']._serialized_start=2778
+  _globals['_TOKENIZEREQUEST']._serialized_end=2925
+  _globals['_TOKENIZERESPONSE']._serialized_start=2927
+  _globals['_TOKENIZERESPONSE']._serialized_end=2987
+  _globals['_LISTMODELSREQUEST']._serialized_start=2989
+  _globals['_LISTMODELSREQUEST']._serialized_end=3008
+  _globals['_MODELCARD']._serialized_start=3010
+  _globals['_MODELCARD']._serialized_end=3076
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3078
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3137
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=3139
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=3161
+  _globals['_WORKERSUMMARY']._serialized_start=3163
+  _globals['_WORKERSUMMARY']._serialized_end=3259
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=3261
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=3384
+  _globals['_INFERENCE']._serialized_start=3821
+  _globals['_INFERENCE']._serialized_end=4210
 # @@protoc_insertion_point(module_scope)

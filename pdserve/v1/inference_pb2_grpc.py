@@ -39,6 +39,11 @@ class InferenceStub:
                 request_serializer=pdserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_unary(
+                '/pdserve.v1.Inference/Complete',
+                request_serializer=pdserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pdserve.v1.Inference/Tokenize',
                 request_serializer=pdserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
@@ -62,6 +67,15 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Generate a completion; the server streams token deltas as they are ready and ends the
         stream with a message that carries finish_reason, usage and timings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """Generate to the end and answer once: the whole output in one GenerateResponse, what the
+        messages Generate streams add up to (token ids, text and logprobs concatenated, each tool
+        call whole, the last message's finish_reason, usage and timings).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +107,11 @@ def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Complete,
                     request_deserializer=pdserve_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
@@ -137,6 +156,33 @@ class Inference:
             request,
             target,
             '/pdserve.v1.Inference/Generate',
+            pdserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Inference/Complete',
             pdserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,

@@ -30,6 +30,7 @@ FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,  # set by the router's fronts, never by an engine
 }
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 

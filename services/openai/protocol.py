@@ -22,7 +22,6 @@ import jinja2
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.tokenizer import Tokenizer
 from services.openai.structured import StructuredOutputError, structured_outputs
-from services.openai.tools import ToolError, ToolRequest, conflict, tool_call_id, tool_calls, tool_request
 from services.router.api import (
     CHAT_ROLES,
     MAX_STOP,
@@ -35,6 +34,7 @@ from services.router.api import (
     echo_text,
     prepare_echo,
 )
+from services.router.tools import ToolError, ToolRequest, conflict, tool_call_id, tool_calls, tool_request
 
 MAX_N = 16
 """Most samples per prompt (`n`)."""
@@ -173,7 +173,7 @@ def _number(
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def read_bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -253,7 +253,7 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
             raise ApiError(f"{name} is not supported by this server", name)
 
 
-def _check_model(body: dict, model_name: str) -> None:
+def check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(
@@ -324,7 +324,7 @@ class ParsedRequest:
         return inputs
 
 
-def _check_text_bytes(text: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+def check_text_bytes(text: str, tokenizer: Tokenizer, max_model_len: int) -> None:
     try:
         check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), tokenizer, max_model_len)
     except ValueError as e:
@@ -358,7 +358,7 @@ def _completion_prompts(
     prompts, texts = [], []
     for p in prompt:
         if isinstance(p, str) and p:
-            _check_text_bytes(p, tokenizer, max_model_len)
+            check_text_bytes(p, tokenizer, max_model_len)
             prompts.append(tokenizer.encode(p))
             texts.append(p)
         elif isinstance(p, list) and p and all(_is_int(t) for t in p):
@@ -416,12 +416,17 @@ def _chat_message(message: Any, i: int) -> dict:
     return out
 
 
-def _chat_prompt(
-    body: dict, tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+def chat_prompt_ids(
+    body: dict,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    tools: ToolRequest | None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Render the messages (and tools) with the model's chat template. The template writes the BOS
     itself, so the text is encoded without special tokens: the ids HF's
-    apply_chat_template(tokenize=True) gives."""
+    apply_chat_template(tokenize=True) gives (add_special_tokens: a BOS too where the text has none,
+    as /tokenize may ask)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
@@ -430,8 +435,8 @@ def _chat_prompt(
     texts += [c["function"]["arguments"] for m in rendered for c in m.get("tool_calls", ())]
     if tools is not None:
         texts.append(json.dumps(tools.tools, ensure_ascii=False))
-    _check_text_bytes("".join(texts), tokenizer, max_model_len)
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    check_text_bytes("".join(texts), tokenizer, max_model_len)
+    add_generation_prompt = read_bool(body, "add_generation_prompt", True)
     try:
         text = tokenizer.apply_chat_template(
             rendered,
@@ -440,7 +445,7 @@ def _chat_prompt(
         )
     except (jinja2.TemplateError, ValueError) as e:
         raise ApiError(f"messages could not be rendered with the chat template: {e}", "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         raise ApiError("messages render to an empty prompt", "messages")
     return ids
@@ -468,10 +473,10 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int
         min_tokens=_int(body, "min_tokens", 0, 0),
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids", vocab_size),
-        ignore_eos=_bool(body, "ignore_eos", False),
+        ignore_eos=read_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        skip_special_tokens=read_bool(body, "skip_special_tokens", True),
         logit_bias=_logit_bias(body, vocab_size),
         structured_outputs=_structured_outputs(body),
     )
@@ -491,7 +496,7 @@ def _structured_outputs(body: dict):
 
 
 def _common(body: dict) -> dict[str, Any]:
-    stream = _bool(body, "stream", False)
+    stream = read_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
@@ -512,9 +517,9 @@ def _common(body: dict) -> dict[str, Any]:
 def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
     """A /v1/completions body. Raises ApiError; frontend.validate is the caller's next step.
     With echo, max_tokens may be 0: the prompts are scored (lm-eval's loglikelihood requests)."""
-    _check_model(body, frontend.model_name)
+    check_model(body, frontend.model_name)
     _reject_unsupported(body, chat=False)
-    echo = _bool(body, "echo", False)
+    echo = read_bool(body, "echo", False)
     tokenizer = frontend.tokenizer
     prompts, texts = _completion_prompts(body, tokenizer, frontend.vocab_size, frontend.max_model_len)
     if not echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:
@@ -540,17 +545,17 @@ def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
 def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     """A /v1/chat/completions body. max_completion_tokens wins over max_tokens; with neither, the
     request may use the rest of the context window (as vLLM)."""
-    _check_model(body, frontend.model_name)
+    check_model(body, frontend.model_name)
     _reject_unsupported(body, chat=True)
     try:
         tools = tool_request(body)
     except ToolError as e:
         raise ApiError(str(e), e.param) from None
-    prompt = _chat_prompt(body, frontend.tokenizer, frontend.max_model_len, tools)
+    prompt = chat_prompt_ids(body, frontend.tokenizer, frontend.max_model_len, tools)
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", max(1, frontend.max_model_len - len(prompt)), 1)
-    want_logprobs = _bool(body, "logprobs", False)
+    want_logprobs = read_bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top and not want_logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")

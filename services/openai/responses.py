@@ -13,9 +13,9 @@ from typing import Any
 from tokenizers import decoders
 
 from engine.tokenizer import Tokenizer
-from services.openai.tool_parser import ToolCallParser
-from services.openai.tools import ToolRequest
 from services.router.api import Delta, Frontend, Usage
+from services.router.tool_parser import ToolCallParser
+from services.router.tools import ToolRequest
 
 LOGPROB_FLOOR = -9999.0
 """-inf (and NaN) logprobs are sent as this: JSON has no infinity (vLLM does the same)."""
@@ -133,15 +133,9 @@ class ChoiceOutput:
         self.text.append(text)
         calls = []
         if self._tools is not None:
-            released = self._tools.feed(text)
-            if delta.finish_reason is not None:
-                last = self._tools.finish()
-                for call in last.calls:
-                    released.add_arguments(call.index, call.arguments)
-                released.content += last.content
+            released, finish_reason = self._tools.feed_delta(text, delta.finish_reason)
             text, calls = released.content, [call.json() for call in released.calls]
-            if delta.finish_reason == "stop" and self._tools.calls:
-                delta = dataclasses.replace(delta, finish_reason="tool_calls")
+            delta = dataclasses.replace(delta, finish_reason=finish_reason)
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         self.usage = delta.usage or self.usage

@@ -1,7 +1,10 @@
 """The router's API types (services/router/api.py) <-> protos: serving modes, KV failure
-policies and the stream deltas the router relays."""
+policies, the stream deltas the router relays (with the tool calls parsed from them) and a whole
+answer made of them."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from pdserve.v1 import inference_pb2 as pb
 from services.common.convert import (
@@ -12,6 +15,7 @@ from services.common.convert import (
     set_stop_reason,
 )
 from services.router.api import Delta, KvFailurePolicy, ServingMode, Timings, Usage
+from services.router.tool_parser import CallDelta
 
 SERVING_MODES = {
     pb.SERVING_MODE_AUTO: ServingMode.AUTO,
@@ -68,13 +72,18 @@ def delta_from_proto(msg: pb.GenerateResponse) -> Delta:
     return delta
 
 
-def delta_to_proto(request_id: str, delta: Delta) -> pb.GenerateResponse:
+def delta_to_proto(request_id: str, delta: Delta, calls: Sequence[CallDelta] = ()) -> pb.GenerateResponse:
+    """A delta and the parts of tool calls parsed from it (its text is then the content only)."""
     msg = pb.GenerateResponse(
         request_id=request_id,
         token_ids=delta.token_ids,
         text=delta.text,
         finish_reason=FINISH_REASONS.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         disaggregated=delta.disaggregated,
+        tool_calls=[
+            pb.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "", arguments=c.arguments)
+            for c in calls
+        ],
     )
     if delta.logprobs:
         msg.logprobs.extend(logprobs_to_proto(delta.logprobs))
@@ -103,3 +112,30 @@ def delta_to_proto(request_id: str, delta: Delta) -> pb.GenerateResponse:
             )
         )
     return msg
+
+
+def merge_responses(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """A stream's messages as one answer: token ids, logprobs, text and echo concatenated, each
+    tool call whole (its parts' arguments in order), the rest from the message that set it (the
+    last one's finish_reason, stop_reason, usage, timings)."""
+    out = pb.GenerateResponse()
+    text, echo = [], []
+    calls: dict[int, pb.ToolCallDelta] = {}
+    for msg in msgs:
+        text.append(msg.text)
+        echo.append(msg.echo_text)
+        for part in msg.tool_calls:
+            if part.index in calls:
+                calls[part.index].arguments += part.arguments
+            else:
+                calls[part.index] = pb.ToolCallDelta()
+                calls[part.index].CopyFrom(part)
+        rest = pb.GenerateResponse()
+        rest.CopyFrom(msg)
+        rest.ClearField("text")
+        rest.ClearField("echo_text")
+        rest.ClearField("tool_calls")
+        out.MergeFrom(rest)  # repeated fields append, set scalars and messages overwrite
+    out.text, out.echo_text = "".join(text), "".join(echo)
+    out.tool_calls.extend(calls[i] for i in sorted(calls))
+    return out

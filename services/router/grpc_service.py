@@ -1,7 +1,11 @@
-"""The public `Inference` gRPC service: protos in, engine types to the router core, protos out."""
+"""The public `Inference` gRPC service: protos in, engine types to the router core, protos out.
+
+A chat's tool fields become the dict the HTTP API reads (`chat_tool_request`), checked and enforced
+by services/router/tools.py, and its output goes through the same tool-call parser as over HTTP."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
@@ -10,10 +14,11 @@ from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument, NotFound
-from services.openai.tools import ToolError, check_tools
 from services.router import api_proto
 from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes, echo_text, prepare_echo
 from services.router.core import RouterCore
+from services.router.tool_parser import ToolCallParser
+from services.router.tools import ToolError, ToolRequest, conflict, tool_request
 
 VERSION = "0.1.0"
 
@@ -52,26 +57,54 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
     return messages
 
 
-def chat_tools(chat: pb.Chat) -> list[dict] | None:
-    """Chat.tools as the template takes them (OpenAI's tool objects), checked as over HTTP;
-    INVALID_ARGUMENT naming chat.tools[i] and the field."""
-    if not chat.tools:
-        return None
-    raw = []
-    for i, t in enumerate(chat.tools):
-        function: dict = {"name": t.name}
-        if t.description:
-            function["description"] = t.description
-        if t.parameters:
-            try:
-                function["parameters"] = json.loads(t.parameters)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise InvalidArgument(f"chat.tools[{i}].parameters is not valid JSON: {e}") from None
-        raw.append({"type": "function", "function": function})
+TOOL_CHOICE_MODES = {
+    pb.TOOL_CHOICE_MODE_AUTO: "auto",
+    pb.TOOL_CHOICE_MODE_NONE: "none",
+    pb.TOOL_CHOICE_MODE_REQUIRED: "required",
+}
+
+
+def chat_tool_request(chat: pb.Chat) -> ToolRequest | None:
+    """The chat's tools, tool_choice and parallel_tool_calls, checked as over HTTP (None without
+    tools); INVALID_ARGUMENT naming the field: chat.tools[i].function.name,
+    chat.tool_choice.function.name, ... with the HTTP API's wording."""
+    body = {
+        "tools": [_tool(t, i) for i, t in enumerate(chat.tools)],
+        "tool_choice": _tool_choice(chat) if chat.HasField("tool_choice") else None,
+        "parallel_tool_calls": chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None,
+    }
     try:
-        return check_tools(raw)
+        return tool_request(body)
     except ToolError as e:
         raise InvalidArgument(f"chat.{e}") from None
+
+
+def _tool(tool: pb.Tool, i: int) -> dict:
+    function: dict = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise InvalidArgument(f"chat.tools[{i}].parameters is not valid JSON: {e}") from None
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(chat: pb.Chat) -> str | dict:
+    """Chat.tool_choice as OpenAI's tool_choice value."""
+    which = chat.tool_choice.WhichOneof("choice")
+    if which == "function":
+        return {"type": "function", "function": {"name": chat.tool_choice.function.name}}
+    if which is None:
+        raise InvalidArgument("chat.tool_choice must set mode or function")
+    try:
+        return TOOL_CHOICE_MODES[chat.tool_choice.mode]
+    except KeyError:  # proto3 keeps enum numbers it does not know
+        names = ", ".join(pb.ToolChoiceMode.Name(v) for v in TOOL_CHOICE_MODES)
+        raise InvalidArgument(
+            f"chat.tool_choice.mode must be one of {names}, got {chat.tool_choice.mode}"
+        ) from None
 
 
 def _chat_bytes(chat: pb.Chat) -> int:
@@ -90,21 +123,26 @@ class InferenceService(pb_grpc.InferenceServicer):
         if model and model != self.core.model_name:
             raise NotFound(f"model {model!r} is not served here (serving {self.core.model_name!r})")
 
-    def _encode(self, which: str | None, request, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a request's text / token_ids / chat input."""
+    def _encode(
+        self, which: str | None, request, add_special_tokens: bool = True
+    ) -> tuple[list[int], ToolRequest | None]:
+        """Token ids of a request's text / token_ids / chat input, and a chat's tool request."""
         tok = self.core.tokenizer
         if which == "text":
-            return tok.encode(request.text, add_special_tokens=add_special_tokens)
+            return tok.encode(request.text, add_special_tokens=add_special_tokens), None
         if which == "token_ids":
-            return list(request.token_ids.ids)
+            return list(request.token_ids.ids), None
         if which == "chat":
             add_gen = (
                 request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             )
+            tools = chat_tool_request(request.chat)
             rendered = tok.apply_chat_template(
-                chat_messages(request.chat), add_generation_prompt=add_gen, tools=chat_tools(request.chat)
+                chat_messages(request.chat),
+                add_generation_prompt=add_gen,
+                tools=tools.tools if tools is not None else None,
             )
-            return tok.encode(rendered, add_special_tokens=False)  # the template writes the BOS
+            return tok.encode(rendered, add_special_tokens=False), tools  # the template writes the BOS
         raise InvalidArgument("prompt is required: set text, token_ids or chat")
 
     def _check_prompt_bytes(self, which: str | None, request) -> None:
@@ -135,7 +173,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self._check_prompt_bytes(which, request)
         async with self.core.admit(1, context.time_remaining()) as queued:
             # Tokenizing (and rendering a chat template) costs time linear in the text: off the loop.
-            inp.prompt_token_ids = await self.core.off_loop(self._encode, which, request)
+            inp.prompt_token_ids, tools = await self.core.off_loop(self._encode, which, request)
             if inp.params.structured_outputs is not None:  # the grammar library's own check
                 kind = request.sampling.structured_outputs.WhichOneof("kind")
                 await self.core.off_loop(
@@ -144,6 +182,12 @@ class InferenceService(pb_grpc.InferenceServicer):
                     "sampling.structured_outputs",
                     f"sampling.structured_outputs.{kind}",
                 )
+            constraint = tools.constraint() if tools is not None else None
+            if constraint is not None:  # tool_choice required or a named function
+                if inp.params.structured_outputs is not None:
+                    raise InvalidArgument(f"chat.{conflict(tools, 'sampling.structured_outputs')}")
+                inp.params.structured_outputs = constraint
+            parser = ToolCallParser(tools.max_calls) if tools is not None and tools.parse else None
             echo = None
             if request.echo:
                 text = request.text if which == "text" else None
@@ -152,11 +196,19 @@ class InferenceService(pb_grpc.InferenceServicer):
                 )
             inp.timeout, inp.queued = context.time_remaining(), queued
             async for delta in self.core.generate(inp):
-                msg = api_proto.delta_to_proto(label, delta)
+                calls = []
+                if parser is not None:  # the text before the calls, and the calls
+                    released, finish_reason = parser.feed_delta(delta.text, delta.finish_reason)
+                    delta = dataclasses.replace(delta, text=released.content, finish_reason=finish_reason)
+                    calls = released.calls
+                msg = api_proto.delta_to_proto(label, delta, calls)
                 if echo is not None:  # the first message
                     msg.echo_token_ids.extend(inp.prompt_token_ids)
                     msg.echo_text, echo = echo, None
                 yield msg
+
+    async def Complete(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        return api_proto.merge_responses([msg async for msg in self.Generate(request, context)])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         self._check_model(request.model)
@@ -164,7 +216,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         which = request.WhichOneof("input")
         self._check_prompt_bytes(which, request)
         async with self.core.admit(1, context.time_remaining()):
-            ids = await self.core.off_loop(self._encode, which, request, add)
+            ids, _ = await self.core.off_loop(self._encode, which, request, add)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
 
     def _card(self) -> pb.ModelCard:

@@ -12,6 +12,7 @@ The markers are parsed as text, whatever the tokenizer makes of them: the shippe
 BPE spells them with ordinary pieces, DeepSeek's own tokenizer has them as added tokens that are not
 special, so decoding never strips them.
 
+The HTTP and the gRPC fronts both run a choice's deltas through `ToolCallParser.feed_delta`.
 `ToolCallParser.feed` takes the text as it streams, in chunks split anywhere, and returns what can
 be released: content (the text before the markers; never a part of a marker, since a tail that may
 still become one is held back) and call deltas in OpenAI's streaming shape (the first delta of a
@@ -164,6 +165,19 @@ class ToolCallParser:
             pass
         self.content += out.content
         return out
+
+    def feed_delta(self, text: str, finish_reason: str | None) -> tuple[Released, str | None]:
+        """One delta of the output, as both fronts stream it: what it releases (everything held
+        back too when it is the last, finish_reason set) and its finish reason, "tool_calls" for a
+        choice that stopped having made calls ("length" stays: the last call may be cut short)."""
+        out = self.feed(text)
+        if finish_reason is None:
+            return out, None
+        last = self.finish()
+        for part in last.calls:
+            out.add_arguments(part.index, part.arguments)
+        out.content += last.content
+        return out, "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
 
     def finish(self) -> Released:
         """The end of the output: release what was held back."""

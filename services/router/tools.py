@@ -1,5 +1,7 @@
 """OpenAI's tool-calling request fields: `tools`, `tool_choice`, `parallel_tool_calls`, and the
-messages that carry calls (`assistant` with `tool_calls`) and results (`tool`).
+messages that carry calls (`assistant` with `tool_calls`) and results (`tool`). Both fronts use it:
+the HTTP API reads these fields from the body, gRPC builds the same dict from its `Chat` (so an
+error reads the same on both, gRPC's prefixed with `chat.`).
 
 `tool_request` checks the fields (an error names the field, e.g. `tools[2].function.name`, and the
 limit) and returns a `ToolRequest`: the tools as the chat template renders them, and what the answer
@@ -31,7 +33,7 @@ from typing import Any
 from engine.structured import StructuredOutputsParams
 from engine.structured.compiler import check
 from engine.structured.params import MAX_STRUCTURED_OUTPUT_CHARS
-from services.openai.tool_parser import (
+from services.router.tool_parser import (
     ARGS_CLOSE,
     ARGS_OPEN,
     TOOL_CALL_BEGIN,
@@ -147,13 +149,14 @@ def tool_request(body: dict) -> ToolRequest | None:
     return request
 
 
-def conflict(request: ToolRequest) -> ToolError:
-    """The error for a required / named choice next to another structured output field."""
+_HTTP_CONSTRAINTS = "a structured output field (response_format, structured_outputs or guided_*)"
+
+
+def conflict(request: ToolRequest, other: str = _HTTP_CONSTRAINTS) -> ToolError:
+    """The error for a required / named choice next to another constraint (`other` names its field)."""
     what = "'required'" if request.choice is ToolChoice.REQUIRED else f"naming {request.name!r}"
     return ToolError(
-        f"tool_choice {what} cannot be combined with a structured output field (response_format, "
-        "structured_outputs or guided_*): both constrain the output",
-        "tool_choice",
+        f"tool_choice {what} cannot be combined with {other}: both constrain the output", "tool_choice"
     )
 
 
