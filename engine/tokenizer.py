@@ -27,6 +27,8 @@ class Tokenizer:
         self.tokenizer = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.config: dict = config
+        """tokenizer_config.json as read ({} without one)."""
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None

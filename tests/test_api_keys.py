@@ -1,7 +1,8 @@
 """API keys on the public API: a stack whose router takes two keys (PDSERVE_API_KEY from the
 launcher and an --api-key-file), driven by the `openai` client, raw HTTP and gRPC; missing and
-wrong keys are refused (401 in OpenAI's error shape / UNAUTHENTICATED), streaming or not, before
-any work; health, reflection and /metrics stay open; the keys never reach the logs."""
+wrong keys are refused (401 in OpenAI's error shape / UNAUTHENTICATED; the tokenizer routes too),
+streaming or not, before any work; health, reflection and /metrics stay open; the keys never reach
+the logs."""
 
 from __future__ import annotations
 
@@ -122,8 +123,21 @@ def _request(stack, path: str, body: dict | None = None, key: str | None = None)
         ("/v1/models", None),
         (f"/v1/models/{MODEL}", None),
         ("/v1/no-such-route", None),
+        ("/tokenize", {"prompt": "hi"}),
+        ("/detokenize", {"tokens": [1, 2]}),
+        ("/tokenizer_info", None),
     ],
-    ids=["completions", "completions-stream", "chat", "models", "model", "unknown-route"],
+    ids=[
+        "completions",
+        "completions-stream",
+        "chat",
+        "models",
+        "model",
+        "unknown-route",
+        "tokenize",
+        "detokenize",
+        "tokenizer_info",
+    ],
 )
 def test_http_without_the_right_key_is_401_in_openai_shape(stack, path, body):
     for key, message in (
@@ -149,6 +163,7 @@ def test_http_with_either_key_is_served_and_health_and_metrics_stay_open(stack):
         status, payload, _ = _request(stack, "/v1/completions", BODY, key)
         assert status == 200 and len(payload["choices"][0]["text"]) > 0
         assert _request(stack, "/v1/models", None, key)[0] == 200
+        assert _request(stack, "/tokenize", {"prompt": "hi"}, key)[1]["count"] >= 1
     assert _request(stack, "/v1/no-such-route", None, KEY)[0] == 404  # past the key: the route's own answer
     assert _request(stack, "/health")[:2] == (200, {"status": "ok"})
     with urllib.request.urlopen(stack.http_url + "/metrics", timeout=30) as resp:
@@ -183,6 +198,9 @@ def _grpc_calls(stub: pb_grpc.InferenceStub):
     return {
         "Generate": lambda md: list(
             stub.Generate(pb.GenerateRequest(text="def f(x):", sampling=sampling), timeout=60, metadata=md)
+        ),
+        "Complete": lambda md: stub.Complete(
+            pb.GenerateRequest(text="def f(x):", sampling=sampling), timeout=60, metadata=md
         ),
         "Tokenize": lambda md: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=30, metadata=md),
         "ListModels": lambda md: stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=md),

@@ -1,7 +1,10 @@
 """lm-eval's `local-completions` model, unchanged, against a served stack (router, prefill and
 decode workers as processes, every request disaggregated): a local multiple-choice task
 (loglikelihood: `echo`, `logprobs: 1`, context + continuation as token ids) and a local
-generate_until task (token-id prompts, lm-eval's stop sequences and max_gen_toks).
+generate_until task (token-id prompts, lm-eval's stop sequences and max_gen_toks). The
+multiple-choice task runs twice: with the tokenizer read from the model folder, and with the
+`remote` tokenizer backend lm-eval picks by itself when given no tokenizer (the server's /tokenize,
+/detokenize and /tokenizer_info), which must tokenize alike.
 
 Each choice's loglikelihood lm-eval logs equals the sum of the offline engine's prompt logprobs over
 that choice's continuation tokens, taken from the very token ids lm-eval sent, and its is_greedy
@@ -51,16 +54,26 @@ def hub_offline(tmp_path_factory):
 def lm(serving_stack, tiny_model, hub_offline):
     """lm-eval's client as its users configure it for a vLLM-style server, the tokenizer read
     from the model folder; every request body it builds is recorded in `lm.sent`."""
+    return _local_completions(serving_stack, tokenizer=tiny_model, tokenizer_backend="huggingface")
+
+
+@pytest.fixture(scope="module")
+def remote_lm(serving_stack, hub_offline):
+    """The same client given no tokenizer: lm-eval probes the server's tokenizer endpoints and,
+    finding them, tokenizes through them (its default tokenizer_backend "auto")."""
+    return _local_completions(serving_stack)
+
+
+def _local_completions(serving_stack, **tokenizer_args):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     lm = LocalCompletionsAPI(
         model=MODEL,
         base_url=serving_stack.http_url + "/v1/completions",
-        tokenizer=tiny_model,
-        tokenizer_backend="huggingface",
         batch_size=4,  # several prompts per request, as lm-eval's users run it
         max_retries=1,
         timeout=120,
+        **tokenizer_args,
     )
     lm.sent = []
     create = lm._create_payload
@@ -105,7 +118,20 @@ def _evaluate(lm, folder, task: str) -> dict:
     )
 
 
-def test_multiple_choice_loglikelihoods_equal_the_offline_engines(lm, offline, tmp_path):
+def test_the_remote_tokenizer_backend_tokenizes_as_the_model_folders(lm, remote_lm):
+    assert (lm.tokenizer_backend, remote_lm.tokenizer_backend) == ("huggingface", "remote")
+    for text in ["2 + 2 =", " Paris", "def add(a, b):\n    return", "héllo ✓"]:
+        assert remote_lm.tok_encode(text) == lm.tok_encode(text)
+    assert remote_lm.decode_batch([lm.tok_encode("héllo ✓")]) == ["héllo ✓"]
+    assert (remote_lm.eot_token_id, remote_lm.eos_string) == (lm.eot_token_id, lm.eos_string)
+    # lm-eval's remote prefix_token_id is `bos_token_id or eos_token_id`: EOS for a BOS of id 0, as
+    # here (the huggingface backend takes the BOS); the BOS itself comes through the same.
+    assert remote_lm.tokenizer.bos_token_id == lm.tokenizer.bos_token_id
+
+
+@pytest.mark.parametrize("backend", ["lm", "remote_lm"], ids=["huggingface", "remote"])
+def test_multiple_choice_loglikelihoods_equal_the_offline_engines(request, backend, offline, tmp_path):
+    lm = request.getfixturevalue(backend)
     # Each doc also offers the token the model would write next, so is_greedy is true somewhere.
     contexts = [lm.tok_encode(d["question"]) for d in MC_DOCS]
     nexts = offline.generate(

@@ -46,6 +46,8 @@ from services.openai.responses import (
     response_json,
     usage_json,
 )
+from services.openai.tokenization import PATHS as TOKENIZER_PATHS
+from services.openai.tokenization import TokenizerRoutes
 from services.router.api import Delta, Frontend, GenerateInput, check_generations
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,11 @@ def build_app(
     api_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The OpenAI API over `frontend`: /v1/completions, /v1/chat/completions, /v1/models,
-    /health and /metrics (`metrics_registry` in Prometheus text format; empty when None). Request
-    bodies over max_body_bytes get 413, bodies not received within body_timeout_s 408
-    (`limits.read_body`). With api_keys, every /v1/* request needs `Authorization: Bearer KEY`
-    (401 in OpenAI's error shape before anything is read); /health and /metrics stay open."""
+    vLLM's /tokenize, /detokenize and /tokenizer_info (tokenization.py), /health and /metrics
+    (`metrics_registry` in Prometheus text format; empty when None). Request bodies over
+    max_body_bytes get 413, bodies not received within body_timeout_s 408 (`limits.read_body`).
+    With api_keys, every /v1/* and tokenizer request needs `Authorization: Bearer KEY` (401 in
+    OpenAI's error shape before anything is read); /health and /metrics stay open."""
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     api = _Api(frontend, metrics_registry)
@@ -83,6 +86,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/v1/models/{model:.+}", api.model)
+    TokenizerRoutes(frontend).add_to(app)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
     return app
@@ -160,11 +164,13 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 def _api_key_check(keys: ApiKeys):
-    """Middleware: /v1/* needs one of the keys (an unknown /v1 path too: no probing without one)."""
+    """Middleware: /v1/* and the tokenizer routes need one of the keys (an unknown /v1 path too:
+    no probing without one)."""
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if request.path == "/v1" or request.path.startswith("/v1/"):
+        path = request.path
+        if path == "/v1" or path.startswith("/v1/") or path in TOKENIZER_PATHS:
             got = request.headers.get("Authorization")
             if not keys.check(got):
                 raise ApiError(
