@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import native
 from kernels.dispatch import resolve_impl
 
 # --- Triton kernels -------------------------------------------------------------------------------
@@ -410,6 +411,10 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
     batches run in chunks of sequences so the gathered KV is reused from cache, not DRAM."""
     batch, s_q, heads, width = q.shape
+    if s_q == 1 and native.loaded() and native.takes(q, kv_cache):
+        # One token per sequence (a decode without drafts): the cache read in place, no gather.
+        o = native.mla_decode(q[:, 0], kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+        return o.view(batch, 1, heads, kv_lora_rank)
     max_len = int(seq_lens.max()) if batch else 0
     row_bytes = max(max_len, 1) * width * kv_cache.element_size()
     chunk = max(1, FAST_CHUNK_BYTES // row_bytes)

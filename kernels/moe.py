@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import native
 from kernels.dispatch import resolve_impl
 from kernels.linear import FEW_ROWS, linear
 
@@ -299,6 +300,20 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
         for k, e in enumerate(row):
             if e >= 0:
                 pairs.setdefault(e, []).append((t, k))
+    if native.loaded() and native.takes(x, w13) and all(len(p) == 1 for p in pairs.values()):
+        # Every expert sees one token (a batch-1 decode): all of them in one native call.
+        experts = sorted(pairs)
+        weights = topk_weights.tolist()
+        native.moe_pairs(
+            x,
+            w13,
+            w2,
+            out,
+            experts,
+            [pairs[e][0][0] for e in experts],
+            [weights[pairs[e][0][0]][pairs[e][0][1]] for e in experts],
+        )
+        return out
     for expert in sorted(pairs):
         (t, k), *more = pairs[expert]
         if not more:  # one token: slices, no gathers

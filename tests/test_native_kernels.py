@@ -47,7 +47,9 @@ def test_loads_exactly_where_the_cpu_has_the_instructions(loaded):
 def test_linear_bf16_equals_float32_sums_rounded(loaded, shape):
     if not loaded:  # no AVX512-BF16 here: the torch path serves, and the native one refuses
         with pytest.raises(AssertionError, match="load"):
-            native.linear_bf16(torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16))
+            native.linear_bf16(
+                torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)
+            )
         return
     b, m, n, k = shape
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -79,7 +81,9 @@ def test_strided_rows_and_views(loaded):
     q = torch.randn(1, 8, 128, generator=gen).bfloat16()[..., :64]  # [T=1, H, nope] of [T, H, nope+rope]
     heads = torch.randn(8, 64, 512, generator=gen).bfloat16()
     got = native.linear_bf16(q.transpose(0, 1), heads.transpose(1, 2).contiguous())  # [H, 1, 512]
-    torch.testing.assert_close(got.float(), torch.bmm(q.transpose(0, 1).float(), heads.float()), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(
+        got.float(), torch.bmm(q.transpose(0, 1).float(), heads.float()), rtol=2**-7, atol=1e-3
+    )
 
 
 def test_bad_operands_name_the_shape(loaded):
@@ -158,3 +162,79 @@ def test_bf16_decode_through_them_is_as_close_to_the_reference_as_torch(loaded, 
         errors[side] = _decode_error(llm, ref)
     assert 0 < errors["torch"] < 0.5, errors  # bf16 is off the float32 reference, but not far
     assert errors["native"] <= 1.5 * errors["torch"] + 0.01, errors
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=lambda t: f"T{t}")
+def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens):
+    """The routed experts of tokens that each expert sees once, in one native call: the torch
+    loop's value up to the products' float32 summation order (the roundings between are its own)."""
+    from kernels.moe import fused_moe_ref
+
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 16, 96, 40, 2
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+    ids = torch.randperm(experts, generator=gen)[: tokens * top_k].view(tokens, top_k)  # each expert once
+    weights = torch.rand(tokens, top_k, generator=gen)
+    calls = []
+    if loaded:
+        real = native.moe_pairs
+        monkeypatch.setattr(native, "moe_pairs", lambda *a: calls.append(a[4]) or real(*a))
+    got = fused_moe_ref(x, w13, w2, weights, ids)
+    assert calls == ([sorted(ids.flatten().tolist())] if loaded else [])
+    monkeypatch.setattr(native, "_library", None)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
+
+
+def test_moe_pairs_refuses_ids_out_of_range(loaded):
+    if not loaded:
+        assert not native.loaded()
+        return
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w13 = torch.zeros(4, 32, 64, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 64, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 4\)"):
+        native.moe_pairs(x, w13, w2, torch.zeros_like(x), [4], [0], [1.0])
+    with pytest.raises(ValueError, match="tokens in"):
+        native.moe_pairs(x, w13, w2, torch.zeros_like(x), [1], [1], [1.0])
+
+
+@pytest.mark.parametrize("block_size, lens", [(4, [1, 7, 16, 0]), (16, [33]), (3, [5, 2, 11])], ids=str)
+def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens):
+    """One query token per sequence over a paged cache with shuffled blocks, odd lengths and an
+    empty sequence: the torch path's value, up to float32 summation order."""
+    from kernels.mla import mla_decode, mla_decode_ref
+
+    gen = torch.Generator().manual_seed(block_size)
+    heads, lat, rope = 3, 40, 8
+    per_seq = max(1, -(-max(lens) // block_size))
+    num_blocks = len(lens) * per_seq + 2
+    cache = torch.randn(num_blocks, block_size, lat + rope, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 1, heads, lat + rope, generator=gen).bfloat16()
+    got, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
+    monkeypatch.setattr(native, "_library", None)
+    want, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
+    exact, _ = mla_decode_ref(q.float(), cache.float(), table, seq_lens, 0.3, lat)  # no bf16 roundings
+    assert got.shape == want.shape == (len(lens), 1, heads, lat) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+    # Each side's error against the unrounded attention is of the same size.
+    err = lambda o: float((o.float() - exact).abs().max())  # noqa: E731
+    assert err(got) <= 1.5 * err(want) + 1e-3
+
+
+def test_mla_decode_refuses_block_ids_outside_the_cache(loaded):
+    if not loaded:
+        assert not native.loaded()
+        return
+    cache = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        native.mla_decode(
+            q, cache, torch.tensor([[1, 4]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0, 8
+        )
+    with pytest.raises(ValueError, match="must be int32"):
+        native.mla_decode(q, cache, torch.tensor([[1]]), torch.tensor([1]), 1.0, 8)

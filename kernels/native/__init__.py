@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+SOURCE = Path(__file__).with_name("decode_bf16.cpp")
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 """/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
@@ -136,3 +136,83 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             b, rows, n, k,
         )  # fmt: skip
     return y if batched else y.squeeze(0)
+
+
+def moe_pairs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    experts: list[int],
+    tokens: list[int],
+    weights: list[float],
+) -> None:
+    """In place, for each (expert e, token t, weight) in order: out[t] += weight * e's SwiGLU MLP
+    of x[t], with kernels/moe.py's per-expert roundings. x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    out [T, H], all CPU bf16 with unit stride along their last dimension. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape
+    inter = two_inter // 2
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or out.shape != x.shape:
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
+            f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
+        )
+    if not (takes(x, w13) and takes(out, w2)):
+        raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
+    if not len(experts) == len(tokens) == len(weights):
+        raise ValueError(
+            f"experts, tokens and weights must be as long, got {len(experts)}, {len(tokens)}, {len(weights)}"
+        )
+    if experts and not (
+        0 <= min(experts) and max(experts) < num_experts and 0 <= min(tokens) and max(tokens) < num_tokens
+    ):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}) and tokens in [0, {num_tokens})")
+    _library.moe_pairs(
+        x.data_ptr(), x.stride(0),
+        w13.data_ptr(), w13.stride(0), w13.stride(1),
+        w2.data_ptr(), w2.stride(0), w2.stride(1),
+        out.data_ptr(), out.stride(0),
+        experts, tokens, weights, hidden, inter,
+    )  # fmt: skip
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """One query token per sequence: q [B, H, L+R], kv_cache [num_blocks, block_size, L+R] (CPU
+    bf16), block_table [B, max_blocks] int32, seq_lens [B] int32 -> o [B, H, L] bf16, the math of
+    kernels/mla.py with _mla_decode_fast's roundings, the cache read in place. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    batch, heads, width = q.shape
+    num_blocks, block_size, cache_width = kv_cache.shape
+    if cache_width != width or not 0 < kv_lora_rank <= width:
+        raise ValueError(
+            f"q [B, H, L+R] and kv_cache [blocks, block_size, L+R] must share L+R > L={kv_lora_rank}, "
+            f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}"
+        )
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table [B={batch}, max_blocks] and seq_lens [B] must be int32, got "
+            f"{tuple(block_table.shape)} {block_table.dtype} and {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
+    if not (takes(q, kv_cache) and kv_cache.stride(1) == width and kv_cache.is_contiguous()):
+        raise ValueError("q and kv_cache must be CPU bfloat16, the cache contiguous")
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
+    o = torch.empty(batch, heads, kv_lora_rank, dtype=torch.bfloat16)
+    if batch and heads:
+        bad = _library.mla_decode(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), num_blocks, block_size,
+            block_table.data_ptr(), block_table.stride(0), block_table.shape[1],
+            seq_lens.data_ptr(), o.data_ptr(), o.stride(0), o.stride(1),
+            batch, heads, width, kv_lora_rank, scale,
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"block_table holds {bad} block ids outside [0, {num_blocks})")
+    return o

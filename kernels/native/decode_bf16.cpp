@@ -1,0 +1,251 @@
+// Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
+// the routed experts of a token each expert sees once (moe_pairs), and MLA decode attention over
+// the paged cache (mla_decode). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
+// wrappers in __init__.py check shapes, dtypes and strides.
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K], y [M, N]; bf16 in and out
+//
+// With a handful of rows the product is bound by reading w, and the BLAS behind torch spends
+// more on each call than on the bytes: a 512 x 512 bf16 weight (0.5 MB) took ~125 us at one row
+// through torch, 4 GB/s, where the memory gives ~20. This kernel reads each weight row once for
+// all rows of x, multiplies bf16 pairs with VDPBF16PS (exact products, float32 sums, as the BLAS
+// does), and rounds each sum to bf16 to nearest-even (as torch's bf16 matmul does).
+//
+// Layout: the N output columns are split over torch's intra-op threads (at::parallel_for, the
+// pool torch's own ops use, so nothing is oversubscribed); a thread takes its columns in tiles of
+// TILE_N, and each tile for every row of x in blocks of ROWS_PER_PASS, COLS columns at a time
+// (ROWS_PER_PASS x COLS accumulators, each x vector loaded once per COLS columns), so a weight row
+// is read from memory once and from L1 for the following blocks. x is small (M rows of K) and
+// stays in L1.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
+constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
+constexpr int COLS = 4;               // weight rows (output columns) accumulated at once
+constexpr int64_t GRAIN_N = 64;       // fewest columns worth a thread
+
+// The K-dimension lanes of one 32-element step: every lane, or the tail's first `left`.
+inline __mmask32 lanes(int64_t left) {
+  return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+}
+
+// out[r][c] = x[m0 + r] . w[n0 + c] for ROWS rows and COLS columns at once: each k step loads
+// the COLS weight vectors and the ROWS x vectors once and issues ROWS x COLS VDPBF16PS. A tail of
+// fewer than COLS columns repeats its last column (computed, not stored).
+template <int ROWS>
+inline void dot_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                      int64_t cols, float out[][COLS]) {
+  const uint16_t* w_rows[COLS];
+  for (int c = 0; c < COLS; ++c) w_rows[c] = w + (c < cols ? c : cols - 1) * ldw;
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = lanes(K - k);
+    __m512bh wv[COLS];
+    for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w_rows[c] + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * ldx + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// Rows m0 .. m0 + rows (rows <= ROWS_PER_PASS) of columns t0 .. t0 + width into tile.
+inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                     int64_t rows, int64_t width, float tile[][TILE_N]) {
+  for (int64_t j = 0; j < width; j += COLS) {
+    const int64_t cols = width - j < COLS ? width - j : COLS;
+    float out[ROWS_PER_PASS][COLS];
+    const uint16_t* wj = w + j * ldw;
+    switch (rows) {
+      case 1: dot_block<1>(x, ldx, wj, ldw, K, cols, out); break;
+      case 2: dot_block<2>(x, ldx, wj, ldw, K, cols, out); break;
+      case 3: dot_block<3>(x, ldx, wj, ldw, K, cols, out); break;
+      default: dot_block<4>(x, ldx, wj, ldw, K, cols, out); break;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) tile[r][j + c] = out[r][c];
+  }
+}
+
+// Columns n0 .. n1 of y, all M rows.
+void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy,
+             int64_t M, int64_t K, int64_t n0, int64_t n1) {
+  alignas(64) float tile[ROWS_PER_PASS][TILE_N];
+  for (int64_t t0 = n0; t0 < n1; t0 += TILE_N) {
+    const int64_t width = n1 - t0 < TILE_N ? n1 - t0 : TILE_N;
+    const __mmask16 out_mask = width == TILE_N ? __mmask16(0xFFFF) : (__mmask16(1) << width) - 1;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+      const int64_t rows = M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS;
+      dot_tile(x + m0 * ldx, ldx, w + t0 * ldw, ldw, K, rows, width, tile);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh packed = _mm512_cvtneps_pbh(_mm512_load_ps(tile[r]));
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, out_mask, (__m256i)packed);
+      }
+    }
+  }
+}
+
+// Pointers as integers (torch.Tensor.data_ptr()): the Python wrapper checks shapes, dtypes and
+// strides, so this file needs neither torch's tensor headers nor their build time. B products
+// y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
+// otherwise), their columns split over the threads together.
+void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
+                 int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  at::parallel_for(0, B * N, GRAIN_N, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one column range each
+      const int64_t b = i / N, n0 = i % N, n1 = std::min(N, n0 + (i1 - i));
+      columns(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, n0, n1);
+      i += n1 - n0;
+    }
+  });
+}
+
+
+// bf16 <-> float32, rounding to nearest even (as torch does; NaN stays NaN).
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// The routed experts of decode tokens that each expert sees once, in the given (ascending
+// expert) order, with the torch path's arithmetic and roundings (kernels/moe.py _fused_moe_few):
+//   gate_up = bf16(x[t] @ w13[e]^T)                       [2I]
+//   act     = bf16(bf16(silu(gate)) * up)                  [I]
+//   out[t]  = bf16(out[t] + bf16(bf16(act @ w2[e]^T) * weight))
+// Each product runs over the threads; the elementwise steps are a few hundred values.
+void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
+               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* w13 = reinterpret_cast<const uint16_t*>(w13_ptr);
+  const auto* w2 = reinterpret_cast<const uint16_t*>(w2_ptr);
+  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+  std::vector<uint16_t> gate_up(2 * I), act(I), down(H);
+  for (size_t p = 0; p < experts.size(); ++p) {
+    const uint16_t* xt = x + tokens[p] * ldx;
+    const uint16_t* w13e = w13 + experts[p] * w13_expert;
+    const uint16_t* w2e = w2 + experts[p] * w2_expert;
+    at::parallel_for(0, 2 * I, GRAIN_N, [&](int64_t n0, int64_t n1) {
+      columns(xt, H, w13e, ld13, gate_up.data(), 2 * I, 1, H, n0, n1);
+    });
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = from_bf16(gate_up[i]);
+      const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
+      act[i] = to_bf16(silu * from_bf16(gate_up[I + i]));
+    }
+    at::parallel_for(0, H, GRAIN_N, [&](int64_t n0, int64_t n1) {
+      columns(act.data(), I, w2e, ld2, down.data(), H, 1, I, n0, n1);
+    });
+    uint16_t* ot = out + tokens[p] * ldo;
+    for (int64_t h = 0; h < H; ++h) {
+      const float scaled = from_bf16(to_bf16(from_bf16(down[h]) * weights[p]));
+      ot[h] = to_bf16(from_bf16(ot[h]) + scaled);
+    }
+  }
+}
+
+
+// MLA decode attention, one query token per sequence, over the paged latent cache (the math of
+// kernels/mla.py), with the torch path's roundings (_mla_decode_fast):
+//   s[j]  = bf16(bf16(q[b, h] . cache[j]) * scale)         j < seq_lens[b]
+//   p     = bf16(softmax_j(s))                              (float32 inside)
+//   o[b, h] = bf16(sum_j p[j] * cache[j, :L])
+// Cache row j of sequence b is row j % block_size of block block_table[b, j / block_size], read
+// in place (no gather). Work items are (sequence, head) pairs over the threads. Returns the
+// number of block ids outside [0, num_blocks) met (0: all fine; the caller raises otherwise).
+int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int64_t kv_block, int64_t kv_row,
+                   int64_t num_blocks, int64_t block_size, int64_t table_ptr, int64_t table_b, int64_t max_blocks,
+                   int64_t lens_ptr, int64_t o_ptr, int64_t o_b, int64_t o_h, int64_t B, int64_t H, int64_t W,
+                   int64_t L, double scale) {
+  const auto* q = reinterpret_cast<const uint16_t*>(q_ptr);
+  const auto* kv = reinterpret_cast<const uint16_t*>(kv_ptr);
+  const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
+  const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
+  auto* o = reinterpret_cast<uint16_t*>(o_ptr);
+  const float scale_f = float(scale);
+  std::atomic<int64_t> bad{0};
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s, acc(L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), max_blocks * block_size);
+      const uint16_t* qh = q + b * q_b + h * q_h;
+      uint16_t* oh = o + b * o_b + h * o_h;
+      s.resize(len);
+      float top = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        const int32_t block = table[b * table_b + j / block_size];
+        if (block < 0 || block >= num_blocks) {
+          bad.fetch_add(1);
+          s[j] = -INFINITY;
+          continue;
+        }
+        const uint16_t* row = kv + block * kv_block + (j % block_size) * kv_row;
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t k = 0; k < W; k += 32) {
+          const __mmask32 mask = lanes(W - k);
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k),
+                                 (__m512bh)_mm512_maskz_loadu_epi16(mask, qh + k));
+        }
+        s[j] = from_bf16(to_bf16(from_bf16(to_bf16(_mm512_reduce_add_ps(dot))) * scale_f));
+        top = std::max(top, s[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < len; ++j) total += (s[j] = std::exp(s[j] - top));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < len && total > 0.0f; ++j) {
+        const float pj = from_bf16(to_bf16(s[j] / total));
+        if (pj == 0.0f) continue;
+        const int32_t block = table[b * table_b + j / block_size];
+        const uint16_t* row = kv + block * kv_block + (j % block_size) * kv_row;
+        const __m512 pv = _mm512_set1_ps(pj);
+        int64_t l = 0;
+        for (; l + 16 <= L; l += 16) {
+          const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l)));
+          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+          _mm512_storeu_ps(&acc[l], _mm512_fmadd_ps(pv, v, _mm512_loadu_ps(&acc[l])));
+        }
+        for (; l < L; ++l) acc[l] += pj * from_bf16(row[l]);
+      }
+      for (int64_t l = 0; l < L; ++l) oh[l] = to_bf16(acc[l]);
+    }
+  });
+  return bad.load();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
