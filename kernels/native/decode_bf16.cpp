@@ -176,12 +176,74 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
 
 // MLA decode attention, one query token per sequence, over the paged latent cache (the math of
 // kernels/mla.py), with the torch path's roundings (_mla_decode_fast):
-//   s[j]  = bf16(bf16(q[b, h] . cache[j]) * scale)         j < seq_lens[b]
-//   p     = bf16(softmax_j(s))                              (float32 inside)
-//   o[b, h] = bf16(sum_j p[j] * cache[j, :L])
+//   s[h, j]  = bf16(bf16(q[b, h] . cache[j]) * scale)      j < seq_lens[b]
+//   p[h]     = bf16(softmax_j(s[h]))                        (float32 inside)
+//   o[b, h]  = bf16(sum_j p[h, j] * cache[j, :L])
 // Cache row j of sequence b is row j % block_size of block block_table[b, j / block_size], read
-// in place (no gather). Work items are (sequence, head) pairs over the threads. Returns the
-// number of block ids outside [0, num_blocks) met (0: all fine; the caller raises otherwise).
+// in place (no gather). A work item is a sequence and a range of its heads (all of them unless
+// there are fewer sequences than threads); each cache row is loaded once per HEAD_GROUP heads for
+// the scores and once for all the item's heads for the output, whose float32 sums stay in L1.
+constexpr int64_t HEAD_GROUP = 8;
+
+void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
+            int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
+            int64_t heads, int64_t W, int64_t L, float scale, std::vector<float>& s, std::vector<float>& acc,
+            std::atomic<int64_t>& bad) {
+  s.assign(heads * len, 0.0f);  // [heads, len]
+  acc.assign(heads * L, 0.0f);  // [heads, L]
+  auto row_of = [&](int64_t j) -> const uint16_t* {
+    const int32_t block = table[j / block_size];
+    if (block < 0 || block >= num_blocks) return nullptr;
+    return kv + block * kv_block + (j % block_size) * kv_row;
+  };
+  for (int64_t h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
+    const int64_t group = std::min(HEAD_GROUP, heads - h0);
+    for (int64_t j = 0; j < len; ++j) {
+      const uint16_t* row = row_of(j);
+      if (row == nullptr) {
+        bad.fetch_add(1);
+        for (int64_t g = 0; g < group; ++g) s[(h0 + g) * len + j] = -INFINITY;
+        continue;
+      }
+      __m512 dot[HEAD_GROUP];
+      for (int64_t g = 0; g < group; ++g) dot[g] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < W; k += 32) {
+        const __mmask32 mask = lanes(W - k);
+        const __m512bh kv_k = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
+        for (int64_t g = 0; g < group; ++g)
+          dot[g] = _mm512_dpbf16_ps(dot[g], kv_k, (__m512bh)_mm512_maskz_loadu_epi16(mask, q + (h0 + g) * q_h + k));
+      }
+      for (int64_t g = 0; g < group; ++g)
+        s[(h0 + g) * len + j] = from_bf16(to_bf16(from_bf16(to_bf16(_mm512_reduce_add_ps(dot[g]))) * scale));
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {  // s[h] -> bf16 probabilities (0 where a row was refused)
+    float* sh = &s[h * len];
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, sh[j]);
+    for (int64_t j = 0; j < len; ++j) total += (sh[j] = top == -INFINITY ? 0.0f : std::exp(sh[j] - top));
+    for (int64_t j = 0; j < len; ++j) sh[j] = total > 0.0f ? from_bf16(to_bf16(sh[j] / total)) : 0.0f;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* row = row_of(j);
+    if (row == nullptr) continue;
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l)));
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = &acc[h * L + l];
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[h * len + j]), v, _mm512_loadu_ps(a)));
+      }
+    }
+    for (; l < L; ++l)
+      for (int64_t h = 0; h < heads; ++h) acc[h * L + l] += s[h * len + j] * from_bf16(row[l]);
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t l = 0; l < L; ++l) o[h * o_h + l] = to_bf16(acc[h * L + l]);
+}
+
+// Returns the number of block ids outside [0, num_blocks) met (0: all fine; the caller raises).
 int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int64_t kv_block, int64_t kv_row,
                    int64_t num_blocks, int64_t block_size, int64_t table_ptr, int64_t table_b, int64_t max_blocks,
                    int64_t lens_ptr, int64_t o_ptr, int64_t o_b, int64_t o_h, int64_t B, int64_t H, int64_t W,
@@ -191,52 +253,18 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
   const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
   auto* o = reinterpret_cast<uint16_t*>(o_ptr);
-  const float scale_f = float(scale);
+  // Split heads only when there are fewer sequences than threads (a batch-1 decode).
+  const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+  const int64_t per_split = (H + splits - 1) / splits;
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s, acc(L);
+  at::parallel_for(0, B * splits, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s, acc;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
+      const int64_t b = i / splits, h0 = (i % splits) * per_split, h1 = std::min(H, h0 + per_split);
+      if (h0 >= h1) continue;
       const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), max_blocks * block_size);
-      const uint16_t* qh = q + b * q_b + h * q_h;
-      uint16_t* oh = o + b * o_b + h * o_h;
-      s.resize(len);
-      float top = -INFINITY;
-      for (int64_t j = 0; j < len; ++j) {
-        const int32_t block = table[b * table_b + j / block_size];
-        if (block < 0 || block >= num_blocks) {
-          bad.fetch_add(1);
-          s[j] = -INFINITY;
-          continue;
-        }
-        const uint16_t* row = kv + block * kv_block + (j % block_size) * kv_row;
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t k = 0; k < W; k += 32) {
-          const __mmask32 mask = lanes(W - k);
-          dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k),
-                                 (__m512bh)_mm512_maskz_loadu_epi16(mask, qh + k));
-        }
-        s[j] = from_bf16(to_bf16(from_bf16(to_bf16(_mm512_reduce_add_ps(dot))) * scale_f));
-        top = std::max(top, s[j]);
-      }
-      float total = 0.0f;
-      for (int64_t j = 0; j < len; ++j) total += (s[j] = std::exp(s[j] - top));
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < len && total > 0.0f; ++j) {
-        const float pj = from_bf16(to_bf16(s[j] / total));
-        if (pj == 0.0f) continue;
-        const int32_t block = table[b * table_b + j / block_size];
-        const uint16_t* row = kv + block * kv_block + (j % block_size) * kv_row;
-        const __m512 pv = _mm512_set1_ps(pj);
-        int64_t l = 0;
-        for (; l + 16 <= L; l += 16) {
-          const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l)));
-          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-          _mm512_storeu_ps(&acc[l], _mm512_fmadd_ps(pv, v, _mm512_loadu_ps(&acc[l])));
-        }
-        for (; l < L; ++l) acc[l] += pj * from_bf16(row[l]);
-      }
-      for (int64_t l = 0; l < L; ++l) oh[l] = to_bf16(acc[l]);
+      attend(q + b * q_b + h0 * q_h, q_h, kv, kv_block, kv_row, num_blocks, block_size, table + b * table_b, len,
+             o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L, float(scale), s, acc, bad);
     }
   });
   return bad.load();
