@@ -13,10 +13,10 @@ logits, which DeepseekV2ForCausalLM.compute_logits keeps. GPUs always take x @ w
 own small-M kernels).
 
 A single bf16 row, where the native kernels are loaded (kernels/native: AVX512-BF16 CPUs), takes
-neither: their product reads the weight once at 9-11 GB/s for a layer's 0.25-1 MB weights and
-~25 GB/s for the LM head, against 4-5 and ~17 through torch (1.4-2.1x faster per call, 2-core
-Xeon, benchmarks/linear_native.py). From two rows on torch's products stay: the native kernel
-turns compute-bound there.
+neither: their product reads the weight once, at 7-8 GB/s on one thread for a layer's 0.25-1 MB
+weights and ~17 GB/s on two for the LM head, against 4-5 and ~17 through torch (2-core Xeon,
+benchmarks/linear_native.py). From two rows on torch's products stay: the native kernel turns
+compute-bound there.
 """
 
 from __future__ import annotations

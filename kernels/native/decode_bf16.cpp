@@ -12,7 +12,8 @@
 // does), and rounds each sum to bf16 to nearest-even (as torch's bf16 matmul does).
 //
 // Layout: the N output columns are split over torch's intra-op threads (at::parallel_for, the
-// pool torch's own ops use, so nothing is oversubscribed); a thread takes its columns in tiles of
+// pool torch's own ops use, so nothing is oversubscribed) when the weight is large enough to pay
+// for a parallel region (PARALLEL_MIN_BYTES); a thread takes its columns in tiles of
 // TILE_N, and each tile for every row of x in blocks of ROWS_PER_PASS, COLS columns at a time
 // (ROWS_PER_PASS x COLS accumulators, each x vector loaded once per COLS columns), so a weight row
 // is read from memory once and from L1 for the following blocks. x is small (M rows of K) and
@@ -36,6 +37,23 @@ constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
 constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
 constexpr int COLS = 4;               // weight rows (output columns) accumulated at once
 constexpr int64_t GRAIN_N = 64;       // fewest columns worth a thread
+// Below this many bytes of weight (or of cache, for attention) a call runs on the calling thread
+// alone. A parallel region ends in a barrier that waits for every thread, and on a shared or busy
+// CPU (a prefill and a decode worker on the same cores, a test run beside) a descheduled thread
+// holds it for a scheduler tick: a batch-1 step of the bench model took 570 ms instead of 28 with
+// every product split, while torch's (single-threaded at these sizes) took 41. One thread reads a
+// layer's 0.25-1 MB weights at 7-8 GB/s; the LM head (32 MB) still gains 1.3x from two.
+constexpr int64_t PARALLEL_MIN_BYTES = int64_t(4) << 20;
+
+// f(begin, end) over [0, n), split over torch's threads only when `bytes` of memory are read.
+template <typename F>
+inline void maybe_parallel(int64_t n, int64_t grain, int64_t bytes, const F& f) {
+  if (bytes < PARALLEL_MIN_BYTES) {
+    if (n > 0) f(0, n);
+  } else {
+    at::parallel_for(0, n, grain, f);
+  }
+}
 
 // The K-dimension lanes of one 32-element step: every lane, or the tail's first `left`.
 inline __mmask32 lanes(int64_t left) {
@@ -111,7 +129,7 @@ void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
-  at::parallel_for(0, B * N, GRAIN_N, [&](int64_t i0, int64_t i1) {
+  maybe_parallel(B * N, GRAIN_N, B * N * K * 2, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one column range each
       const int64_t b = i / N, n0 = i % N, n1 = std::min(N, n0 + (i1 - i));
       columns(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, n0, n1);
@@ -154,7 +172,7 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
     const uint16_t* xt = x + tokens[p] * ldx;
     const uint16_t* w13e = w13 + experts[p] * w13_expert;
     const uint16_t* w2e = w2 + experts[p] * w2_expert;
-    at::parallel_for(0, 2 * I, GRAIN_N, [&](int64_t n0, int64_t n1) {
+    maybe_parallel(2 * I, GRAIN_N, 2 * I * H * 2, [&](int64_t n0, int64_t n1) {
       columns(xt, H, w13e, ld13, gate_up.data(), 2 * I, 1, H, n0, n1);
     });
     for (int64_t i = 0; i < I; ++i) {
@@ -162,7 +180,7 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
       const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
       act[i] = to_bf16(silu * from_bf16(gate_up[I + i]));
     }
-    at::parallel_for(0, H, GRAIN_N, [&](int64_t n0, int64_t n1) {
+    maybe_parallel(H, GRAIN_N, H * I * 2, [&](int64_t n0, int64_t n1) {
       columns(act.data(), I, w2e, ld2, down.data(), H, 1, I, n0, n1);
     });
     uint16_t* ot = out + tokens[p] * ldo;
@@ -257,7 +275,9 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
   const int64_t per_split = (H + splits - 1) / splits;
   std::atomic<int64_t> bad{0};
-  at::parallel_for(0, B * splits, 1, [&](int64_t i0, int64_t i1) {
+  int64_t cached = 0;  // cache rows read, times the heads reading them
+  for (int64_t b = 0; b < B; ++b) cached += std::max<int32_t>(lens[b], 0);
+  maybe_parallel(B * splits, 1, cached * W * 2 * ((H + HEAD_GROUP - 1) / HEAD_GROUP), [&](int64_t i0, int64_t i1) {
     std::vector<float> s, acc;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / splits, h0 = (i % splits) * per_split, h1 = std::min(H, h0 + per_split);
