@@ -238,3 +238,30 @@ def test_mla_decode_refuses_block_ids_outside_the_cache(loaded):
         )
     with pytest.raises(ValueError, match="must be int32"):
         native.mla_decode(q, cache, torch.tensor([[1]]), torch.tensor([1]), 1.0, 8)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 512), (3, 37), (2, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_equals_the_reference(loaded, monkeypatch, rows, dim, with_residual):
+    """kernels.norm.rms_norm through the native call (where loaded) against the torch reference:
+    the new residual stream bitwise, the output within one bf16 rounding (the mean of squares is
+    summed in another order)."""
+    from kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=gen).bfloat16()
+    residual = torch.randn(rows, dim, generator=gen).bfloat16() if with_residual else None
+    weight = torch.randn(dim, generator=gen).bfloat16()
+    calls = []
+    if loaded:
+        real = native.rms_norm
+        monkeypatch.setattr(native, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    got = rms_norm(x, weight, 1e-6, residual=residual)
+    assert calls == ([1] if loaded else [])
+    monkeypatch.setattr(native, "_library", None)
+    want = rms_norm(x, weight, 1e-6, residual=residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)

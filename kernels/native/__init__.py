@@ -216,3 +216,31 @@ def mla_decode(
         if bad:
             raise ValueError(f"block_table holds {bad} block ids outside [0, {num_blocks})")
     return o
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [M, D] bf16 (unit stride along D), weight [D] bf16, residual like x or None -> y [M, D],
+    or (y, x + residual): kernels/norm.py's rms_norm with its roundings. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    rows, dim = x.shape
+    if weight.shape != (dim,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"weight must be [D={dim}] and residual like x {tuple(x.shape)}, got {tuple(weight.shape)} "
+            f"and {None if residual is None else tuple(residual.shape)}"
+        )
+    if not (takes(x, weight.view(1, -1)) and (residual is None or takes(residual, weight.view(1, -1)))):
+        raise ValueError("x, weight and residual must be CPU bfloat16 with unit stride along D")
+    weight = weight.contiguous()
+    y = torch.empty(rows, dim, dtype=torch.bfloat16)
+    summed = torch.empty(rows, dim, dtype=torch.bfloat16) if residual is not None else None
+    if rows and dim:
+        _library.rms_norm(
+            x.data_ptr(), x.stride(0),
+            residual.data_ptr() if residual is not None else 0, residual.stride(0) if residual is not None else 0,
+            weight.data_ptr(), y.data_ptr(), y.stride(0),
+            summed.data_ptr() if summed is not None else 0, dim,
+            rows, dim, eps,
+        )  # fmt: skip
+    return y if summed is None else (y, summed)

@@ -1,6 +1,6 @@
 // Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
-// the routed experts of a token each expert sees once (moe_pairs), and MLA decode attention over
-// the paged cache (mla_decode). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
+// the routed experts of a token each expert sees once (moe_pairs), MLA decode attention over the
+// paged cache (mla_decode) and RMSNorm with its residual add (rms_norm). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
 // wrappers in __init__.py check shapes, dtypes and strides.
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K], y [M, N]; bf16 in and out
@@ -290,10 +290,42 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   return bad.load();
 }
 
+
+// RMSNorm of bf16 rows, with the residual add fused, in kernels/norm.py's roundings (HF's):
+//   h = bf16(x + residual)  (the new residual stream, written to sum; or h = x without one)
+//   y = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps)))
+// Rows are few (a decode step's tokens) and short: one thread, no parallel region.
+void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t w_ptr, int64_t y_ptr, int64_t ldy,
+              int64_t sum_ptr, int64_t lds, int64_t M, int64_t D, double eps) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* res = reinterpret_cast<const uint16_t*>(res_ptr);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  auto* sum = reinterpret_cast<uint16_t*>(sum_ptr);
+  std::vector<float> h(D);
+  for (int64_t m = 0; m < M; ++m) {
+    float squares = 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = from_bf16(x[m * ldx + d]);
+      if (res != nullptr) {
+        const uint16_t rounded = to_bf16(v + from_bf16(res[m * ldr + d]));
+        sum[m * lds + d] = rounded;
+        v = from_bf16(rounded);
+      }
+      h[d] = v;
+      squares += v * v;
+    }
+    const float scale = 1.0f / std::sqrt(squares / float(D) + float(eps));
+    for (int64_t d = 0; d < D; ++d)
+      y[m * ldy + d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(h[d] * scale)));
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
