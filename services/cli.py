@@ -215,7 +215,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from engine.parallel.groups import GroupConfig
     from services.worker.server import WorkerServerConfig, model_name, serve
-    from services.worker.service import WorkerSettings
+    from services.worker.settings import WorkerSettings
 
     if args.dp < 1 or (args.ep is not None and args.ep < 1):
         raise ValueError("--dp and --ep must be >= 1")

@@ -33,7 +33,8 @@ from services.kv_transfer.producer import KvTransferService
 from services.registry import Heartbeat, WorkerRecord, make_registry
 from services.worker.async_engine import AsyncEngine
 from services.worker.identity import new_identity
-from services.worker.service import WorkerService, WorkerSettings
+from services.worker.service import WorkerService
+from services.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
