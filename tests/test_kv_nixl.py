@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
-import numpy as np
 import pytest
 import torch
 
@@ -115,6 +114,29 @@ def test_close_cancels_a_read_in_its_slot_and_waits_for_it(pair, monkeypatch):
         consumer.read(peer, sink, 0, [1], TIMEOUT_S, threading.Event())
 
 
+def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_named(pair):
+    """Both sides' blocks in descending order (a freed request's come back tail first): one
+    descriptor per layer carries them all, each lands where the consumer's ids say, and a block
+    changed after its checksum was taken is named by its index in the sink."""
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    expected = block_digests(SPEC, producer_caches, [6, 5, 4])
+    timings = nixl.ReadTimings()
+    sink = port.sink("r", [7, 6, 5])
+    n = consumer.read(peer, sink, 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected, timings)
+    assert n == 3 * SPEC.bytes_per_block
+    assert _same(_rows(consumer_caches, [7, 6, 5]), _rows(producer_caches, [6, 5, 4]))
+    assert timings.descriptors == SPEC.num_layers
+    flipped = producer_caches[0][8].view(torch.uint8)  # the latent group's first layer, block 4's first row
+    flipped[0, 3] ^= 0x10
+    try:
+        with pytest.raises(nixl.ChecksumMismatch, match=r"KV block 2 read from test-producer fails"):
+            consumer.read(
+                peer, port.sink("r", [7, 6, 5]), 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected
+            )
+    finally:
+        flipped[0, 3] ^= 0x10
+
+
 @pytest.mark.parametrize(
     "ids, message",
     [
@@ -157,16 +179,49 @@ def test_a_peer_whose_geometry_is_not_our_specs_is_refused(pair):
 
 def test_descriptors_follow_each_groups_block_table():
     regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
-    rows = nixl.descriptors(SPEC, regions, [5, 2])
+    theirs = tuple(MemoryRegion((i + 11) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
+    local, remote = nixl.descriptors(SPEC, regions, theirs, [5, 2], [7, 3])
     latent, indexer = SPEC.groups
     lat, idx = SPEC.layer_bytes_per_block(latent), SPEC.layer_bytes_per_block(indexer)
-    want = [
-        *[(regions[layer].addr + b * lat, lat, 0) for layer in latent.layers for b in (5, 2)],
-        *[(regions[layer].addr + b * idx, idx, 0) for layer in indexer.layers for b in (5, 2)],
+    # pairs sorted by our block: (2, 3) then (5, 7), in every layer of every group
+    want_l = [
+        *[(regions[layer].addr + b * lat, lat, 0) for layer in latent.layers for b in (2, 5)],
+        *[(regions[layer].addr + b * idx, idx, 0) for layer in indexer.layers for b in (2, 5)],
     ]
-    assert [tuple(int(x) for x in r) for r in rows] == want
+    want_r = [
+        *[(theirs[layer].addr + b * lat, lat, 0) for layer in latent.layers for b in (3, 7)],
+        *[(theirs[layer].addr + b * idx, idx, 0) for layer in indexer.layers for b in (3, 7)],
+    ]
+    assert [tuple(int(x) for x in r) for r in local] == want_l
+    assert [tuple(int(x) for x in r) for r in remote] == want_r
     # an engine block of the latent group is its two 4-token rows, which lie back to back
     assert SPEC.group_block_ids(latent, [5]) == [10, 11] and lat == 2 * latent.block_bytes
+
+
+@pytest.mark.parametrize(
+    "local, remote, runs",
+    [
+        ([3, 4, 5], [7, 8, 9], [(3, 7, 3)]),
+        ([10, 9, 8, 3], [20, 19, 18, 7], [(3, 7, 1), (8, 18, 3)]),  # freed tail first: descending
+        ([1, 2, 3], [5, 6, 9], [(1, 5, 2), (3, 9, 1)]),  # the remote side breaks the run
+        ([4, 5, 6], [9, 8, 7], [(4, 9, 1), (5, 8, 1), (6, 7, 1)]),  # opposite directions never merge
+        ([], [], []),
+    ],
+    ids=["ascending", "descending", "remote-gap", "crossed", "empty"],
+)
+def test_block_runs_merge_pairs_contiguous_on_both_sides_in_either_order(local, remote, runs):
+    assert [tuple(r) for r in nixl.block_runs(local, remote).tolist()] == runs
+
+
+def test_cut_runs_caps_each_run_and_descriptors_cover_every_byte_once():
+    runs = nixl.block_runs([8, 9, 10, 11, 12, 3], [18, 19, 20, 21, 22, 7])
+    assert nixl.cut_runs(runs, 2).tolist() == [[3, 7, 1], [8, 18, 2], [10, 20, 2], [12, 22, 1]]
+    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
+    lat = SPEC.layer_bytes_per_block(SPEC.groups[0])
+    local, remote = nixl.descriptors(SPEC, regions, regions, [12, 11, 10, 9, 8], [2, 1, 0, 7, 6], 2 * lat)
+    assert (local[:, 1] == remote[:, 1]).all()
+    assert int(local[:, 1].sum()) == 5 * SPEC.bytes_per_block
+    assert int(local[:, 1].max()) <= 2 * lat
 
 
 def _producer_process(conn) -> None:
@@ -205,17 +260,3 @@ def test_a_producer_that_dies_mid_transfer_fails_the_read_with_a_status_and_free
     sink.close()  # returns at once: no read holds the slot
     assert _same(_rows(consumer_caches, [0, 1, 3, 4, 5]), before)
     consumer.forget_peer("dying-producer")
-
-
-def test_coalesce_merges_only_runs_contiguous_on_both_sides_up_to_the_cap():
-    def rows(*r):
-        return np.array(r, dtype=np.uint64).reshape(-1, 3)
-
-    local = rows((100, 10, 0), (110, 10, 0), (120, 10, 0), (200, 10, 0), (210, 10, 0), (220, 10, 0))
-    remote = rows((500, 10, 0), (510, 10, 0), (900, 10, 0), (910, 10, 0), (920, 10, 0), (930, 10, 0))
-    got_l, got_r = nixl.coalesce(local, remote, max_bytes=20)
-    # 100+110 and 500+510 merge; 120 (remote jumps to 900) stands alone; 200+210 / 910+920 merge;
-    # 220 / 930 would pass the 20-byte cap: alone.
-    assert got_l.tolist() == [[100, 20, 0], [120, 10, 0], [200, 20, 0], [220, 10, 0]]
-    assert got_r.tolist() == [[500, 20, 0], [900, 10, 0], [910, 20, 0], [930, 10, 0]]
-    assert int(got_l[:, 1].sum()) == int(local[:, 1].sum())

@@ -139,7 +139,7 @@ class HeldRead:
     def __init__(self):
         self.started, self.events, self.timeouts = threading.Event(), [], []
 
-    def read(self, peer, sink, first_block, block_ids, timeout_s, cancel, expected):
+    def read(self, peer, sink, first_block, block_ids, timeout_s, cancel, expected, timings=None):
         self.timeouts.append(timeout_s)
         self.started.set()
         assert cancel.wait(30), "never cancelled"

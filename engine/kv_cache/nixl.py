@@ -12,8 +12,11 @@ one host, RDMA across nodes), instead of the gRPC chunk stream's copies.
 Geometry. A layer's cache is [rows, block_size, width] contiguous, one region per layer; engine
 block b of group g is rows `spec.group_block_ids(g, [b])` -- `sub_blocks(g)` consecutive rows,
 one contiguous run of `spec.layer_bytes_per_block(g)` bytes. A transfer is one descriptor per
-(layer, block) on each side, in the same order, so groups of any block size move together;
-runs that are contiguous on both sides are then merged (`coalesce`, pieces of <= 2 MiB).
+(layer, run of blocks) on each side, paired row by row, so groups of any block size move
+together: the (local, remote) block pairs, sorted by local block, are cut into runs that go on
+block after block on both sides (`descriptors`, runs of <= MAX_DESC_BYTES per layer). Sorting
+matters: a request's blocks are freed tail first, so the next one often gets them in descending
+order, which merges only once sorted.
 The consumer builds both sides itself: its own addresses from its import sink's blocks, the
 producer's from the producer's regions (checked against the spec when the peer is added) and
 the block ids the producer handed out (checked against the producer's block count). Nothing is
@@ -22,11 +25,17 @@ pickled: metadata is NIXL's own byte string, everything else protobuf integers.
 Threads. The worker owns its agent (the engine thread owns nothing new). `read` blocks: run it
 off the engine thread and the event loop. It writes only inside the import sink's `remote_write`
 slot (engine/kv_cache/transfer.py): when the import closes, or the caller cancels, or the
-deadline passes, the transfer handle is released -- NIXL cancels a transfer in flight, and one
-it cannot cancel is waited out first -- before the slot is left, so no READ lands in blocks the
-import no longer owns. An end-to-end checksum (xxh3-64 per block, codec.block_digests) computed
-by the producer when it issued the handle is verified on the consumer's blocks before they join
-the batch.
+deadline passes, every transfer handle is released -- NIXL cancels a transfer in flight, and
+one it cannot cancel is waited out first -- before the slot is left, so no READ lands in blocks
+the import no longer owns. An end-to-end checksum (xxh3-64 per block, codec.block_digests)
+computed by the producer when it issued the handle is verified on the consumer's blocks before
+they join the batch.
+
+One host. UCX reads another process's memory on the same host with CMA (process_vm_readv; TCP
+carries only its wire-up), which copies inside the post, on the reading thread, so a read costs
+that copy plus the checksums over the same bytes; splitting it into pieces, on one thread or on
+two, was no faster here (2 cores). Across hosts (RDMA or TCP) the post returns at once and the
+read polls for completion every POLL_S.
 
 Progress. The Python wrapper of NIXL fixes the progress thread's delay at 0, a busy spin that
 took ~65 % of a core per idle worker here; UCX over TCP needs target-side progress for a READ,
@@ -72,8 +81,8 @@ MAX_PEERS = 64
 """Remote agents loaded at once; the least recently used is dropped first."""
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_DESC_BYTES = 2 << 20
-"""Longest descriptor a transfer is merged into: one per (layer, block) was ~30 % slower over
-UCX's TCP transport (18 KiB blocks), and one per layer no faster than 2 MiB pieces."""
+"""Longest descriptor a transfer is merged into: one per (layer, 18 KiB block) read ~30 % slower
+here than 0.5-2 MiB pieces, and one per layer no faster."""
 
 
 class NixlError(RuntimeError):
@@ -149,47 +158,80 @@ def check_peer(
     return PeerAgent(name, tuple(regions), num_blocks, mem_type)
 
 
-def descriptors(spec: KVCacheSpec, regions: tuple[MemoryRegion, ...], block_ids: list[int]) -> np.ndarray:
-    """One (addr, length, device) row per (layer, engine block), layers in order, blocks in the
-    given order within each layer -> uint64 [num_layers x len(block_ids), 3]."""
-    out = []
-    for g in spec.groups:
-        per = spec.layer_bytes_per_block(g)  # one engine block of one layer: sub_blocks(g) rows
-        first_rows = np.array([spec.group_block_ids(g, [b])[0] for b in block_ids], dtype=np.uint64)
-        offsets = first_rows * np.uint64(g.block_bytes)  # [blocks]
-        for layer in g.layers:
-            r = regions[layer]
-            rows = np.empty((len(block_ids), 3), dtype=np.uint64)
-            rows[:, 0] = np.uint64(r.addr) + offsets
-            rows[:, 1] = per
-            rows[:, 2] = r.device
-            out.append(rows)
-    return np.concatenate(out) if out else np.zeros((0, 3), dtype=np.uint64)
+def block_runs(local_ids: list[int], remote_ids: list[int]) -> np.ndarray:
+    """Pair i is (local_ids[i], remote_ids[i]); sorted by local block, the pairs are cut into runs
+    that go on block after block on both sides -> int64 [R, 3]: (first local block, first remote
+    block, blocks). The order of the pairs does not matter to a READ, so blocks allocated in
+    descending order (a freed request's, tail first) merge as well as ascending ones."""
+    local = np.asarray(local_ids, dtype=np.int64)
+    remote = np.asarray(remote_ids, dtype=np.int64)
+    if local.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    order = np.argsort(local, kind="stable")
+    local, remote = local[order], remote[order]
+    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)  # [N - 1]
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))  # [R]
+    lengths = np.diff(np.append(starts, local.size))  # [R]
+    return np.stack([local[starts], remote[starts], lengths], axis=1)
 
 
-def coalesce(
-    local: np.ndarray, remote: np.ndarray, max_bytes: int = MAX_DESC_BYTES
+def cut_runs(runs: np.ndarray, max_blocks: int) -> np.ndarray:
+    """Runs [R, 3] cut into runs of at most max_blocks blocks (>= 1), in order -> [R', 3]."""
+    assert max_blocks >= 1
+    lengths = runs[:, 2]
+    cuts = -(-lengths // max_blocks)  # pieces per run [R]
+    run = np.repeat(np.arange(len(runs)), cuts)  # [R']
+    k = np.arange(int(cuts.sum())) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # piece within its run
+    offset = k * max_blocks
+    return np.stack(
+        [runs[run, 0] + offset, runs[run, 1] + offset, np.minimum(max_blocks, lengths[run] - offset)], axis=1
+    )
+
+
+def descriptors(
+    spec: KVCacheSpec,
+    local_regions: tuple[MemoryRegion, ...],
+    remote_regions: tuple[MemoryRegion, ...],
+    local_ids: list[int],
+    remote_ids: list[int],
+    max_bytes: int = MAX_DESC_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Merge runs of rows that continue contiguously on both sides (blocks allocated back to back)
-    into rows of at most max_bytes (or one row's length); the same merge on both sides, so row i
-    of one still pairs with row i of the other. [N, 3] x 2 -> [M, 3] x 2, M <= N."""
-    assert local.shape == remote.shape and (local[:, 1] == remote[:, 1]).all()
-    out_l, out_r = [], []
-    for (la, n, ld), (ra, _, rd) in zip(local.tolist(), remote.tolist(), strict=True):
-        if out_l:
-            pl, pr = out_l[-1], out_r[-1]
-            if (
-                la == pl[0] + pl[1]
-                and ra == pr[0] + pr[1]
-                and (ld, rd) == (pl[2], pr[2])
-                and pl[1] + n <= max_bytes
-            ):
-                pl[1] += n
-                pr[1] += n
-                continue
-        out_l.append([la, n, ld])
-        out_r.append([ra, n, rd])
-    return np.array(out_l, dtype=np.uint64).reshape(-1, 3), np.array(out_r, dtype=np.uint64).reshape(-1, 3)
+    """READ remote block remote_ids[i] into local block local_ids[i], every layer: one
+    (addr, length, device) row per (layer, run of blocks contiguous on both sides), runs cut to
+    at most max_bytes (or one block) -> uint64 [M, 3] x 2, row m of one side paired with row m of
+    the other. Engine block b of group g is bytes [b, b + 1) x layer_bytes_per_block(g) of each of
+    g's layer regions: its sub_blocks(g) rows lie back to back."""
+    runs = block_runs(local_ids, remote_ids)
+    local, remote = [], []
+    for g in spec.groups:
+        per = np.uint64(spec.layer_bytes_per_block(g))
+        cut = cut_runs(runs, max(1, max_bytes // int(per))).astype(np.uint64)  # [R', 3]
+        for out, regions, column in ((local, local_regions, 0), (remote, remote_regions, 1)):
+            addr = np.array([regions[layer].addr for layer in g.layers], dtype=np.uint64)  # [L]
+            device = np.array([regions[layer].device for layer in g.layers], dtype=np.uint64)  # [L]
+            rows = np.empty((len(addr), len(cut), 3), dtype=np.uint64)  # [L, R', 3]
+            rows[:, :, 0] = addr[:, None] + cut[None, :, column] * per
+            rows[:, :, 1] = cut[None, :, 2] * per
+            rows[:, :, 2] = device[:, None]
+            out.append(rows.reshape(-1, 3))
+    return np.concatenate(local), np.concatenate(remote)
+
+
+@dataclass
+class ReadTimings:
+    """Where one read's time went on its thread, in seconds (NixlAgent.read fills it in)."""
+
+    prepare: float = 0.0
+    """Descriptors built and the transfer created."""
+    transfer: float = 0.0
+    """Posted until landed. On one host UCX reads with CMA (process_vm_readv), which copies
+    inside the post, on the calling thread; across hosts the post returns at once."""
+    verify: float = 0.0
+    """Checksums of the blocks read."""
+    release: float = 0.0
+    """Transfer handles released."""
+    descriptors: int = 0
+    """Descriptors per side."""
 
 
 class NixlAgent:
@@ -296,12 +338,13 @@ class NixlAgent:
         timeout_s: float,
         cancel: threading.Event,
         expected_digests: list[int] | None = None,
+        timings: ReadTimings | None = None,
     ) -> int:
         """Blocking (never on the engine thread). READ the producer's blocks `remote_block_ids`
-        into the sink's blocks [first_block, num_blocks), then, with expected_digests, check
-        every block read against them. Returns the bytes read. Raises ImportClosed (the import
-        ended), NixlCancelled, NixlTimeout, NixlError, ChecksumMismatch, or ValueError when the
-        producer's block ids do not fit (nothing is posted then)."""
+        into the sink's blocks [first_block, num_blocks) and, with expected_digests, check every
+        block read against them. Returns the bytes read; fills timings in when given. Raises
+        ImportClosed (the import ended), NixlCancelled, NixlTimeout, NixlError, ChecksumMismatch,
+        or ValueError when the producer's block ids do not fit (nothing is posted then)."""
         want = sink.num_blocks - first_block
         if not 0 <= first_block <= sink.num_blocks or len(remote_block_ids) != want:
             raise ValueError(
@@ -314,49 +357,18 @@ class NixlAgent:
             raise ValueError(f"block_checksums: {len(expected_digests)} for {want} blocks")
         if want == 0:
             return 0
-        local, remote = coalesce(
-            descriptors(self.spec, self.regions, list(sink.block_ids[first_block:])),
-            descriptors(self.spec, peer.regions, list(remote_block_ids)),
-        )
-        nbytes = int(local[:, 1].sum())
-        b = self._b
-        deadline = time.monotonic() + timeout_s
+        local_ids = list(sink.block_ids[first_block:])
         with sink.remote_write() as closing:
+            t = timings if timings is not None else ReadTimings()
+            read = _Read(self, peer, sink, closing, cancel, timeout_s, t)
             try:
-                handle = self._agent.createXferReq(
-                    b.NIXL_READ,
-                    b.nixlXferDList(self._segment(self.mem_type), local),
-                    b.nixlXferDList(self._segment(peer.mem_type), remote),
-                    peer.name,
-                    b"",
-                    [],
-                )
-            except Exception as e:  # noqa: BLE001
-                raise NixlError(f"NIXL READ from {peer.name} could not be prepared: {e}") from None
-            try:
-                status = self._status(self._agent.postXferReq, handle, b"")
-                while status == b.NIXL_IN_PROG:
-                    if closing.is_set():
-                        raise ImportClosed(f"the import of request {sink.request_id!r} has ended")
-                    if cancel.is_set():
-                        raise NixlCancelled(f"NIXL READ from {peer.name} cancelled")
-                    if time.monotonic() > deadline:
-                        raise NixlTimeout(f"NIXL READ from {peer.name} took longer than {timeout_s:.1f} s")
-                    time.sleep(POLL_S)
-                    status = self._status(self._agent.getXferStatus, handle)
-                if status != b.NIXL_SUCCESS:
-                    raise NixlError(f"NIXL READ from {peer.name} failed: {status}")
+                read.post(local_ids, remote_block_ids)
+                read.wait()
+                if expected_digests is not None:
+                    read.verify(first_block, expected_digests)
             finally:
-                self._release(handle)
-            if expected_digests is not None:
-                got = sink.digests(first_block)
-                for i, (g, e) in enumerate(zip(got, expected_digests, strict=True)):
-                    if g != e:
-                        raise ChecksumMismatch(
-                            f"KV block {first_block + i} read from {peer.name} fails its checksum "
-                            f"(xxh3-64 {g:016x}, the producer's {e:016x})"
-                        )
-        return nbytes
+                read.release()
+        return want * self.spec.bytes_per_block
 
     def _status(self, call, *args):
         try:
@@ -398,3 +410,85 @@ class NixlAgent:
             self._agent.deregisterMem(self._reg, [])
         except Exception as e:  # noqa: BLE001
             logger.warning("NIXL deregistration failed: %s", e)
+
+
+class _Read:
+    """One read's transfer; release() lets go of it, waiting it out if NIXL cannot cancel it,
+    before the read leaves the sink's remote_write slot."""
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        peer: PeerAgent,
+        sink: ImportSink,
+        closing: threading.Event,
+        cancel: threading.Event,
+        timeout_s: float,
+        timings: ReadTimings,
+    ):
+        self.agent, self.peer, self.sink = agent, peer, sink
+        self.closing, self.cancel, self.timeout_s = closing, cancel, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.t = timings
+        self.handles: list = []
+        self.status = None
+
+    def post(self, local_ids: list[int], remote_ids: list[int]) -> None:
+        start = time.monotonic()
+        a, b = self.agent, self.agent._b
+        local, remote = descriptors(a.spec, a.regions, self.peer.regions, local_ids, remote_ids)
+        try:
+            handle = a._agent.createXferReq(
+                b.NIXL_READ,
+                b.nixlXferDList(a._segment(a.mem_type), local),
+                b.nixlXferDList(a._segment(self.peer.mem_type), remote),
+                self.peer.name,
+                b"",
+                [],
+            )
+        except Exception as e:  # noqa: BLE001
+            raise NixlError(f"NIXL READ from {self.peer.name} could not be prepared: {e}") from None
+        self.handles.append(handle)
+        posted = time.monotonic()
+        self.t.descriptors += len(local)
+        self.t.prepare += posted - start
+        self.status = a._status(a._agent.postXferReq, handle, b"")
+        self.t.transfer += time.monotonic() - posted
+
+    def _go_on(self) -> None:
+        if self.closing.is_set():
+            raise ImportClosed(f"the import of request {self.sink.request_id!r} has ended")
+        if self.cancel.is_set():
+            raise NixlCancelled(f"NIXL READ from {self.peer.name} cancelled")
+        if time.monotonic() > self.deadline:
+            raise NixlTimeout(f"NIXL READ from {self.peer.name} took longer than {self.timeout_s:.1f} s")
+
+    def wait(self) -> None:
+        """Until the last transfer posted has landed."""
+        start = time.monotonic()
+        a, b = self.agent, self.agent._b
+        while self.status == b.NIXL_IN_PROG:
+            self._go_on()
+            time.sleep(POLL_S)
+            self.status = a._status(a._agent.getXferStatus, self.handles[-1])
+        if self.status != b.NIXL_SUCCESS:
+            raise NixlError(f"NIXL READ from {self.peer.name} failed: {self.status}")
+        self.t.transfer += time.monotonic() - start
+
+    def verify(self, first: int, expected: list[int]) -> None:
+        """The sink's blocks [first, first + len(expected)) against the producer's checksums."""
+        start = time.monotonic()
+        got = self.sink.digests(first, first + len(expected))
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            if g != e:
+                raise ChecksumMismatch(
+                    f"KV block {first + i} read from {self.peer.name} fails its checksum "
+                    f"(xxh3-64 {g:016x}, the producer's {e:016x})"
+                )
+        self.t.verify += time.monotonic() - start
+
+    def release(self) -> None:
+        start = time.monotonic()
+        for handle in self.handles:
+            self.agent._release(handle)
+        self.t.release += time.monotonic() - start

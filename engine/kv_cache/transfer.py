@@ -103,10 +103,10 @@ class ImportSink:
                 self._remote_writers -= 1
                 self._idle.notify_all()
 
-    def digests(self, first_block: int) -> list[int]:
-        """Any thread, inside a remote_write slot: xxh3-64 of blocks [first_block, num_blocks)
-        (codec.block_digests)."""
-        return block_digests(self.spec, self._caches, self._block_ids[first_block:])
+    def digests(self, first_block: int, end: int | None = None) -> list[int]:
+        """Any thread, inside a remote_write slot: xxh3-64 of blocks [first_block, end or
+        num_blocks) (codec.block_digests)."""
+        return block_digests(self.spec, self._caches, self._block_ids[first_block:end])
 
     def close(self) -> None:
         """Engine thread: waits for a write in progress and cancels a remote write, waiting until

@@ -71,6 +71,15 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_transfer_phase_seconds = Histogram(
+            "pdserve_kv_transfer_phase_seconds",
+            "Where a NIXL pull's time went: begin_read (the RPC), prepare (descriptors), transfer "
+            "(posted until landed), verify (checksums), release (transfer handles), handoff (to the "
+            "read thread and back)",
+            ["component", "phase"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.kv_transfers = Counter(
             "pdserve_kv_transfers",
             "KV pulls completed, by transport (nixl, grpc)",

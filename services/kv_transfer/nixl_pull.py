@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -41,6 +43,29 @@ HOLD_MARGIN_S = 0.5
 """Our READ is cancelled this long before the producer's hold on the blocks ends."""
 READ_THREADS = 8
 """NIXL reads waited on at once (each holds a thread while it polls)."""
+
+
+@dataclass
+class PullTimings:
+    """Where one NIXL pull's time went, in seconds (pull fills it in)."""
+
+    begin_read: float = 0.0
+    """The BeginRead round trip."""
+    read: nixl.ReadTimings = field(default_factory=nixl.ReadTimings)
+    """The read thread's own time."""
+    handoff: float = 0.0
+    """To the read thread and back to the event loop: the READ's wall time less the thread's."""
+
+    def phases(self) -> dict[str, float]:
+        r = self.read
+        return {
+            "begin_read": self.begin_read,
+            "prepare": r.prepare,
+            "transfer": r.transfer,
+            "verify": r.verify,
+            "release": r.release,
+            "handoff": self.handoff,
+        }
 
 
 def agent_info(agent: nixl.NixlAgent, checksums: bool) -> kv_pb.NixlAgentInfo:
@@ -165,12 +190,16 @@ async def pull(
     first_block: int,
     timeout: float,
     verify: bool,
+    timings: PullTimings | None = None,
 ) -> int:
     """READ blocks [first_block, handle.num_blocks) of the handle's export into the sink's over
-    NIXL, checked against the producer's checksums when verify; returns the bytes read. Raises
-    ServiceError: DATA_LOSS (a checksum, or block ids that do not fit), FAILED_PRECONDITION (no
-    checksums offered while verify), DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE (the READ failed)."""
+    NIXL, checked against the producer's checksums when verify; returns the bytes read (and
+    fills timings in, when given). Raises ServiceError: DATA_LOSS (a checksum, or block ids that
+    do not fit), FAILED_PRECONDITION (no checksums offered while verify), DEADLINE_EXCEEDED,
+    CANCELLED, UNAVAILABLE (the READ failed)."""
+    t = timings if timings is not None else PullTimings()
     stub = transports.peers.kv(handle.producer.endpoint)
+    start = time.monotonic()
     try:
         begun = await stub.BeginRead(
             kv_pb.BeginReadRequest(
@@ -186,6 +215,7 @@ async def pull(
             f"BeginRead of transfer {handle.transfer_id} at {handle.producer.endpoint} failed: {e.details()}",
             e.code(),
         ) from None
+    t.begin_read = time.monotonic() - start
     # Our READ ends before the producer's hold does (it may have granted less than we asked).
     timeout = min(timeout, begun.read_hold_ms / 1000 - HOLD_MARGIN_S)
     if timeout <= 0:
@@ -207,6 +237,7 @@ async def pull(
         digests = list(begun.block_checksums)
     cancel = threading.Event()
     transports.reading.add(cancel)
+    start = time.monotonic()
     try:
         read = asyncio.get_running_loop().run_in_executor(
             transports.executor,
@@ -218,8 +249,12 @@ async def pull(
             timeout,
             cancel,
             digests,
+            t.read,
         )
-        return await asyncio.shield(read)
+        received = await asyncio.shield(read)
+        r = t.read
+        t.handoff = max(0.0, time.monotonic() - start - (r.prepare + r.transfer + r.verify + r.release))
+        return received
     except asyncio.CancelledError:
         cancel.set()
         await asyncio.wait([read])  # the READ's handle is released before anyone releases the producer

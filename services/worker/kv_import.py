@@ -108,6 +108,7 @@ class KvImporter:
         start = time.monotonic()
         pull_timeout = timeout if timeout is not None else DEFAULT_PULL_TIMEOUT_S
         transport = "grpc"
+        timings = nixl_pull.PullTimings()
 
         async def pull() -> int:
             nonlocal transport
@@ -115,7 +116,14 @@ class KvImporter:
             transport = "grpc" if peer is None else "nixl"
             if peer is not None:
                 return await nixl_pull.pull(
-                    self.transports, peer, handle, sink, first_block, pull_timeout, self.settings.kv_checksums
+                    self.transports,
+                    peer,
+                    handle,
+                    sink,
+                    first_block,
+                    pull_timeout,
+                    self.settings.kv_checksums,
+                    timings,
                 )
             return await consumer.pull(
                 self.peers.kv(handle.producer.endpoint),
@@ -148,5 +156,8 @@ class KvImporter:
         self.metrics.labels(self.metrics.kv_transfer_bytes, "received").inc(received)
         self.metrics.labels(self.metrics.kv_transfer_seconds).observe(seconds)
         self.metrics.labels(self.metrics.kv_transfers, transport).inc()
+        if transport == "nixl":
+            for phase, phase_s in timings.phases().items():
+                self.metrics.labels(self.metrics.kv_transfer_phase_seconds, phase).observe(phase_s)
         await self.engine.call(lambda core: core.finish_import(rid))
         return received, seconds, True
