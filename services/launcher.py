@@ -92,6 +92,9 @@ class StackConfig:
     worker_metrics: bool = False
     """Give every worker a Prometheus /metrics port (Proc.metrics_url)."""
     ready_timeout_s: float = 180.0
+    cwd: str | None = None
+    """Where the processes start, and so where `python -m services.cli` imports the code from
+    (a git worktree of another revision, for an A/B run); None: this process's directory."""
     api_key: str | None = field(default=None, repr=False)
     """A key the router's public API requires (passed as PDSERVE_API_KEY, out of process
     listings); None: whatever PDSERVE_API_KEY the environment holds, else an open API."""
@@ -134,7 +137,9 @@ class Stack:
         env = {**(env or os.environ), **self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
         if api_key is not None:
             env[env_vars.API_KEY_VAR] = api_key
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, cwd=self.cfg.cwd
+        )
         proc = Proc(name, endpoint, popen, log_path)
         self.procs.append(proc)
         return proc
