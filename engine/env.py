@@ -52,6 +52,17 @@ def fault() -> str | None:
     return os.environ.get("PDSERVE_FAULT") or None
 
 
+KV_READ_GATE_VAR = "PDSERVE_KV_READ_GATE"
+
+
+def kv_read_gate() -> str | None:
+    """PDSERVE_KV_READ_GATE: a file path, for the reliability tests: while that file exists, a
+    worker's NIXL read of more than one block lands its first block, then waits (saying so in
+    the log) until the file is removed, so a test can act in the middle of a read
+    (engine/kv_cache/nixl.py). Unset in production."""
+    return os.environ.get(KV_READ_GATE_VAR) or None
+
+
 def log_level() -> str:
     """PDSERVE_LOG_LEVEL: log level of the processes a stack launcher starts (default INFO)."""
     return os.environ.get("PDSERVE_LOG_LEVEL", "INFO")

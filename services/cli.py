@@ -266,6 +266,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         security=security,
         stall_timeout_s=args.stall_timeout_s,
         fault=env.fault(),
+        kv_read_gate=env.kv_read_gate(),
     )
     return asyncio.run(serve(cfg))
 

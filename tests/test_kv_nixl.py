@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +136,53 @@ def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_
             )
     finally:
         flipped[0, 3] ^= 0x10
+
+
+def test_a_read_held_at_the_gate_has_its_first_block_in_and_goes_on_once_it_opens(pair, tmp_path):
+    """The reliability tests' hook: while the gate file exists, a read lands its first block
+    and posts nothing more; removing the file lets it finish; closing the import ends a held
+    read with ImportClosed."""
+    producer_caches, consumer_caches, port, consumer, peer = pair
+    gate = tmp_path / "gate"
+    gate.touch()
+    consumer.read_gate = gate
+    try:
+        expected = block_digests(SPEC, producer_caches, [1, 3])
+        sink = port.sink("r", [5, 0])
+        untouched = _rows(consumer_caches, [0])
+        result = {}
+
+        def read(sink=sink):
+            try:
+                result["n"] = consumer.read(peer, sink, 0, [1, 3], TIMEOUT_S, threading.Event(), expected)
+            except Exception as e:  # noqa: BLE001
+                result["error"] = e
+
+        t = threading.Thread(target=read)
+        t.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not _same(_rows(consumer_caches, [5]), _rows(producer_caches, [1])):
+            assert time.monotonic() < deadline, "the first block never arrived"
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert t.is_alive() and _same(_rows(consumer_caches, [0]), untouched)
+        gate.unlink()
+        t.join(TIMEOUT_S)
+        assert result == {"n": 2 * SPEC.bytes_per_block}
+        assert _same(_rows(consumer_caches, [5, 0]), _rows(producer_caches, [1, 3]))
+        gate.touch()
+        held = port.sink("r", [6, 7])
+        t = threading.Thread(target=read, args=(held,))
+        result.clear()
+        t.start()
+        while not _same(_rows(consumer_caches, [6]), _rows(producer_caches, [1])):
+            assert time.monotonic() < deadline, "the first block never arrived"
+            time.sleep(0.01)
+        held.close()  # waits for the held read to leave its slot
+        t.join(TIMEOUT_S)
+        assert isinstance(result.get("error"), ImportClosed)
+    finally:
+        consumer.read_gate = None
 
 
 @pytest.mark.parametrize(

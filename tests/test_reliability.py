@@ -13,12 +13,14 @@ import time
 import urllib.error
 import urllib.request
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
+from engine.env import KV_READ_GATE_VAR
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common.security import handle_mac
@@ -39,13 +41,19 @@ MAX_IN_FLIGHT = 4
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def read_gate(tmp_path_factory) -> Path:
+    """While this file exists, the workers' NIXL reads stop after their first block (PDSERVE_KV_READ_GATE)."""
+    return tmp_path_factory.mktemp("read-gate") / "gate"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory, read_gate):
     st = start_stack(
         tiny_model,
         tmp_path_factory.mktemp("reliability"),
         num_prefill=1,
         num_decode=2,
-        env={"PDSERVE_INTERNAL_TOKEN": TOKEN},
+        env={"PDSERVE_INTERNAL_TOKEN": TOKEN, KV_READ_GATE_VAR: str(read_gate)},
         engine_args=[*ENGINE_ARGS, "--lease-s", "2", "--grace-s", "5"],
         router_args=[
             "--colocate-max-tokens",
@@ -213,6 +221,79 @@ def test_prefill_worker_death_before_the_pull(stack, offline, policy, known):
             )[0]
             assert tokens == ref.token_ids
     finally:
+        _restart(stack, prefill)
+
+
+def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_gate):
+    """Two decodes pull from the prefill worker over NIXL, one per kv_failure_policy; each READ is
+    held after its first block has landed (the read gate), the prefill worker is SIGKILLed, the
+    gate opens: the rest of each READ fails, the fail policy ends with UNAVAILABLE and the
+    recompute policy gives the offline tokens. Meanwhile and afterwards the decode worker serves
+    other requests, and its free blocks come back to where they were."""
+    prefill = stack.workers("prefill")[0]
+    decode = stack.workers("decode")[0]
+    stub = worker(decode.endpoint, TOKEN)
+    free = load(decode.endpoint, TOKEN).num_free_blocks
+    sampling = pb.SamplingParams(temperature=0, max_tokens=6)
+    prompts = {
+        "fail": [13 + (i * 7) % 3000 for i in range(40)],
+        "recompute": [17 + (i * 11) % 3000 for i in range(40)],
+    }
+    firsts = {
+        policy: worker(prefill.endpoint, TOKEN).Prefill(
+            wpb.PrefillRequest(prompt_token_ids=prompt, sampling=sampling), timeout=30
+        )
+        for policy, prompt in prompts.items()
+    }
+
+    def decode_with(policy: str):
+        first = firsts[policy]
+        request = wpb.DecodeRequest(
+            prompt_token_ids=prompts[policy],
+            sampling=sampling,
+            output_token_ids=first.output.token_ids,
+            kv_handle=first.kv_handle,
+            kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
+            kv_failure_policy=pb.KV_FAILURE_POLICY_RECOMPUTE
+            if policy == "recompute"
+            else pb.KV_FAILURE_POLICY_FAIL,
+        )
+        try:
+            return list(first.output.token_ids) + [
+                t for m in stub.Decode(request, timeout=60) for t in m.token_ids
+            ]
+        except grpc.RpcError as e:
+            return e.code()
+
+    def colocated() -> list[int]:
+        request = wpb.DecodeRequest(prompt_token_ids=[5, 6, 7, 8], sampling=sampling)
+        return [t for m in stub.Decode(request, timeout=30) for t in m.token_ids]
+
+    alone = offline.generate(
+        prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+    )
+    held = "injected fault: NIXL READ from"
+    said = decode.log_path.read_text().count(held)
+    read_gate.touch()
+    try:
+        with futures.ThreadPoolExecutor(2) as pool:
+            calls = {policy: pool.submit(decode_with, policy) for policy in prompts}
+            assert wait_until(lambda: decode.log_path.read_text().count(held) == said + 2, 30)
+            assert load(decode.endpoint, TOKEN).num_free_blocks < free  # both imports hold blocks
+            assert colocated() == alone[0].token_ids  # the worker goes on meanwhile
+            stack.kill(prefill)
+            read_gate.unlink()
+            results = {policy: call.result(timeout=60) for policy, call in calls.items()}
+        assert results["fail"] == grpc.StatusCode.UNAVAILABLE
+        ref = offline.generate(
+            prompt_token_ids=[prompts["recompute"]],
+            sampling_params=SamplingParams(temperature=0, max_tokens=6),
+        )
+        assert results["recompute"] == ref[0].token_ids
+        assert wait_until(lambda: load(decode.endpoint, TOKEN).num_free_blocks == free, 5)
+        assert colocated() == alone[0].token_ids and decode.popen.poll() is None
+    finally:
+        read_gate.unlink(missing_ok=True)
         _restart(stack, prefill)
 
 

@@ -61,6 +61,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -83,6 +84,7 @@ MEM_TYPES = ("DRAM", "VRAM")
 MAX_DESC_BYTES = 2 << 20
 """Longest descriptor a transfer is merged into: one per (layer, 18 KiB block) read ~30 % slower
 here than 0.5-2 MiB pieces, and one per layer no faster."""
+GATE_POLL_S = 0.01
 
 
 class NixlError(RuntimeError):
@@ -237,7 +239,16 @@ class ReadTimings:
 class NixlAgent:
     """This worker's NIXL agent: every layer cache of the port registered once, at start."""
 
-    def __init__(self, name: str, port: KVPort, progress_delay_us: int = PROGRESS_DELAY_US):
+    def __init__(
+        self,
+        name: str,
+        port: KVPort,
+        progress_delay_us: int = PROGRESS_DELAY_US,
+        read_gate: Path | None = None,
+    ):
+        """read_gate: a test hook (the reliability tests' PDSERVE_KV_READ_GATE): while that file
+        exists, a read of more than one block lands its first block alone, then waits until
+        the file is removed before it posts the rest (saying so in the log)."""
         b = bindings()
         if b is None:
             raise RuntimeError(
@@ -249,6 +260,7 @@ class NixlAgent:
         self.num_blocks = port.num_blocks
         self.regions = tuple(port.memory_regions())
         self.mem_type = "VRAM" if port.on_gpu else "DRAM"
+        self.read_gate = read_gate
         cfg = b.nixlAgentConfig()
         cfg.useProgThread = True
         cfg.useListenThread = False
@@ -362,6 +374,11 @@ class NixlAgent:
             t = timings if timings is not None else ReadTimings()
             read = _Read(self, peer, sink, closing, cancel, timeout_s, t)
             try:
+                if self.read_gate is not None and want > 1 and self.read_gate.exists():
+                    read.post(local_ids[:1], remote_block_ids[:1])  # the first block alone, then the gate
+                    read.wait()
+                    read.wait_at_gate(self.read_gate, want)
+                    local_ids, remote_block_ids = local_ids[1:], remote_block_ids[1:]
                 read.post(local_ids, remote_block_ids)
                 read.wait()
                 if expected_digests is not None:
@@ -413,8 +430,8 @@ class NixlAgent:
 
 
 class _Read:
-    """One read's transfer; release() lets go of it, waiting it out if NIXL cannot cancel it,
-    before the read leaves the sink's remote_write slot."""
+    """One read's transfers (two only at the test hook's gate); release() lets go of every one of
+    them, waiting out any NIXL cannot cancel, before the read leaves the sink's remote_write slot."""
 
     def __init__(
         self,
@@ -486,6 +503,19 @@ class _Read:
                     f"(xxh3-64 {g:016x}, the producer's {e:016x})"
                 )
         self.t.verify += time.monotonic() - start
+
+    def wait_at_gate(self, gate: Path, blocks: int) -> None:
+        """The test hook: hold until the gate file is gone (an import's close, a cancel or the
+        deadline still end the read)."""
+        logger.warning(
+            "injected fault: NIXL READ from %s paused after block 1 of %d until %s is removed",
+            self.peer.name,
+            blocks,
+            gate,
+        )
+        while gate.exists():
+            self._go_on()
+            time.sleep(GATE_POLL_S)
 
     def release(self) -> None:
         start = time.monotonic()

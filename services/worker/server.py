@@ -63,6 +63,9 @@ class WorkerServerConfig:
     finished a step for this long."""
     fault: str | None = None
     """Fault injection for the reliability tests (PDSERVE_FAULT)."""
+    kv_read_gate: str | None = None
+    """A file that, while it exists, holds every NIXL read after its first block (the
+    reliability tests' PDSERVE_KV_READ_GATE; engine/kv_cache/nixl.py)."""
     group: GroupConfig | None = None
     """This rank's place in its DP/EP group (expert parallelism); None: a lone engine."""
 
@@ -79,7 +82,7 @@ async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner
     return runner
 
 
-def start_nixl(mode: str, name: str, port: KVPort) -> nixl.NixlAgent | None:
+def start_nixl(mode: str, name: str, port: KVPort, read_gate: str | None = None) -> nixl.NixlAgent | None:
     """The worker's NIXL agent for --kv-transport mode: None for grpc, and for auto when NIXL is
     not installed or its agent cannot start (said once, here); nixl without it is an error."""
     if mode == "grpc":
@@ -91,7 +94,7 @@ def start_nixl(mode: str, name: str, port: KVPort) -> nixl.NixlAgent | None:
         logger.warning("KV transport: gRPC only (NIXL is not installed; pip install 'pdserve[nixl]')")
         return None
     try:
-        return nixl.NixlAgent(name, port)
+        return nixl.NixlAgent(name, port, read_gate=Path(read_gate) if read_gate else None)
     except Exception as e:
         if mode == "nixl":
             raise
@@ -150,7 +153,9 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         await server.stop(0)
         return 1
     try:  # on the loop, before it serves again: GetEngineInfo never answers without the agent
-        agent = start_nixl(settings.kv_transport, f"pdserve-{identity.engine_id}", core.kv_port)
+        agent = start_nixl(
+            settings.kv_transport, f"pdserve-{identity.engine_id}", core.kv_port, cfg.kv_read_gate
+        )
     except Exception:
         logger.exception("the NIXL agent did not start")
         await set_health(health, live=False, ready=False)
