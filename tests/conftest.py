@@ -13,6 +13,15 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the native CPU kernels (kernels/native) once, here, before any test starts engines in
+    several processes at once: they then load the build instead of waiting on its lock, and a
+    worker a test kills can never leave a half-built one behind."""
+    from engine.platform import use_native_kernels
+
+    use_native_kernels(torch.bfloat16, torch.device("cpu"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The project's default model, built once per test session."""
