@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import native
 from kernels.dispatch import resolve_impl
 
 OUTPUT_LAYOUT = "halves"
@@ -196,7 +197,9 @@ def apply_rotary(
     in x's dtype, written to `out` (which may be x itself) when given."""
     if resolve_impl(impl, x, has_triton=True) == "triton":
         return _apply_rotary_triton(x, cos, sin, interleaved, out)
-    if interleaved and x.dtype == torch.float32:
+    if x.dtype == torch.bfloat16 and x.dim() in (2, 3) and x.stride(-1) == 1 and native.loaded():
+        result = native.rotary(x, cos, sin, interleaved)  # one call for the reference's ten ops
+    elif interleaved and x.dtype == torch.float32:
         # One complex multiply per pair, written out as OUTPUT_LAYOUT (real parts, then imaginary).
         # A slice that cannot be viewed as complex (odd offset or stride, e.g. q[..., nope:] with
         # an odd nope width) is copied first.

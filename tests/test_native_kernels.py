@@ -265,3 +265,26 @@ def test_rms_norm_equals_the_reference(loaded, monkeypatch, rows, dim, with_resi
         got, want = got[0], want[0]
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("heads", [None, 3], ids=["rows", "heads"])
+def test_rotary_equals_the_reference_bitwise(loaded, monkeypatch, interleaved, heads):
+    """kernels.rotary.apply_rotary through the native call (where loaded) on slices as MLAttention
+    passes them (q[..., nope:] of each head, kv_a[:, L:]): bitwise the reference's values."""
+    from kernels.rotary import apply_rotary, apply_rotary_ref
+
+    gen = torch.Generator().manual_seed(heads or 1)
+    tokens, nope, rope = 5, 6, 8
+    wide = torch.randn(tokens, heads or 1, nope + rope, generator=gen).bfloat16()
+    x = wide[..., nope:] if heads else wide[:, 0, nope:]  # strided, unit stride along R
+    angles = torch.rand(tokens, rope // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    calls = []
+    if loaded:
+        real = native.rotary
+        monkeypatch.setattr(native, "rotary", lambda *a: calls.append(1) or real(*a))
+    got = apply_rotary(x, cos, sin, interleaved)
+    assert calls == ([1] if loaded else [])
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert torch.equal(got, apply_rotary_ref(x, cos, sin, interleaved))

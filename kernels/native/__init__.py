@@ -244,3 +244,36 @@ def rms_norm(
             rows, dim, eps,
         )  # fmt: skip
     return y if summed is None else (y, summed)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [N, R] or [N, G, R] bf16 (unit stride along R), cos/sin [N, R/2] float32 -> a new tensor
+    shaped as x, contiguous: kernels/rotary.py's apply_rotary_ref with its roundings. Requires
+    `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x  # [N, G, R]
+    if (
+        x3.dim() != 3
+        or x3.shape[-1] % 2
+        or cos.shape != (x3.shape[0], x3.shape[-1] // 2)
+        or sin.shape != cos.shape
+    ):
+        raise ValueError(
+            f"x must be [N, R] or [N, G, R] with R even and cos/sin [N, R/2], got {tuple(x.shape)}, "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.device.type != "cpu":
+        raise ValueError(
+            f"x must be CPU bfloat16 with unit stride along R, got {x.dtype} {tuple(x.stride())}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    n, g, r = x3.shape
+    out = torch.empty(n, g, r, dtype=torch.bfloat16)
+    if out.numel():
+        _library.rotary(
+            x3.data_ptr(), x3.stride(0), x3.stride(1), cos.data_ptr(), sin.data_ptr(), r // 2,
+            out.data_ptr(), n, g, r, interleaved,
+        )  # fmt: skip
+    return out.view(x.shape)

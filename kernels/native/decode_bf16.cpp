@@ -1,6 +1,6 @@
 // Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
 // the routed experts of a token each expert sees once (moe_pairs), MLA decode attention over the
-// paged cache (mla_decode) and RMSNorm with its residual add (rms_norm). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
+// paged cache (mla_decode), RMSNorm with its residual add (rms_norm) and rotary embedding (rotary). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
 // wrappers in __init__.py check shapes, dtypes and strides.
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K], y [M, N]; bf16 in and out
@@ -321,6 +321,33 @@ void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t 
   }
 }
 
+
+// Rotary embedding of bf16 rows x [N, G, R] (G heads, or 1) at each token's cos/sin [N, R/2]
+// (float32), in kernels/rotary.py's reference roundings: cos and sin rounded to bf16, every
+// product and sum rounded to bf16; pairs taken interleaved (x[2i], x[2i+1]) or as halves, and
+// written as halves, out [N, G, R] contiguous.
+void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t sin_ptr, int64_t ld_cs,
+            int64_t out_ptr, int64_t N, int64_t G, int64_t R, bool interleaved) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* cos = reinterpret_cast<const float*>(cos_ptr);
+  const auto* sin = reinterpret_cast<const float*>(sin_ptr);
+  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t half = R / 2;
+  auto round = [](float v) { return from_bf16(to_bf16(v)); };
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xr = x + n * x_n + g * x_g;
+      uint16_t* o = out + (n * G + g) * R;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round(cos[n * ld_cs + i]), s = round(sin[n * ld_cs + i]);
+        const float x1 = from_bf16(xr[interleaved ? 2 * i : i]);
+        const float x2 = from_bf16(xr[interleaved ? 2 * i + 1 : half + i]);
+        o[i] = to_bf16(round(x1 * c) - round(x2 * s));
+        o[half + i] = to_bf16(round(x2 * c) + round(x1 * s));
+      }
+    }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -328,4 +355,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
