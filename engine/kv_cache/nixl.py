@@ -1,6 +1,6 @@
 """NIXL as the KV data plane: a consumer READs a producer's exported blocks straight from the
-producer's registered cache memory into its own blocks (UCX underneath: shared memory or TCP on
-one host, RDMA across nodes), instead of the gRPC chunk stream's copies.
+producer's registered cache memory into its own blocks (UCX underneath: a CMA copy on one
+host, RDMA or TCP across nodes), instead of the gRPC chunk stream's copies.
 
     producer worker                                   consumer worker
     NixlAgent: every layer cache registered once      NixlAgent: every layer cache registered once
