@@ -19,6 +19,7 @@ import kernels.gate as gate_module
 import kernels.linear as linear_module
 import kernels.moe as moe_module
 from engine.config import RopeConfig
+from kernels import native
 from kernels.attention import extend_attention, merge_attn_states
 from kernels.gate import grouped_topk
 from kernels.linear import FEW_ROWS, PAD_ONE_ROW_MIN, linear
@@ -316,22 +317,30 @@ def routing(name: str, tokens: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, FEW_ROWS - 1, FEW_ROWS, 40], ids=lambda m: f"M{m}")
 def test_linear(rows, out_features, bias, dtype, monkeypatch):
     """Every row count and weight size against float64; on CPU, 2 to FEW_ROWS - 1 rows (and a single
-    row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear."""
+    row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear; a single
+    bf16 row by the native kernel where it is loaded (an AVX512-BF16 CPU), by torch's path otherwise."""
     g = gen(5)
     in_features = 64
     # A column slice: linear must not assume a contiguous x.
     x = torch.randn(rows, in_features + 3, generator=g)[:, 1 : in_features + 1].to(dtype)
     w = (torch.randn(out_features, in_features, generator=g) * in_features**-0.5).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None
-    f_linear_calls = []
+    expected = x.double() @ w.double().t() + (b.double() if bias else 0)
+    f_linear_calls, native_calls = [], []
     real = linear_module.F.linear
     monkeypatch.setattr(linear_module.F, "linear", lambda *a: f_linear_calls.append(1) or real(*a))
-    out = linear(x, w, b)
+    real_native = native.linear_bf16
+    monkeypatch.setattr(native, "linear_bf16", lambda *a: native_calls.append(1) or real_native(*a))
     few_rows_path = 1 < rows < FEW_ROWS or (rows == 1 and w.numel() >= PAD_ONE_ROW_MIN)
-    assert bool(f_linear_calls) != few_rows_path
-    assert out.shape == (rows, out_features) and out.dtype == dtype and out.is_contiguous()
-    expected = x.double() @ w.double().t() + (b.double() if bias else 0)
-    assert_close(out, expected, dtype)
+    for fn in (linear_module.linear_torch, linear):
+        f_linear_calls.clear()
+        native_calls.clear()
+        out = fn(x, w, b)
+        native_path = fn is linear and rows == 1 and dtype == torch.bfloat16 and native.loaded()
+        assert bool(native_calls) == native_path
+        assert bool(f_linear_calls) == (not native_path and not few_rows_path)
+        assert out.shape == (rows, out_features) and out.dtype == dtype and out.is_contiguous()
+        assert_close(out, expected, dtype)
 
 
 # Whether the padded batched-GEMM path must run (None: depends on the random draw). Skewed
