@@ -307,6 +307,15 @@ def test_tool_messages_without_tools_render(client):
 
 # ---- gRPC: the same conversation renders to the same prompt ------------------------------------
 
+GRPC_TOOLS = [
+    pb.Tool(
+        name=t["function"]["name"],
+        description=t["function"]["description"],
+        parameters=json.dumps(t["function"]["parameters"]),
+    )
+    for t in TOOLS
+]
+
 
 def _grpc_chat(call_id: str, arguments: str, **tool_kw) -> pb.Chat:
     return pb.Chat(
@@ -317,15 +326,7 @@ def _grpc_chat(call_id: str, arguments: str, **tool_kw) -> pb.Chat:
             ),
             pb.ChatMessage(role="tool", tool_call_id=call_id, content='{"time": "12:00"}'),
         ],
-        tools=[
-            pb.Tool(
-                name=t["function"]["name"],
-                description=t["function"]["description"],
-                parameters=json.dumps(t["function"]["parameters"]),
-            )
-            for t in TOOLS
-        ]
-        + [pb.Tool(**tool_kw)] * bool(tool_kw),
+        tools=GRPC_TOOLS + [pb.Tool(**tool_kw)] * bool(tool_kw),
     )
 
 
@@ -379,14 +380,6 @@ def test_grpc_bad_tool_fields_are_invalid_argument(stack, chat, field):
 
 # ---- gRPC: tool_choice and parsed calls, unary (Complete) and streamed (Generate) -------------
 
-GRPC_TOOLS = [
-    pb.Tool(
-        name=t["function"]["name"],
-        description=t["function"]["description"],
-        parameters=json.dumps(t["function"]["parameters"]),
-    )
-    for t in TOOLS
-]
 GRPC_CHOICES = {
     "required": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
     "named": pb.ToolChoice(function=pb.FunctionName(name="get_time")),
