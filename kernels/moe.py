@@ -300,7 +300,7 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
         for k, e in enumerate(row):
             if e >= 0:
                 pairs.setdefault(e, []).append((t, k))
-    if native.loaded() and native.takes(x, w13) and all(len(p) == 1 for p in pairs.values()):
+    if native.loaded() and native.takes(x, w13, w2, out) and all(len(p) == 1 for p in pairs.values()):
         # Every expert sees one token (a batch-1 decode): all of them in one native call.
         experts = sorted(pairs)
         weights = topk_weights.tolist()

@@ -59,7 +59,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = w[:, : self.nope_dim].contiguous()
         self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
-        if native.loaded() and native.takes(w, w):  # one decode token: per-head products as GEMVs
+        if native.loaded() and native.takes(w):  # one decode token: per-head products as GEMVs
             self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
             self.w_uv = w[:, self.nope_dim :]
 

@@ -90,16 +90,12 @@ def loaded() -> bool:
     return _library is not None
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear_bf16 runs x [M, K] @ weight [N, K]^T as they are: CPU bf16, unit stride
-    along K."""
-    return (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
+def takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels here take these operands as they are: each CPU bf16 with unit stride
+    along its last dimension (None, an absent optional operand, always passes)."""
+    return all(
+        t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1)
+        for t in tensors
     )
 
 
@@ -158,7 +154,7 @@ def moe_pairs(
             f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
             f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
         )
-    if not (takes(x, w13) and takes(out, w2)):
+    if not takes(x, w13, w2, out):
         raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
     if not len(experts) == len(tokens) == len(weights):
         raise ValueError(
@@ -230,7 +226,7 @@ def rms_norm(
             f"weight must be [D={dim}] and residual like x {tuple(x.shape)}, got {tuple(weight.shape)} "
             f"and {None if residual is None else tuple(residual.shape)}"
         )
-    if not (takes(x, weight.view(1, -1)) and (residual is None or takes(residual, weight.view(1, -1)))):
+    if not takes(x, weight, residual):
         raise ValueError("x, weight and residual must be CPU bfloat16 with unit stride along D")
     weight = weight.contiguous()
     y = torch.empty(rows, dim, dtype=torch.bfloat16)
