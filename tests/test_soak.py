@@ -26,6 +26,7 @@ import redis
 from engine import LLM, SamplingParams
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
+from services.common.threads import IO_THREADS
 from services.kv_transfer.nixl_pull import READ_THREADS
 from tests.redis_server import RedisServer
 from tests.service_testing import ENGINE_ARGS, inference, load, start_stack, wait_until, worker
@@ -46,7 +47,7 @@ MAX_RSS_GROWTH_MB = 40
 MODES = [pb.SERVING_MODE_AUTO, pb.SERVING_MODE_DISAGGREGATED, pb.SERVING_MODE_COLOCATED]
 
 
-BOUNDED_POOLS = {"nixl-read": READ_THREADS}
+BOUNDED_POOLS = {"nixl-read": READ_THREADS, "io_": IO_THREADS}
 """Thread pools that fill up to a fixed size as work overlaps (not per request): held to their
 bound, not to the baseline."""
 
@@ -173,6 +174,7 @@ def _soak(stack, tiny_model, redis_server, capsys):
     pids = {p.name: p.popen.pid for p in stack.procs}
     keep = {name: pid for name, pid in pids.items() if name != "decode-1"}  # decode-1 gets restarted
     base_threads = {name: _threads(pid) for name, pid in keep.items()}
+    base_names = {name: sorted(_thread_names(pid)) for name, pid in keep.items()}
     base_fds = {name: _fds(pid) for name, pid in keep.items()}
     base_rss = {name: _rss_mb(pid) for name, pid in keep.items()}
     base_keys = len(client.keys("pdserve:worker:*"))
@@ -247,7 +249,7 @@ def _soak(stack, tiny_model, redis_server, capsys):
     assert len(info.workers) == 3 and all(w.healthy for w in info.workers)
     time.sleep(1.0)
     for name, pid in keep.items():
-        assert _threads(pid) <= base_threads[name] + 2, (name, base_threads[name], _threads(pid))
+        assert _threads(pid) <= base_threads[name] + 2, (name, base_names[name], sorted(_thread_names(pid)))
         assert _fds(pid) <= base_fds[name] + 4, (
             name,
             base_fds[name],

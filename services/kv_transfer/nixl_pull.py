@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +31,7 @@ from engine.kv_cache.transfer import ImportClosed, ImportSink, MemoryRegion
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common.errors import DataLoss, FailedPrecondition, ServiceError
+from services.common.threads import named_pool
 from services.kv_transfer.peers import PeerStubs
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Transports:
         self._asking: dict[tuple[str, int], asyncio.Future] = {}
         self.reading: set[threading.Event] = set()
         """The cancel events of the reads in flight (close cancels them)."""
-        self.executor = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="nixl-read")
+        self.executor = named_pool(READ_THREADS, "nixl-read")
 
     async def choose(self, producer: kv_pb.KvProducer, timeout: float | None) -> nixl.PeerAgent | None:
         """The producer's agent when KV from it moves over NIXL; None: over gRPC."""

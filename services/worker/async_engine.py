@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from engine.client import run_step_loop
 from engine.engine_core import EngineCore
 from engine.outputs import RequestOutput
+from services.common.threads import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class AsyncEngine:
             self._resolve(fut, result)
 
     def _run(self) -> None:
+        name_os_thread()
         try:
             self.core = self._factory()
             self.lockstep = self.core.group is not None

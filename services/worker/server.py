@@ -29,6 +29,7 @@ from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.common.grpc_utils import add_health_and_reflection, bind, new_server, set_health
 from services.common.metrics import Metrics
 from services.common.security import Security
+from services.common.threads import IO_THREADS, named_pool
 from services.kv_transfer.producer import KvTransferService
 from services.registry import Heartbeat, WorkerRecord, make_registry
 from services.worker.async_engine import AsyncEngine
@@ -111,6 +112,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     identity = new_identity(endpoint, settings.dp_rank)
 
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(named_pool(IO_THREADS, "io"))  # asyncio.to_thread: KV chunk I/O
 
     def free_ended_exports() -> (
         None
