@@ -42,14 +42,17 @@ def run(llm: LLM, batch: int, max_tokens: int) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.engine
+    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", llm.tokenizer.encode(p), params)
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, llm.tokenizer.encode(p), params)
     first_all, outputs = None, 0
     started = set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs += len(out.new_token_ids)
+            tokens[out.request_id] += out.new_token_ids
             started.add(out.request_id)
             if first_all is None and len(started) == batch:
                 first_all = time.perf_counter()
@@ -61,6 +64,7 @@ def run(llm: LLM, batch: int, max_tokens: int) -> dict:
         "decode_tok_per_s": decode_tokens / decode_s,
         "ms_per_token": 1000 * decode_s / (max_tokens - 1),
         "total_s": end - start,
+        "tokens": [tokens[rid] for rid in ids],
     }
 
 
@@ -143,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance_per_position": st.per_position(),
             }
             if 0 in runs:
+                # Greedy: drafts only change how many tokens a step yields, never which.
+                row["same_tokens_as_k0"] = all(
+                    r["tokens"] == b["tokens"] for r, b in zip(runs[k], runs[0], strict=True)
+                )
                 row["speedup"] = statistics.median(
                     r["decode_tok_per_s"] / b["decode_tok_per_s"]
                     for r, b in zip(runs[k], runs[0], strict=True)
@@ -160,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["vs_k0"] = statistics.median(a / b for a, b in zip(ttfts[k], ttfts[0], strict=True))
             ttft_rows.append(row)
     print(
-        f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10}  per-position acceptance"
+        f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10} {'same tokens':>11}  per-position acceptance"
     )
     for r in rows:
         pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) if r["verifications"] else "-"
         print(
             f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
-            f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f}  {pos}"
+            f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f} {str(r.get('same_tokens_as_k0', '-')):>11}  {pos}"
         )
     for r in ttft_rows:
         print(

@@ -15,8 +15,9 @@ own small-M kernels).
 A single bf16 row, where the native kernels are loaded (kernels/native: AVX512-BF16 CPUs), takes
 neither: their product reads the weight once, at 7-8 GB/s on one thread for a layer's 0.25-1 MB
 weights and ~17 GB/s on two for the LM head, against 4-5 and ~17 through torch (2-core Xeon,
-benchmarks/linear_native.py). From two rows on torch's products stay: the native kernel turns
-compute-bound there.
+benchmarks/linear_native.py). Up to native.FEW_ROWS rows (a speculative verification) a layer's
+weight still goes native; from there on torch's products stay: the native kernel turns
+compute-bound (native.FEW_ROWS has the figures).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PAD_ONE_ROW_MIN = 1 << 18  # a single row through a weight this large is padded 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] | None -> [M, N] (contiguous), any device."""
-    if x.dim() == 2 and x.shape[0] == 1 and native.loaded() and native.takes(x, weight):
+    if x.dim() == 2 and native.takes_rows(x, weight):
         y = native.linear_bf16(x, weight)
         return y if bias is None else y.add_(bias)
     return linear_torch(x, weight, bias)

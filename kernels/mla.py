@@ -402,10 +402,12 @@ def _visible(seq_lens: torch.Tensor, s_q: int, num_keys: int) -> torch.Tensor:
 
 
 NATIVE_MAX_BATCH = 4
-"""Decode batches up to this many sequences take the native kernel (kernels/native, bf16 on
-AVX512-BF16 CPUs). Measured against this path at 200 cached tokens, bench model (8 heads), 2-core
-Xeon: 0.10 / 0.14 / 0.23 / 0.47 ms against 0.21 / 0.24 / 0.29 / 0.48 at 1 / 2 / 4 / 8 sequences,
-and slower from 16 on, where the batched GEMMs here win."""
+"""Decode batches up to this many query tokens (sequences times query length) take the native
+kernel (kernels/native, bf16 on AVX512-BF16 CPUs). Measured against this path at 200 cached
+tokens, bench model (8 heads), 2-core Xeon: 0.10 / 0.14 / 0.23 / 0.47 ms against 0.21 / 0.24 /
+0.29 / 0.48 at 1 / 2 / 4 / 8 sequences, and slower from 16 on, where the batched GEMMs here win.
+A speculative verification's s_q > 1 tokens of a sequence go in as s_q sequences over the same
+blocks, query i seeing the first seq_len - s_q + 1 + i keys."""
 
 FAST_CHUNK_BYTES = 8 << 20
 """Gathered KV per chunk of sequences in the fast decode path: small enough to stay in the
@@ -417,10 +419,15 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
     batches run in chunks of sequences so the gathered KV is reused from cache, not DRAM."""
     batch, s_q, heads, width = q.shape
-    if s_q == 1 and batch <= NATIVE_MAX_BATCH and native.loaded() and native.takes(q, kv_cache):
-        # One token per sequence (a decode without drafts): the cache read in place, no gather.
-        o = native.mla_decode(q[:, 0], kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-        return o.view(batch, 1, heads, kv_lora_rank)
+    if batch * s_q <= NATIVE_MAX_BATCH and native.loaded() and native.takes(q, kv_cache):
+        # The cache read in place, no gather; with drafts, each query token is a sequence of its own.
+        if s_q > 1:
+            block_table = block_table.repeat_interleave(s_q, dim=0)
+            seq_lens = (seq_lens[:, None] - s_q + 1 + torch.arange(s_q, dtype=seq_lens.dtype)).view(-1)
+        o = native.mla_decode(
+            q.reshape(batch * s_q, heads, width), kv_cache, block_table, seq_lens, scale, kv_lora_rank
+        )
+        return o.view(batch, s_q, heads, kv_lora_rank)
     max_len = int(seq_lens.max()) if batch else 0
     row_bytes = max(max_len, 1) * width * kv_cache.element_size()
     chunk = max(1, FAST_CHUNK_BYTES // row_bytes)

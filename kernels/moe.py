@@ -300,18 +300,19 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
         for k, e in enumerate(row):
             if e >= 0:
                 pairs.setdefault(e, []).append((t, k))
-    if native.loaded() and native.takes(x, w13, w2, out) and all(len(p) == 1 for p in pairs.values()):
-        # Every expert sees one token (a batch-1 decode): all of them in one native call.
-        experts = sorted(pairs)
+    if native.loaded() and native.takes(x, w13, w2, out):
+        # All pairs in one native call, expert by expert as the loop below: an expert seeing two
+        # tokens (a verification's drafts, a small batch) reads its weights the second time from cache.
+        order = [(e, t, k) for e in sorted(pairs) for t, k in pairs[e]]
         weights = topk_weights.tolist()
         native.moe_pairs(
             x,
             w13,
             w2,
             out,
-            experts,
-            [pairs[e][0][0] for e in experts],
-            [weights[pairs[e][0][0]][pairs[e][0][1]] for e in experts],
+            [e for e, _, _ in order],
+            [t for _, t, _ in order],
+            [weights[t][k] for _, t, k in order],
         )
         return out
     for expert in sorted(pairs):

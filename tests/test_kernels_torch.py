@@ -317,8 +317,9 @@ def routing(name: str, tokens: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, FEW_ROWS - 1, FEW_ROWS, 40], ids=lambda m: f"M{m}")
 def test_linear(rows, out_features, bias, dtype, monkeypatch):
     """Every row count and weight size against float64; on CPU, 2 to FEW_ROWS - 1 rows (and a single
-    row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear; a single
-    bf16 row by the native kernel where it is loaded (an AVX512-BF16 CPU), by torch's path otherwise."""
+    row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear; up to
+    native.FEW_ROWS bf16 rows (a single one through any weight) by the native kernel where it is
+    loaded (an AVX512-BF16 CPU), by torch's path otherwise."""
     g = gen(5)
     in_features = 64
     # A column slice: linear must not assume a contiguous x.
@@ -336,7 +337,12 @@ def test_linear(rows, out_features, bias, dtype, monkeypatch):
         f_linear_calls.clear()
         native_calls.clear()
         out = fn(x, w, b)
-        native_path = fn is linear and rows == 1 and dtype == torch.bfloat16 and native.loaded()
+        native_path = (
+            fn is linear
+            and dtype == torch.bfloat16
+            and native.loaded()
+            and (rows == 1 or (1 < rows <= native.FEW_ROWS and w.numel() * 2 <= native.FEW_ROWS_MAX_BYTES))
+        )
         assert bool(native_calls) == native_path
         assert bool(f_linear_calls) == (not native_path and not few_rows_path)
         assert out.shape == (rows, out_features) and out.dtype == dtype and out.is_contiguous()

@@ -67,6 +67,20 @@ def test_linear_bf16_equals_float32_sums_rounded(loaded, shape):
     assert bool(((got.float() - want).abs() <= tolerance).all())
 
 
+def test_each_row_is_bitwise_the_one_row_product(loaded):
+    """A row's result does not depend on how many rows share the call: a speculative verification
+    (2-3 rows) computes each token exactly as a one-token decode would."""
+    if not loaded:
+        assert not native.loaded()
+        return
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(native.FEW_ROWS, 200, generator=gen).bfloat16()
+    w = torch.randn(3, 40, 200, generator=gen).bfloat16()
+    together = native.linear_bf16(x.expand(3, -1, -1), w)
+    for i in range(native.FEW_ROWS):
+        assert torch.equal(together[:, i : i + 1], native.linear_bf16(x[i : i + 1].expand(3, -1, -1), w))
+
+
 def test_strided_rows_and_views(loaded):
     """x rows with a row stride (a slice of a wider tensor), and per-head views with a batch
     stride, as MLAttention passes them."""
@@ -99,20 +113,24 @@ def test_bad_operands_name_the_shape(loaded):
         native.linear_bf16(x, torch.zeros(8, 4, dtype=torch.bfloat16).t())
 
 
-def test_kernels_linear_takes_one_bf16_row_natively(loaded, monkeypatch):
-    """One bf16 row goes native where loaded; two rows, float32 and strided weights stay on torch."""
+def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
+    """Up to FEW_ROWS bf16 rows go native where loaded (from 2 rows only through weights up to
+    FEW_ROWS_MAX_BYTES); more rows, float32 and strided weights stay on torch."""
     calls = []
     real = native.linear_bf16
-    monkeypatch.setattr(native, "linear_bf16", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(native, "linear_bf16", lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen).bfloat16()
-    for rows in (1, 2):
-        x = torch.randn(rows, 96, generator=gen).bfloat16()
-        y = linear_mod.linear(x, w)
-        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2**-7, atol=1e-2)
+    wide = torch.randn(native.FEW_ROWS_MAX_BYTES // (2 * 96) + 1, 96, generator=gen).bfloat16()
+    for weight in (w, wide):
+        for rows in range(1, native.FEW_ROWS + 2):
+            x = torch.randn(rows, 96, generator=gen).bfloat16()
+            y = linear_mod.linear(x, weight)
+            torch.testing.assert_close(y.float(), F.linear(x.float(), weight.float()), rtol=2**-7, atol=1e-2)
     linear_mod.linear(torch.randn(1, 96), w.float())
     linear_mod.linear(torch.randn(1, 64).bfloat16(), w.t())
-    assert calls == ([torch.Size([1, 96])] if loaded else [])
+    expected = [(rows, 96) for rows in range(1, native.FEW_ROWS + 1)] + [(1, 96)]
+    assert calls == (expected if loaded else [])
 
 
 def test_the_switch_turns_them_off(monkeypatch, tmp_path):
@@ -164,10 +182,11 @@ def test_bf16_decode_through_them_is_as_close_to_the_reference_as_torch(loaded, 
     assert errors["native"] <= 1.5 * errors["torch"] + 0.01, errors
 
 
-@pytest.mark.parametrize("tokens", [1, 3], ids=lambda t: f"T{t}")
-def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens):
-    """The routed experts of tokens that each expert sees once, in one native call: the torch
-    loop's value up to the products' float32 summation order (the roundings between are its own)."""
+@pytest.mark.parametrize("tokens, shared", [(1, False), (3, False), (2, True), (5, True)], ids=str)
+def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens, shared):
+    """The routed experts of a few tokens in one native call, an expert seen by several tokens
+    (shared) taking each in turn: the torch loop's value up to the products' float32 summation
+    order (the roundings between are its own)."""
     from kernels.moe import fused_moe_ref
 
     gen = torch.Generator().manual_seed(tokens)
@@ -175,7 +194,11 @@ def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens):
     x = torch.randn(tokens, hidden, generator=gen).bfloat16()
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
-    ids = torch.randperm(experts, generator=gen)[: tokens * top_k].view(tokens, top_k)  # each expert once
+    if shared:  # expert 3 sees every token
+        others = torch.randperm(experts - 1, generator=gen)[:tokens] + 4
+        ids = torch.stack((torch.full((tokens,), 3), others % experts), dim=1)
+    else:  # each expert once
+        ids = torch.randperm(experts, generator=gen)[: tokens * top_k].view(tokens, top_k)
     weights = torch.rand(tokens, top_k, generator=gen)
     calls = []
     if loaded:
@@ -201,11 +224,23 @@ def test_moe_pairs_refuses_ids_out_of_range(loaded):
         native.moe_pairs(x, w13, w2, torch.zeros_like(x), [1], [1], [1.0])
 
 
-@pytest.mark.parametrize("block_size, lens", [(4, [1, 7, 16, 0]), (16, [33]), (3, [5, 2, 11])], ids=str)
-def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens):
-    """One query token per sequence over a paged cache with shuffled blocks, odd lengths and an
-    empty sequence: the torch path's value, up to float32 summation order."""
-    from kernels.mla import mla_decode, mla_decode_ref
+@pytest.mark.parametrize(
+    "block_size, lens, s_q",
+    [
+        (4, [1, 7, 16, 0], 1),
+        (16, [33], 1),
+        (3, [5, 2, 11], 1),
+        (16, [33], 3),
+        (4, [7, 16], 2),
+        (3, [2, 5], 2),
+    ],
+    ids=str,
+)
+def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens, s_q):
+    """s_q query tokens per sequence (a decode, or a verification of drafts, each query seeing the
+    keys up to its own position) over a paged cache with shuffled blocks, odd lengths and an empty
+    sequence: the torch path's value, up to float32 summation order."""
+    from kernels.mla import NATIVE_MAX_BATCH, mla_decode, mla_decode_ref
 
     gen = torch.Generator().manual_seed(block_size)
     heads, lat, rope = 3, 40, 8
@@ -214,12 +249,17 @@ def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens)
     cache = torch.randn(num_blocks, block_size, lat + rope, generator=gen).bfloat16()
     table = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), 1, heads, lat + rope, generator=gen).bfloat16()
+    q = torch.randn(len(lens), s_q, heads, lat + rope, generator=gen).bfloat16()
+    calls = []
+    if loaded:
+        real = native.mla_decode
+        monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     got, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
+    assert calls == ([len(lens) * s_q] if loaded and len(lens) * s_q <= NATIVE_MAX_BATCH else [])
     monkeypatch.setattr(native, "_library", None)
     want, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
     exact, _ = mla_decode_ref(q.float(), cache.float(), table, seq_lens, 0.3, lat)  # no bf16 roundings
-    assert got.shape == want.shape == (len(lens), 1, heads, lat) and got.dtype == torch.bfloat16
+    assert got.shape == want.shape == (len(lens), s_q, heads, lat) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
     # Each side's error against the unrounded attention is of the same size.
     err = lambda o: float((o.float() - exact).abs().max())  # noqa: E731

@@ -367,3 +367,20 @@ def test_trained_model_accepts_drafts_and_stays_exact():
         stats.per_position(),
         stats.acceptance_rate,
     )
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_batch1_bf16_drafts_keep_the_tokens_bitwise(k):
+    """bf16 greedy decoding with k <= 2 drafts at batch 1 gives the tokens of decoding without
+    (the verification's <= native.FEW_ROWS rows take the same per-row kernels as a one-token decode,
+    tests/test_native_kernels.py holds them to that). Without the kernels, in float32."""
+    from kernels import native
+
+    dtype = "bfloat16" if native.loaded() else "float32"
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    base = LLM(TRAINED, dtype=dtype, num_threads=1)
+    llm = LLM(TRAINED, dtype=dtype, num_threads=1, speculative_config=spec)
+    for prompt in ("The module provides", "This function returns a"):  # one request at a time
+        assert llm.generate([prompt], params)[0].token_ids == base.generate([prompt], params)[0].token_ids
+    assert llm.engine.spec_stats.num_drafts > 0

@@ -51,7 +51,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype)
         self.w_uk: torch.Tensor | None = None  # [H, nope, L], set by process_weights
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
-        self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native one-token products
+        self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native few-token products
         self.w_uv: torch.Tensor | None = None  # [H, v, L], a view of kv_b_proj's weight
 
     def process_weights(self) -> None:
@@ -119,16 +119,17 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup):
         """Absorbed: q_* [D*s, H, *] -> [D*s, H, v]."""
-        one = q_nope.shape[0] == 1 and self.w_uk_t is not None  # one token: the native products
-        if one:
-            q_lat = native.linear_bf16(q_nope.transpose(0, 1), self.w_uk_t).transpose(0, 1)  # [1, H, L]
+        per_head = q_nope.transpose(0, 1)  # [H, D*s, nope]
+        few = self.w_uk_t is not None and native.takes_rows(per_head, self.w_uk_t[0])  # the native products
+        if few:
+            q_lat = native.linear_bf16(per_head, self.w_uk_t).transpose(0, 1)  # [D*s, H, L]
         else:
-            q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D*s, H, L]
+            q_lat = torch.bmm(per_head, self.w_uk).transpose(0, 1)  # [D*s, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1).view(group.num_seqs, group.query_len, self.num_heads, -1)
         o_lat, _ = mla_decode(
             q, kv_cache, group.block_table, group.seq_lens, self.scale, self.kv_lora_rank, return_lse=False
         )  # [D, s, H, L]
         o_lat = o_lat.reshape(-1, self.num_heads, self.kv_lora_rank)
-        if one:
-            return native.linear_bf16(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)  # [1, H, v]
+        if few:
+            return native.linear_bf16(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)  # [D*s, H, v]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D*s, H, v]

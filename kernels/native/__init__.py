@@ -32,6 +32,16 @@ CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512b
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 """/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
 
+FEW_ROWS = 3
+"""Products of up to this many rows take the native kernel (a decode step's token, or a batch-1
+speculative verification of up to 3 tokens). Each extra row costs the native kernel arithmetic
+(its sums end in horizontal adds) while torch's oneDNN call costs ~50 µs whatever the rows; per
+product, weights out of cache, 2-core Xeon (benchmarks/linear_native.py): 0.25 MB weight at 2 / 3
+rows 23-44 / 24-50 µs native against 47-62 / 50-66 torch; 1 MB 97-105 / 89-142 against 81-105 /
+127-166; the 2 MB LM head of the tiny model 620 against 339, so from 2 rows only weights up to
+FEW_ROWS_MAX_BYTES go native."""
+FEW_ROWS_MAX_BYTES = 1 << 20
+
 _library: ModuleType | None = None
 
 
@@ -96,6 +106,18 @@ def takes(*tensors: torch.Tensor | None) -> bool:
     return all(
         t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1)
         for t in tensors
+    )
+
+
+def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of x's rows (the second-last dimension) with weight should run here:
+    loaded, the operands taken as they are, and few enough rows for the weight's size."""
+    rows = x.shape[-2]
+    return (
+        _library is not None
+        and 0 < rows <= FEW_ROWS
+        and (rows == 1 or weight.numel() * weight.element_size() <= FEW_ROWS_MAX_BYTES)
+        and takes(x, weight)
     )
 
 
