@@ -40,6 +40,10 @@ TOKEN = "reliability-test-token"
 MAX_IN_FLIGHT = 4
 
 
+HELD_AT_GATE = "injected fault: NIXL READ from"
+"""What a worker logs when its NIXL READ stops at the read gate."""
+
+
 @pytest.fixture(scope="module")
 def read_gate(tmp_path_factory) -> Path:
     """While this file exists, the workers' NIXL reads stop after their first block (PDSERVE_KV_READ_GATE)."""
@@ -82,6 +86,12 @@ def _live_workers(stack):
 def _idle(endpoint: str) -> bool:
     load_ = load(endpoint, TOKEN)
     return load_.num_free_blocks == load_.num_total_blocks and load_.num_pinned_transfers == 0
+
+
+def _holds_nothing(endpoint: str, free: int) -> bool:
+    """No transfer pinned and the free blocks back at `free`."""
+    load_ = load(endpoint, TOKEN)
+    return load_.num_pinned_transfers == 0 and load_.num_free_blocks == free
 
 
 @pytest.fixture(autouse=True)
@@ -272,13 +282,12 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
     alone = offline.generate(
         prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0, max_tokens=6)
     )
-    held = "injected fault: NIXL READ from"
-    said = decode.log_path.read_text().count(held)
+    said = decode.log_path.read_text().count(HELD_AT_GATE)
     read_gate.touch()
     try:
         with futures.ThreadPoolExecutor(2) as pool:
             calls = {policy: pool.submit(decode_with, policy) for policy in prompts}
-            assert wait_until(lambda: decode.log_path.read_text().count(held) == said + 2, 30)
+            assert wait_until(lambda: decode.log_path.read_text().count(HELD_AT_GATE) == said + 2, 30)
             assert load(decode.endpoint, TOKEN).num_free_blocks < free  # both imports hold blocks
             assert colocated() == alone[0].token_ids  # the worker goes on meanwhile
             stack.kill(prefill)
@@ -295,6 +304,72 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
     finally:
         read_gate.unlink(missing_ok=True)
         _restart(stack, prefill)
+
+
+def _offline_tokens(offline: LLM, prompt: list[int]) -> list[int]:
+    return offline.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+    )[0].token_ids
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_gate, policy):
+    """A disaggregated request through the router; its decode worker's READ is held after the
+    first block (the read gate) and that worker is SIGKILLed. The first token has reached the
+    client, so the router does not retry it elsewhere, whatever the kv_failure_policy (the client
+    would see the token twice): the stream ends UNAVAILABLE within 5 s. The router releases the
+    export the dead worker never answered for: the prefill worker pins nothing and has its free
+    blocks back within 5 s (the stack's lease is 2 s; the READ's hold on the blocks alone would
+    last far longer), and serves the same request again with the offline tokens."""
+    prefill = stack.workers("prefill")[0]
+    free = load(prefill.endpoint, TOKEN).num_free_blocks
+    # New to every decode worker: a READ of one block (the rest cached) is not held at the gate.
+    prompt = [23 + len(policy) + (i * 17) % 3000 for i in range(40)]
+    sampling = pb.SamplingParams(temperature=0, max_tokens=6)
+    policy_pb = pb.KV_FAILURE_POLICY_RECOMPUTE if policy == "recompute" else pb.KV_FAILURE_POLICY_FAIL
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=sampling,
+        mode=pb.SERVING_MODE_DISAGGREGATED,
+        kv_failure_policy=policy_pb,
+    )
+    ref = _offline_tokens(offline, prompt)
+    said = {p.name: p.log_path.read_text().count(HELD_AT_GATE) for p in stack.workers("decode")}
+
+    def reading() -> list:
+        return [
+            p for p in stack.workers("decode") if p.log_path.read_text().count(HELD_AT_GATE) > said[p.name]
+        ]
+
+    stub = inference(stack)
+    victim = None
+    read_gate.touch()
+    try:
+        stream = iter(stub.Generate(request, timeout=60))
+        assert list(next(stream).token_ids) == ref[:1]  # from the prefill worker
+        assert wait_until(lambda: len(reading()) == 1, 30)
+        victim = reading()[0]
+        assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1  # under the READ
+        stack.kill(victim)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+        assert wait_until(lambda: _holds_nothing(prefill.endpoint, free), 5.0), load(prefill.endpoint, TOKEN)
+        read_gate.unlink()
+        tokens, _ = generate(
+            stub,
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=sampling,
+            mode=pb.SERVING_MODE_DISAGGREGATED,
+            kv_failure_policy=policy_pb,
+        )
+        assert tokens == ref and prefill.popen.poll() is None
+    finally:
+        read_gate.unlink(missing_ok=True)
+        if victim is not None:
+            _restart(stack, victim)
 
 
 def test_a_new_channel_to_a_restarted_peer_connects_at_once():
