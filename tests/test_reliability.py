@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import LLM, SamplingParams
 from engine.env import KV_READ_GATE_VAR
 from pdserve.v1 import inference_pb2 as pb
+from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common.security import handle_mac
 from services.launcher import Stack, StackConfig, wait_ready
@@ -29,6 +30,7 @@ from tests.service_testing import (
     ENGINE_ARGS,
     generate,
     inference,
+    kv_transfer,
     load,
     metric,
     start_stack,
@@ -306,6 +308,20 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
         _restart(stack, prefill)
 
 
+def _decode_request(first: wpb.PrefillResponse, prompt: list[int], policy: str) -> wpb.DecodeRequest:
+    """The Decode that continues a Prefill of `prompt` (max_tokens 6), signed as the router signs it."""
+    return wpb.DecodeRequest(
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+        output_token_ids=first.output.token_ids,
+        kv_handle=first.kv_handle,
+        kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
+        kv_failure_policy=pb.KV_FAILURE_POLICY_RECOMPUTE
+        if policy == "recompute"
+        else pb.KV_FAILURE_POLICY_FAIL,
+    )
+
+
 def _offline_tokens(offline: LLM, prompt: list[int]) -> list[int]:
     return offline.generate(
         prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
@@ -370,6 +386,86 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         read_gate.unlink(missing_ok=True)
         if victim is not None:
             _restart(stack, victim)
+
+
+def test_a_nixl_read_outlives_a_lease_that_runs_out_under_it(stack, offline, read_gate):
+    """The export's lease (300 ms) runs out while the decode worker's READ is held at the gate:
+    the READ's hold keeps the blocks pinned (the sweep does not end an export being read), the
+    READ completes with the offline tokens once the gate opens, and the decode worker's release
+    then frees the blocks on the prefill worker."""
+    prefill, decode = stack.workers("prefill")[0], stack.workers("decode")[0]
+    free = load(prefill.endpoint, TOKEN).num_free_blocks
+    prompt = [29 + (i * 19) % 3000 for i in range(40)]
+    first = worker(prefill.endpoint, TOKEN).Prefill(
+        wpb.PrefillRequest(
+            prompt_token_ids=prompt, sampling=pb.SamplingParams(temperature=0, max_tokens=6), lease_ms=300
+        ),
+        timeout=30,
+    )
+    said = decode.log_path.read_text().count(HELD_AT_GATE)
+    stub = worker(decode.endpoint, TOKEN)
+    read_gate.touch()
+    try:
+        with futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(
+                lambda: [
+                    t
+                    for m in stub.Decode(_decode_request(first, prompt, "fail"), timeout=30)
+                    for t in m.token_ids
+                ]
+            )
+            assert wait_until(lambda: decode.log_path.read_text().count(HELD_AT_GATE) == said + 1, 30)
+            # Time itself is what we wait for here: the lease's end, and the sweeps after it.
+            time.sleep(max(0.0, first.kv_handle.lease_expiry_unix_ms / 1000 - time.time()) + 1.0)
+            assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1
+            read_gate.unlink()
+            tokens = list(first.output.token_ids) + call.result(timeout=30)
+        assert tokens == _offline_tokens(offline, prompt)
+        assert wait_until(lambda: _holds_nothing(prefill.endpoint, free), 5.0), load(prefill.endpoint, TOKEN)
+    finally:
+        read_gate.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("end", ["expired", "aborted"])
+def test_a_nixl_handle_whose_export_ended_before_the_read(stack, offline, end, policy):
+    """The export behind a handle ended before the decode worker's BeginRead: its lease ran out
+    (the decode side came too late), or someone released it (abort; the router does when it gave
+    up on the decode side). BeginRead is refused, so nothing is READ: the fail policy ends the
+    Decode with NOT_FOUND naming the end, the recompute policy gives the offline tokens; the
+    decode worker's free blocks come back and the prefill worker pins nothing."""
+    prefill, decode = stack.workers("prefill")[0], stack.workers("decode")[0]
+    _handover(prefill, decode, [9 + i for i in range(20)], pb.SamplingParams(temperature=0, max_tokens=2))
+    assert f"KV from producer {prefill.endpoint} moves over NIXL" in decode.log_path.read_text()
+    free = load(decode.endpoint, TOKEN).num_free_blocks
+    prompt = [31 + len(end) + len(policy) + (i * 23) % 3000 for i in range(40)]
+    first = worker(prefill.endpoint, TOKEN).Prefill(
+        wpb.PrefillRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+            lease_ms=300 if end == "expired" else 0,
+        ),
+        timeout=30,
+    )
+    transfer_id = first.kv_handle.transfer_id
+    if end == "aborted":
+        kv_transfer(prefill.endpoint, TOKEN).Release(
+            kv_pb.ReleaseRequest(transfer_id=transfer_id, reason=kv_pb.RELEASE_REASON_ABORT), timeout=5
+        )
+    assert wait_until(lambda: load(prefill.endpoint, TOKEN).num_pinned_transfers == 0, 5.0)
+    stream = worker(decode.endpoint, TOKEN).Decode(_decode_request(first, prompt, policy), timeout=30)
+    if policy == "fail":
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+        assert f"BeginRead of transfer {transfer_id}" in err.value.details()
+        assert f"has ended ({end})" in err.value.details()
+    else:
+        tokens = list(first.output.token_ids) + [t for m in stream for t in m.token_ids]
+        assert tokens == _offline_tokens(offline, prompt)
+        assert f"KV transfer failed (BeginRead of transfer {transfer_id}" in decode.log_path.read_text()
+    assert wait_until(lambda: load(decode.endpoint, TOKEN).num_free_blocks == free, 5.0)
+    assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 0
 
 
 def test_a_new_channel_to_a_restarted_peer_connects_at_once():
