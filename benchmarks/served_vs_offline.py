@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -89,7 +90,15 @@ def _openai_stream(url: str, model: str, prompt: list[int], output_len: int) -> 
     return pieces
 
 
-def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int], dict[str, float]]:
+    """-> (output tok/s per round, pieces per round, CPU seconds per output token of each stack
+    process and of the client, over all rounds)."""
     from services.launcher import Stack, StackConfig
     from services.worker.server import model_name
 
@@ -102,6 +111,7 @@ def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int]
     )
     name = model_name(args.model)
     rates, counts = [], []
+    cpu: dict[str, float] = {}
     with Stack(cfg) as stack:
 
         def one(prompt: list[int]) -> int:
@@ -110,6 +120,8 @@ def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int]
             return _grpc_stream(stack.grpc_endpoint, prompt, args.output_len)
 
         one(prompts[0][:8])  # warm-up: channels, the workers' first batch
+        pids = {proc.name: proc.popen.pid for proc in stack.procs} | {"client": os.getpid()}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         with futures.ThreadPoolExecutor(len(prompts)) as pool:
             for _ in range(args.rounds):
                 start = time.perf_counter()
@@ -117,7 +129,9 @@ def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int]
                 seconds = time.perf_counter() - start
                 counts.append(sum(got))
                 rates.append(len(prompts) * args.output_len / seconds)
-    return rates, counts
+        tokens = args.rounds * len(prompts) * args.output_len
+        cpu = {name: (cpu_seconds(pid) - before[name]) / tokens for name, pid in pids.items()}
+    return rates, counts, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = prompts_for(args.concurrency, args.input_len, vocab, args.seed)
     offline = offline_rates(args, prompts)
-    served, counts = served_rates(args, prompts)
+    served, counts, cpu = served_rates(args, prompts)
     ratio = statistics.median(served) / statistics.median(offline)
     print(
         f"offline  {statistics.median(offline):8.1f} output tok/s  (rounds: {', '.join(f'{r:.1f}' for r in offline)})"
@@ -149,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         f"served   {statistics.median(served):8.1f} output tok/s  (rounds: {', '.join(f'{r:.1f}' for r in served)})"
     )
     print(f"served / offline {ratio:.2f}x ({args.client} client, {args.concurrency} streams)")
+    print("CPU ms per output token: " + ", ".join(f"{name} {1000 * s:.2f}" for name, s in cpu.items()))
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "log_dir")}
     payload = {"settings": settings, "offline_tok_s": offline, "served_tok_s": served, "ratio": ratio}
     payload["served_pieces"] = counts  # tokens (gRPC) or text chunks (openai) the client saw
+    payload["served_cpu_s_per_token"] = cpu
     path = save("served_vs_offline", payload, Path(args.output) if args.output else None)
     print(f"saved {path}")
     return 0
