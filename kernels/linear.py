@@ -34,8 +34,7 @@ PAD_ONE_ROW_MIN = 1 << 18  # a single row through a weight this large is padded 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], weight [N, K], bias [N] | None -> [M, N] (contiguous), any device."""
-    if x.dim() == 2 and native.takes_rows(x, weight):
-        y = native.linear_bf16(x, weight)
+    if x.dim() == 2 and (y := native.few_rows_linear(x, weight)) is not None:
         return y if bias is None else y.add_(bias)
     return linear_torch(x, weight, bias)
 

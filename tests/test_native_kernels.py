@@ -117,8 +117,15 @@ def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
     """Up to FEW_ROWS bf16 rows go native where loaded (from 2 rows only through weights up to
     FEW_ROWS_MAX_BYTES); more rows, float32 and strided weights stay on torch."""
     calls = []
-    real = native.linear_bf16
-    monkeypatch.setattr(native, "linear_bf16", lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
+    real = native.few_rows_linear
+
+    def counted(x, w):
+        y = real(x, w)
+        if y is not None:
+            calls.append(tuple(x.shape))
+        return y
+
+    monkeypatch.setattr(native, "few_rows_linear", counted)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen).bfloat16()
     wide = torch.randn(native.FEW_ROWS_MAX_BYTES // (2 * 96) + 1, 96, generator=gen).bfloat16()

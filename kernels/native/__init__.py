@@ -100,13 +100,19 @@ def loaded() -> bool:
     return _library is not None
 
 
+_BF16 = torch.bfloat16
+# The wrappers below sit on a decode step's hot path (a hundred calls a step at batch 1): their
+# checks use the cheapest tensor attributes (`is_cpu`, not `device.type`; no generators), which
+# keeps a call's Python cost near torch's own dispatch (~4 µs against ~16 before).
+
+
 def takes(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels here take these operands as they are: each CPU bf16 with unit stride
     along its last dimension (None, an absent optional operand, always passes)."""
-    return all(
-        t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1)
-        for t in tensors
-    )
+    for t in tensors:
+        if t is not None and not (t.dtype is _BF16 and t.is_cpu and t.stride(-1) == 1):
+            return False
+    return True
 
 
 def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -121,11 +127,47 @@ def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight [N, K]^T -> [M, N] here when `takes_rows` (checked once, in few steps:
+    this is the hot path of a decode step's products); None: the caller takes torch's path."""
+    (rows, k), (n, k_w) = x.shape, weight.shape
+    if (
+        _library is None
+        or k != k_w
+        or not 0 < rows <= FEW_ROWS
+        or not (x.dtype is _BF16 and weight.dtype is _BF16 and x.is_cpu and weight.is_cpu)
+        or x.stride(1) != 1
+        or weight.stride(1) != 1
+        or (rows > 1 and n * k * 2 > FEW_ROWS_MAX_BYTES)
+    ):
+        return None
+    y = torch.empty((rows, n), dtype=_BF16)
+    if n:
+        _library.linear_bf16(
+            x.data_ptr(),
+            0,
+            x.stride(0),
+            weight.data_ptr(),
+            0,
+            weight.stride(0),
+            y.data_ptr(),
+            0,
+            n,
+            1,
+            rows,
+            n,
+            k,
+        )
+    return y
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N]; or batched, x [B, M, K] and weight [B, N, K] -> [B, M, N]
     (y[b] = x[b] @ weight[b]^T). bf16 in and out, unit stride along K, float32 sums rounded to
     nearest even. Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
+    if x.dim() == 2 and weight.dim() == 2 and (y := few_rows_linear(x, weight)) is not None:
+        return y
     batched = x.dim() == 3
     if x.dim() not in (2, 3) or weight.dim() != x.dim() or x.shape[-1] != weight.shape[-1]:
         raise ValueError(
