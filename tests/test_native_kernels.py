@@ -189,11 +189,14 @@ def test_bf16_decode_through_them_is_as_close_to_the_reference_as_torch(loaded, 
     assert errors["native"] <= 1.5 * errors["torch"] + 0.01, errors
 
 
-@pytest.mark.parametrize("tokens, shared", [(1, False), (3, False), (2, True), (5, True)], ids=str)
+@pytest.mark.parametrize(
+    "tokens, shared", [(1, False), (3, False), (2, True), (5, True), (12, True)], ids=str
+)
 def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens, shared):
     """The routed experts of a few tokens in one native call, an expert seen by several tokens
-    (shared) taking each in turn: the torch loop's value up to the products' float32 summation
-    order (the roundings between are its own)."""
+    (shared) taking them as one product; 12 tokens (24 pairs over 16 experts: past the few-token
+    loop, within NATIVE_PAIRS_PER_EXPERT) run experts on both threads: the torch path's value up to
+    the products' float32 summation order (the roundings between are its own)."""
     from kernels.moe import fused_moe_ref
 
     gen = torch.Generator().manual_seed(tokens)

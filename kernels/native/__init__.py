@@ -208,7 +208,8 @@ def moe_pairs(
     weights: list[float],
 ) -> None:
     """In place, for each (expert e, token t, weight) in order: out[t] += weight * e's SwiGLU MLP
-    of x[t], with kernels/moe.py's per-expert roundings. x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    of x[t], with kernels/moe.py's per-expert roundings. Pairs of one expert should be adjacent
+    (its weights are then read once for all its tokens). x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     out [T, H], all CPU bf16 with unit stride along their last dimension. Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
     (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape

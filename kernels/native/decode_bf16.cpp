@@ -1,5 +1,5 @@
 // Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
-// the routed experts of a token each expert sees once (moe_pairs), MLA decode attention over the
+// the routed experts of a few tokens (moe_pairs), MLA decode attention over the
 // paged cache (mla_decode), RMSNorm with its residual add (rms_norm) and rotary embedding (rotary). Pointers arrive as integers (torch.Tensor.data_ptr()); the Python
 // wrappers in __init__.py check shapes, dtypes and strides.
 //
@@ -154,12 +154,16 @@ inline uint16_t to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// The routed experts of decode tokens that each expert sees once, in the given (ascending
-// expert) order, with the torch path's arithmetic and roundings (kernels/moe.py _fused_moe_few):
+// The routed experts of a few decode tokens, given as (expert, token, weight) pairs grouped by
+// expert (kernels/moe.py _fused_moe_few passes them in ascending expert order), with the torch
+// loop's arithmetic and roundings:
 //   gate_up = bf16(x[t] @ w13[e]^T)                       [2I]
 //   act     = bf16(bf16(silu(gate)) * up)                  [I]
 //   out[t]  = bf16(out[t] + bf16(bf16(act @ w2[e]^T) * weight))
-// Each product runs over the threads; the elementwise steps are a few hundred values.
+// An expert's pairs (a run of equal experts) are one product of their rows, so its weights are
+// read once. Experts run in parallel when their weights are worth a parallel region (a small
+// decode batch touches most experts); each pair's scaled output lands in its own row, and the
+// additions into out then run in pair order on one thread, so the sums round exactly as the loop's.
 void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
                int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
                const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I) {
@@ -167,27 +171,36 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
   const auto* w13 = reinterpret_cast<const uint16_t*>(w13_ptr);
   const auto* w2 = reinterpret_cast<const uint16_t*>(w2_ptr);
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
-  std::vector<uint16_t> gate_up(2 * I), act(I), down(H);
-  for (size_t p = 0; p < experts.size(); ++p) {
-    const uint16_t* xt = x + tokens[p] * ldx;
-    const uint16_t* w13e = w13 + experts[p] * w13_expert;
-    const uint16_t* w2e = w2 + experts[p] * w2_expert;
-    maybe_parallel(2 * I, GRAIN_N, 2 * I * H * 2, [&](int64_t n0, int64_t n1) {
-      columns(xt, H, w13e, ld13, gate_up.data(), 2 * I, 1, H, n0, n1);
-    });
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = from_bf16(gate_up[i]);
-      const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
-      act[i] = to_bf16(silu * from_bf16(gate_up[I + i]));
+  const int64_t P = int64_t(experts.size());
+  std::vector<int64_t> runs;  // [runs[r], runs[r + 1]): the pairs of one expert
+  for (int64_t p = 0; p < P; ++p)
+    if (p == 0 || experts[p] != experts[p - 1]) runs.push_back(p);
+  runs.push_back(P);
+  const int64_t R = int64_t(runs.size()) - 1;
+  std::vector<uint16_t> scaled(P * H);  // [P, H]: bf16(bf16(down) * weight) of each pair
+  maybe_parallel(R, 1, R * 3 * I * H * 2, [&](int64_t r0, int64_t r1) {
+    std::vector<uint16_t> xs, gate_up, act, down;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t p0 = runs[r], m = runs[r + 1] - p0;
+      xs.resize(m * H), gate_up.resize(m * 2 * I), act.resize(m * I), down.resize(m * H);
+      for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
+      columns(xs.data(), H, w13 + experts[p0] * w13_expert, ld13, gate_up.data(), 2 * I, m, H, 0, 2 * I);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < I; ++j) {
+          const float g = from_bf16(gate_up[i * 2 * I + j]);
+          const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
+          act[i * I + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * I + I + j]));
+        }
+      columns(act.data(), I, w2 + experts[p0] * w2_expert, ld2, down.data(), H, m, I, 0, H);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t h = 0; h < H; ++h)
+          scaled[(p0 + i) * H + h] = to_bf16(from_bf16(down[i * H + h]) * weights[p0 + i]);
     }
-    maybe_parallel(H, GRAIN_N, H * I * 2, [&](int64_t n0, int64_t n1) {
-      columns(act.data(), I, w2e, ld2, down.data(), H, 1, I, n0, n1);
-    });
+  });
+  for (int64_t p = 0; p < P; ++p) {
     uint16_t* ot = out + tokens[p] * ldo;
-    for (int64_t h = 0; h < H; ++h) {
-      const float scaled = from_bf16(to_bf16(from_bf16(down[h]) * weights[p]));
-      ot[h] = to_bf16(from_bf16(ot[h]) + scaled);
-    }
+    const uint16_t* sp = &scaled[p * H];
+    for (int64_t h = 0; h < H; ++h) ot[h] = to_bf16(from_bf16(ot[h]) + from_bf16(sp[h]));
   }
 }
 
