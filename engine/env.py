@@ -74,6 +74,12 @@ def native_kernels() -> bool:
     return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") != "0"
 
 
+def native_amx() -> bool:
+    """PDSERVE_NATIVE_AMX: "0" keeps the native kernels' products on VDPBF16PS where the CPU also
+    has the AMX tile unit (default: AMX where it is)."""
+    return os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"
+
+
 def native_build_dir() -> str:
     """PDSERVE_NATIVE_DIR: where the native CPU kernels are built and cached (default
     $XDG_CACHE_HOME/pdserve/native, or ~/.cache/pdserve/native)."""

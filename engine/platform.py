@@ -39,4 +39,4 @@ def use_native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     True when they are loaded; the engine otherwise runs torch's."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not env.native_kernels():
         return False
-    return native.load(Path(env.native_build_dir()))
+    return native.load(Path(env.native_build_dir()), amx=env.native_amx())

@@ -266,8 +266,8 @@ def fused_moe_ref(
     if num_tokens == 0:
         return out
     if num_tokens * top_k < w13.shape[0] or (
-        num_tokens * top_k <= NATIVE_PAIRS_PER_EXPERT * w13.shape[0]
-        and native.loaded()
+        native.loaded()
+        and num_tokens * top_k <= native_pairs_per_expert() * w13.shape[0]
         and native.takes(x, w13, w2)
     ):  # too few pairs to load every expert, or few enough for the native kernel: decode batches
         return _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out)
@@ -295,12 +295,19 @@ def fused_moe_ref(
 
 
 NATIVE_PAIRS_PER_EXPERT = 2
+NATIVE_PAIRS_PER_EXPERT_AMX = 16
 """Up to this many (token, expert) pairs per expert on average, the few-token path runs them in
 the native kernel (kernels/native moe_pairs: each loaded expert's weights read once for its
 tokens, experts over both threads) instead of the padded batched GEMMs. Bench model's MoE (32
-experts of 512 x 256, top-4, bf16, weights out of cache, 2-core Xeon): 1.69 / 2.53 / 4.45 / 6.00
-ms against 2.90 / 3.08 / 3.19 / 3.47 at 8 / 16 / 32 / 64 tokens (1 / 2 / 4 / 8 pairs per expert):
-from 4 rows per expert the native product turns compute-bound where oneDNN's is not."""
+experts of 512 x 256, top-4, bf16, weights out of cache, 2-core Xeon) at 8 / 16 / 32 / 64 tokens
+(1 / 2 / 4 / 8 pairs per expert): VDPBF16PS products 1.69 / 2.53 / 4.45 / 6.00 ms against the
+padded GEMMs' 2.90 / 3.08 / 3.19 / 3.47 (from 4 rows per expert they turn compute-bound); AMX
+products 1.56 / 1.63 / 2.22 / 2.67 against 2.70 / 3.01 / 2.91 / 3.58, and at 128 / 256 tokens
+3.92 / 6.28 against 5.10 / 5.19."""
+
+
+def native_pairs_per_expert() -> int:
+    return NATIVE_PAIRS_PER_EXPERT_AMX if native.max_rows() > native.FEW_ROWS else NATIVE_PAIRS_PER_EXPERT
 
 
 def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:

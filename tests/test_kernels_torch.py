@@ -318,8 +318,8 @@ def routing(name: str, tokens: int, g: torch.Generator) -> torch.Tensor:
 def test_linear(rows, out_features, bias, dtype, monkeypatch):
     """Every row count and weight size against float64; on CPU, 2 to FEW_ROWS - 1 rows (and a single
     row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear; up to
-    native.FEW_ROWS bf16 rows (a single one through any weight) by the native kernel where it is
-    loaded (an AVX512-BF16 CPU), by torch's path otherwise."""
+    native.max_rows() bf16 rows by the native kernel where it is loaded (an AVX512-BF16 CPU; see
+    test_native_kernels for which weights), by torch's path otherwise."""
     g = gen(5)
     in_features = 64
     # A column slice: linear must not assume a contiguous x.
@@ -348,7 +348,10 @@ def test_linear(rows, out_features, bias, dtype, monkeypatch):
             fn is linear
             and dtype == torch.bfloat16
             and native.loaded()
-            and (rows == 1 or (1 < rows <= native.FEW_ROWS and w.numel() * 2 <= native.FEW_ROWS_MAX_BYTES))
+            and 0 < rows <= native.max_rows()
+            and (
+                rows == 1 or native.max_rows() > native.FEW_ROWS or w.numel() * 2 <= native.FEW_ROWS_MAX_BYTES
+            )
         )
         assert bool(native_calls) == native_path
         assert bool(f_linear_calls) == (not native_path and not few_rows_path)
@@ -412,7 +415,7 @@ def test_fused_moe(tokens, route, dtype, monkeypatch):
     native_few = (
         dtype == torch.bfloat16
         and native.loaded()
-        and 0 < tokens * TOPK <= moe_module.NATIVE_PAIRS_PER_EXPERT * EXPERTS
+        and 0 < tokens * TOPK <= moe_module.native_pairs_per_expert() * EXPERTS
     )
     assert bool(few_calls) == (0 < tokens * TOPK < EXPERTS or native_few)
     assert out.shape == (tokens, HIDDEN) and out.dtype == dtype

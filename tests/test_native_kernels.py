@@ -22,6 +22,8 @@ SHAPES = [  # (B, M, N, K): odd sizes, exact tile multiples, the K tail under on
     (1, 1, 512, 512),
     (8, 1, 512, 64),  # attention's absorbed products, one query token: per head
     (3, 2, 19, 40),
+    (1, 40, 70, 64),  # AMX: two passes of rows (the second of 8), 64 columns in steps, 6 after
+    (2, 17, 64, 96),  # AMX: both halves of x's rows in one pass, per head
 ]
 
 
@@ -30,6 +32,20 @@ def loaded() -> bool:
     from pathlib import Path
 
     return native.load(Path(env.native_build_dir()))  # where the engines of the other tests build them
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def products(request, loaded) -> str:
+    """The products on the AMX tile unit (where the CPU has it; VDPBF16PS elsewhere) or with
+    VDPBF16PS; the load-time choice is restored after."""
+    if not loaded:
+        yield request.param
+        return
+    before = native.max_rows() == native.AMX_ROWS
+    amx = native.use_amx(request.param == "amx")
+    assert amx == (request.param == "amx" and native.AMX_FLAGS <= native.cpu_flags())
+    yield "amx" if amx else "avx512"
+    native.use_amx(before)
 
 
 def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -44,7 +60,7 @@ def test_loads_exactly_where_the_cpu_has_the_instructions(loaded):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-N{}-K{}".format(*s))
-def test_linear_bf16_equals_float32_sums_rounded(loaded, shape):
+def test_linear_bf16_equals_float32_sums_rounded(loaded, products, shape):
     if not loaded:  # no AVX512-BF16 here: the torch path serves, and the native one refuses
         with pytest.raises(AssertionError, match="load"):
             native.linear_bf16(
@@ -67,17 +83,17 @@ def test_linear_bf16_equals_float32_sums_rounded(loaded, shape):
     assert bool(((got.float() - want).abs() <= tolerance).all())
 
 
-def test_each_row_is_bitwise_the_one_row_product(loaded):
+def test_each_row_is_bitwise_the_one_row_product(loaded, products):
     """A row's result does not depend on how many rows share the call: a speculative verification
     (2-3 rows) computes each token exactly as a one-token decode would."""
     if not loaded:
         assert not native.loaded()
         return
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(native.FEW_ROWS, 200, generator=gen).bfloat16()
-    w = torch.randn(3, 40, 200, generator=gen).bfloat16()
+    x = torch.randn(native.max_rows(), 192, generator=gen).bfloat16()  # K = 6 tile steps on AMX
+    w = torch.randn(3, 40, 192, generator=gen).bfloat16()
     together = native.linear_bf16(x.expand(3, -1, -1), w)
-    for i in range(native.FEW_ROWS):
+    for i in range(native.max_rows()):
         assert torch.equal(together[:, i : i + 1], native.linear_bf16(x[i : i + 1].expand(3, -1, -1), w))
 
 
@@ -114,8 +130,9 @@ def test_bad_operands_name_the_shape(loaded):
 
 
 def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
-    """Up to FEW_ROWS bf16 rows go native where loaded (from 2 rows only through weights up to
-    FEW_ROWS_MAX_BYTES); more rows, float32 and strided weights stay on torch."""
+    """Up to max_rows() bf16 rows go native where loaded: AMX_ROWS through any weight on the tile
+    unit, else FEW_ROWS (from 2 rows only through weights up to FEW_ROWS_MAX_BYTES); more rows,
+    float32 and strided weights stay on torch."""
     calls = []
     real = native.few_rows_linear
 
@@ -130,13 +147,16 @@ def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
     w = torch.randn(64, 96, generator=gen).bfloat16()
     wide = torch.randn(native.FEW_ROWS_MAX_BYTES // (2 * 96) + 1, 96, generator=gen).bfloat16()
     for weight in (w, wide):
-        for rows in range(1, native.FEW_ROWS + 2):
+        for rows in range(1, native.max_rows() + 2):
             x = torch.randn(rows, 96, generator=gen).bfloat16()
             y = linear_mod.linear(x, weight)
             torch.testing.assert_close(y.float(), F.linear(x.float(), weight.float()), rtol=2**-7, atol=1e-2)
     linear_mod.linear(torch.randn(1, 96), w.float())
     linear_mod.linear(torch.randn(1, 64).bfloat16(), w.t())
-    expected = [(rows, 96) for rows in range(1, native.FEW_ROWS + 1)] + [(1, 96)]
+    amx = native.max_rows() == native.AMX_ROWS
+    assert amx == (loaded and native.AMX_FLAGS <= native.cpu_flags())
+    expected = [(rows, 96) for rows in range(1, native.max_rows() + 1)]
+    expected += expected if amx else [(1, 96)]
     assert calls == (expected if loaded else [])
 
 
@@ -192,10 +212,10 @@ def test_bf16_decode_through_them_is_as_close_to_the_reference_as_torch(loaded, 
 @pytest.mark.parametrize(
     "tokens, shared", [(1, False), (3, False), (2, True), (5, True), (12, True)], ids=str
 )
-def test_moe_pairs_equal_the_torch_loop(loaded, monkeypatch, tokens, shared):
+def test_moe_pairs_equal_the_torch_loop(loaded, products, monkeypatch, tokens, shared):
     """The routed experts of a few tokens in one native call, an expert seen by several tokens
     (shared) taking them as one product; 12 tokens (24 pairs over 16 experts: past the few-token
-    loop, within NATIVE_PAIRS_PER_EXPERT) run experts on both threads: the torch path's value up to
+    loop, within native_pairs_per_expert()): the torch path's value up to
     the products' float32 summation order (the roundings between are its own)."""
     from kernels.moe import fused_moe_ref
 

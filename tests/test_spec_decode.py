@@ -372,7 +372,7 @@ def test_trained_model_accepts_drafts_and_stays_exact():
 @pytest.mark.parametrize("k", [1, 2])
 def test_batch1_bf16_drafts_keep_the_tokens_bitwise(k):
     """bf16 greedy decoding with k <= 2 drafts at batch 1 gives the tokens of decoding without
-    (the verification's <= native.FEW_ROWS rows take the same per-row kernels as a one-token decode,
+    (the verification's <= 3 rows take the same per-row kernels as a one-token decode,
     tests/test_native_kernels.py holds them to that). Without the kernels, in float32."""
     from kernels import native
 

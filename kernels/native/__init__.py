@@ -41,6 +41,13 @@ rows 23-44 / 24-50 µs native against 47-62 / 50-66 torch; 1 MB 97-105 / 89-142 
 127-166; the 2 MB LM head of the tiny model 620 against 339, so from 2 rows only weights up to
 FEW_ROWS_MAX_BYTES go native."""
 FEW_ROWS_MAX_BYTES = 1 << 20
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+AMX_ROWS = 32
+"""Where the CPU has AMX-BF16 (and PDSERVE_NATIVE_AMX is not 0), the products run on the tile
+unit, whose cost is reading the weight up to 32 rows (a 1024 x 512 weight: 33-37 µs at 1 to 16
+rows, against 30 / 51 / 96 / 190 µs at 1 / 2 / 4 / 8 rows through VDPBF16PS, one core, weight in
+cache): products of up to AMX_ROWS rows through any weight then go native."""
+_max_rows = FEW_ROWS
 
 _library: ModuleType | None = None
 
@@ -61,10 +68,11 @@ def supported() -> bool:
     return all(flag in cpu_flags() for flag in REQUIRED_FLAGS)
 
 
-def load(build_dir: Path) -> bool:
+def load(build_dir: Path, amx: bool = True) -> bool:
     """Build (once per source and torch version, under a lock other processes wait on) and load
     the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
-    without AVX512-BF16 or when the build fails."""
+    without AVX512-BF16 or when the build fails. amx: products on the AMX tile unit where the CPU
+    has it (see use_amx)."""
     global _library
     if _library is not None:
         return True
@@ -92,12 +100,30 @@ def load(build_dir: Path) -> bool:
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path still works
         logger.warning("native CPU kernels: build failed (%s); using torch's", str(e).splitlines()[0][:200])
         return False
-    logger.info("native CPU kernels loaded from %s", folder)
+    amx = use_amx(amx)
+    logger.info(
+        "native CPU kernels loaded from %s (%s)", folder, "AMX products" if amx else "AVX512-BF16 products"
+    )
     return True
+
+
+def use_amx(on: bool) -> bool:
+    """Products on the AMX tile unit (where the CPU has it and Linux grants it) or with VDPBF16PS;
+    -> whether they now use AMX. Requires `loaded()`."""
+    global _max_rows
+    assert _library is not None, "kernels.native.load() first"
+    amx = bool(_library.use_amx(on and AMX_FLAGS <= cpu_flags()))
+    _max_rows = AMX_ROWS if amx else FEW_ROWS
+    return amx
 
 
 def loaded() -> bool:
     return _library is not None
+
+
+def max_rows() -> int:
+    """The most rows a product takes natively: AMX_ROWS on the tile unit, FEW_ROWS otherwise."""
+    return _max_rows
 
 
 _BF16 = torch.bfloat16
@@ -121,8 +147,10 @@ def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.shape[-2]
     return (
         _library is not None
-        and 0 < rows <= FEW_ROWS
-        and (rows == 1 or weight.numel() * weight.element_size() <= FEW_ROWS_MAX_BYTES)
+        and 0 < rows <= _max_rows
+        and (
+            rows == 1 or _max_rows > FEW_ROWS or weight.numel() * weight.element_size() <= FEW_ROWS_MAX_BYTES
+        )
         and takes(x, weight)
     )
 
@@ -134,11 +162,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     if (
         _library is None
         or k != k_w
-        or not 0 < rows <= FEW_ROWS
+        or not 0 < rows <= _max_rows
         or not (x.dtype is _BF16 and weight.dtype is _BF16 and x.is_cpu and weight.is_cpu)
         or x.stride(1) != 1
         or weight.stride(1) != 1
-        or (rows > 1 and n * k * 2 > FEW_ROWS_MAX_BYTES)
+        or (1 < rows and _max_rows == FEW_ROWS and n * k * 2 > FEW_ROWS_MAX_BYTES)
     ):
         return None
     y = torch.empty((rows, n), dtype=_BF16)

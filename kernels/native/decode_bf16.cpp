@@ -24,6 +24,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -120,20 +123,131 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
   }
 }
 
+// ---- AMX: the same product on the tile unit, where the CPU has it (AMX-BF16) ----------------
+//
+// VDPBF16PS does 32 multiply-adds per instruction and each output still ends in a horizontal
+// sum, so from 2 rows on `columns` is bound by arithmetic (about 20 G multiply-adds/s on one
+// core here). A TDPBF16PS does 16 x 16 x 32 at once: a product of up to 32 rows then costs what
+// reading its weight costs. The weight is the tile product's A operand as it lies in memory (16
+// weight rows of 32 values, a row stride apart), so nothing is repacked; x, small, is the B
+// operand, transposed into pairs (VNNI layout) once per call: C^T[n, m] = sum_k w[n, k] x[m, k].
+// Every row of x gets the same operations whatever M is, so a row's result does not depend on
+// the rows beside it (a speculative verification computes each token as a one-token decode).
+
+bool g_amx_granted = false;  // Linux granted this process the tile state (the CPU has the unit)
+bool g_amx = false;          // the products use it
+
+// Asks for the tile state once; then turns the AMX products on or off (on only where granted).
+bool use_amx(bool on) {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  if (on && !g_amx_granted) g_amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  g_amx = on && g_amx_granted;
+  return g_amx;
+}
+
+constexpr int64_t AMX_N = 32;  // weight rows per step: two C tiles of 16
+constexpr int64_t AMX_M = 32;  // rows of x per pass: two B tiles of 16
+constexpr int64_t AMX_K = 32;  // K per tile product (16 pairs)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 C (n half x m half), 4-5 A (the two weight halves), 6-7 B (the two x halves).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // Not _tile_loadconfig: GCC 12's declares a read of 8 bytes only, and the stores above were dropped.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// Columns [n0, n1) (n1 - n0 a multiple of AMX_N) of rows [0, M) (M <= AMX_M) from xt, x packed as
+// xt[k / 2][m][2] for 32 rows (rows past M zero). K a multiple of AMX_K.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt, const uint16_t* w, int64_t ldw,
+                                                                uint16_t* y, int64_t ldy, int64_t M, int64_t K,
+                                                                int64_t n0, int64_t n1) {
+  alignas(64) float c[16 * 16];
+  const bool two = M > 16;
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t n = n0; n < n1; n += AMX_N) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += AMX_K) {
+      const uint32_t* b = xt + (k / 2) * AMX_M;  // 16 pair rows of 32 m (64 + 64 bytes)
+      _tile_loadd(6, b, AMX_M * 4);
+      if (two) _tile_loadd(7, b + 16, AMX_M * 4);
+      _tile_loadd(4, w + n * ldw + k, ldw * 2);
+      _tile_loadd(5, w + (n + 16) * ldw + k, ldw * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    for (int t = 0; t < (two ? 4 : 2); ++t) {  // C tile t: c[n' * 16 + m'] -> y[m_base + m'][n + ...]
+      switch (t) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      const int64_t n_base = n + (t % 2) * 16, m_base = (t / 2) * 16;
+      for (int64_t m = m_base; m < std::min(M, m_base + 16); ++m) {
+        const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int(m - m_base))), c, 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n_base), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+// x rows [m0, m0 + rows) (rows <= AMX_M) as xt[k / 2][m][2], rows past `rows` zero.
+inline void pack_pairs(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, std::vector<uint32_t>& xt) {
+  xt.assign((K / 2) * AMX_M, 0u);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < K / 2; ++i) std::memcpy(&xt[i * AMX_M + m], x + m * ldx + 2 * i, 4);  // (x[2i], x[2i+1])
+}
+
+// Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (K a multiple of 32,
+// whole 32-column steps), `columns` for the rest.
+void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy, int64_t M,
+             int64_t K, int64_t n0, int64_t n1) {
+  const int64_t n_amx = g_amx && K % AMX_K == 0 ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
+  if (n_amx > n0) {
+    amx_configure();
+    std::vector<uint32_t> xt;
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
+      const int64_t rows = std::min(AMX_M, M - m0);
+      pack_pairs(x + m0 * ldx, ldx, rows, K, xt);
+      amx_columns(xt.data(), w, ldw, y + m0 * ldy, ldy, rows, K, n0, n_amx);
+    }
+  }
+  if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
+}
+
 // Pointers as integers (torch.Tensor.data_ptr()): the Python wrapper checks shapes, dtypes and
 // strides, so this file needs neither torch's tensor headers nor their build time. B products
 // y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
-// otherwise), their columns split over the threads together.
+// otherwise), their columns split over the threads together (in whole AMX steps).
 void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
                  int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
-  maybe_parallel(B * N, GRAIN_N, B * N * K * 2, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one column range each
-      const int64_t b = i / N, n0 = i % N, n1 = std::min(N, n0 + (i1 - i));
-      columns(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, n0, n1);
-      i += n1 - n0;
+  const int64_t steps = (N + AMX_N - 1) / AMX_N;  // a thread's share is whole 32-column steps
+  maybe_parallel(B * steps, GRAIN_N / AMX_N, B * N * K * 2, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
+      const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
+      product(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, s0 * AMX_N,
+              std::min(N, s1 * AMX_N));
+      i += s1 - s0;
     }
   });
 }
@@ -184,14 +298,14 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
       const int64_t p0 = runs[r], m = runs[r + 1] - p0;
       xs.resize(m * H), gate_up.resize(m * 2 * I), act.resize(m * I), down.resize(m * H);
       for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
-      columns(xs.data(), H, w13 + experts[p0] * w13_expert, ld13, gate_up.data(), 2 * I, m, H, 0, 2 * I);
+      product(xs.data(), H, w13 + experts[p0] * w13_expert, ld13, gate_up.data(), 2 * I, m, H, 0, 2 * I);
       for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < I; ++j) {
           const float g = from_bf16(gate_up[i * 2 * I + j]);
           const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
           act[i * I + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * I + I + j]));
         }
-      columns(act.data(), I, w2 + experts[p0] * w2_expert, ld2, down.data(), H, m, I, 0, H);
+      product(act.data(), I, w2 + experts[p0] * w2_expert, ld2, down.data(), H, m, I, 0, H);
       for (int64_t i = 0; i < m; ++i)
         for (int64_t h = 0; h < H; ++h)
           scaled[(p0 + i) * H + h] = to_bf16(from_bf16(down[i * H + h]) * weights[p0 + i]);
@@ -364,6 +478,7 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_amx", &use_amx);
   m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
