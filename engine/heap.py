@@ -12,8 +12,10 @@ handed back at once.
 Fixing the threshold low (mmap for every large temporary) bounds the heap but makes every step
 fault its temporaries' pages in afresh: decode steps ran about 2x slower. So the heap is kept
 warm, and only when more than `limit` bytes of it lie free after a step, and the last trim is
-some seconds back, does `malloc_trim` hand the free pages back. The check (mallinfo2) costs a few
-microseconds. Elsewhere than glibc >= 2.33 this does nothing.
+some seconds back, does `malloc_trim` hand the free pages back. The check (mallinfo2) walks the
+heap's free lists: a few microseconds on a fresh heap, but 1.1 ms on the bench model's after a few
+thousand steps (5% of a batch-1 step), so it runs at most once per `check_interval_s`. Elsewhere
+than glibc >= 2.33 this does nothing.
 """
 
 from __future__ import annotations
@@ -63,14 +65,26 @@ back in; trimming after every step that left more than the limit free (every 409
 chunk does) cost ~15% more CPU time, once per 10 s costs little and keeps the peak close."""
 
 
+CHECK_INTERVAL_S = 1.0
+"""Least time between two looks at how much of the heap lies free."""
+
+
 class HeapTrimmer:
     """After each step, `maybe_trim()` returns the heap's free pages to the system when more
-    than `limit_bytes` of it lie free, at most once per `min_interval_s`. limit_bytes 0 turns it off."""
+    than `limit_bytes` of it lie free, at most once per `min_interval_s`, looking at most once per
+    `check_interval_s`. limit_bytes 0 turns it off."""
 
-    def __init__(self, limit_bytes: int, min_interval_s: float = MIN_INTERVAL_S):
+    def __init__(
+        self,
+        limit_bytes: int,
+        min_interval_s: float = MIN_INTERVAL_S,
+        check_interval_s: float = CHECK_INTERVAL_S,
+    ):
         self.limit = limit_bytes
         self.min_interval_s = min_interval_s
+        self.check_interval_s = check_interval_s
         self._last = -float("inf")
+        self._last_check = -float("inf")
         self._libc = _glibc() if limit_bytes > 0 else None
         self.trims = 0
         """How many times free memory was handed back."""
@@ -87,8 +101,13 @@ class HeapTrimmer:
 
     def maybe_trim(self) -> bool:
         now = time.monotonic()
-        if self._libc is None or now - self._last < self.min_interval_s:
+        if (
+            self._libc is None
+            or now - self._last < self.min_interval_s
+            or now - self._last_check < self.check_interval_s
+        ):
             return False
+        self._last_check = now
         free = self.free_bytes()
         if free <= self.limit:
             return False

@@ -25,7 +25,7 @@ FRAGMENT = textwrap.dedent(
             if line.startswith("VmRSS"):
                 return int(line.split()[1]) // 1024
 
-    trimmer = HeapTrimmer(256 << 20, min_interval_s=0)
+    trimmer = HeapTrimmer(256 << 20, min_interval_s=0, check_interval_s=0)
     assert trimmer.active, "glibc >= 2.33 expected on the CI machines"
     big = torch.ones(6 << 20)  # 24 MiB, mmapped
     del big
@@ -33,7 +33,7 @@ FRAGMENT = textwrap.dedent(
     last = blocks[-1]
     del blocks
     before, free = rss_mib(), trimmer.free_bytes() >> 20
-    quiet = HeapTrimmer(1 << 40)  # a limit above what is free: nothing happens
+    quiet = HeapTrimmer(1 << 40, check_interval_s=0)  # a limit above what is free: nothing happens
     assert not quiet.maybe_trim() and quiet.trims == 0
     trimmed = trimmer.maybe_trim()
     print(before, free, rss_mib(), trimmed, trimmer.trims, trimmer.released_bytes >> 20, float(last[0]))
@@ -65,6 +65,17 @@ def test_trims_are_spaced_in_time():
     assert trimmer.trims == 1
 
 
+def test_the_heap_is_looked_at_once_per_check_interval(monkeypatch):
+    """mallinfo2 walks the free lists (a millisecond on a large fragmented heap): not every step."""
+    trimmer = HeapTrimmer(1 << 40, min_interval_s=0, check_interval_s=3600)
+    looks = []
+    real = trimmer.free_bytes
+    monkeypatch.setattr(trimmer, "free_bytes", lambda: looks.append(1) or real())
+    for _ in range(5):
+        assert not trimmer.maybe_trim()
+    assert len(looks) == 1
+
+
 def test_a_zero_limit_turns_it_off():
     trimmer = HeapTrimmer(0)
     assert not trimmer.active and trimmer.free_bytes() == 0 and not trimmer.maybe_trim()
@@ -76,7 +87,7 @@ def test_engine_trims_between_steps_and_computes_the_same(tiny_model):
     results = {}
     for limit in (0, 1):  # never, and after almost every step
         llm = LLM(tiny_model, dtype="float32", num_kv_blocks=32, block_size=4, heap_free_limit_mib=limit)
-        llm.engine.heap.min_interval_s = 0
+        llm.engine.heap.min_interval_s = llm.engine.heap.check_interval_s = 0
         results[limit] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         trims = llm.engine.heap.trims
         assert (trims > 0) == (limit > 0), (limit, trims)
