@@ -260,16 +260,7 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
 
     def decode_with(policy: str):
         first = firsts[policy]
-        request = wpb.DecodeRequest(
-            prompt_token_ids=prompts[policy],
-            sampling=sampling,
-            output_token_ids=first.output.token_ids,
-            kv_handle=first.kv_handle,
-            kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
-            kv_failure_policy=pb.KV_FAILURE_POLICY_RECOMPUTE
-            if policy == "recompute"
-            else pb.KV_FAILURE_POLICY_FAIL,
-        )
+        request = _decode_request(first, prompts[policy], policy)
         try:
             return list(first.output.token_ids) + [
                 t for m in stub.Decode(request, timeout=60) for t in m.token_ids
