@@ -261,13 +261,14 @@ def _soak(stack, tiny_model, redis_server, capsys):
     assert Path(f"/proc/{keep['router']}").exists()
 
 
-MEMORY_REQUESTS = 5_000
-MAX_RSS_GROWTH_5K_MB = 24
-"""Growth allowed per process over 5,000 requests after 500 of warm-up (measured: 2 MB)."""
+MEMORY_REQUESTS = 2_500
+MAX_RSS_GROWTH_MEMORY_MB = 16
+"""Growth allowed per process over MEMORY_REQUESTS requests after 500 of warm-up. Measured over
+5,000: 1-6 MB; the leak the audit saw (~5 MB per 500 requests) would be 25 MB over 2,500."""
 
 
-def test_memory_stays_flat_over_5000_requests(serving_stack, capsys):
-    """The audit saw a decode worker grow ~5 MB per 500 requests: after warm-up, 5,000 more
+def test_memory_stays_flat_over_2500_requests(serving_stack, capsys):
+    """The audit saw a decode worker grow ~5 MB per 500 requests: after warm-up, 2,500 more
     (disaggregated, a tenth cancelled after their first token, a tenth sharing one request id)
     leave every process's RSS within the bound, and nothing pinned or held."""
     stack = serving_stack
@@ -300,4 +301,4 @@ def test_memory_stays_flat_over_5000_requests(serving_stack, capsys):
             ),
             5.0,
         ), proc.name
-    assert all(after[name] <= base[name] + MAX_RSS_GROWTH_5K_MB for name in base), (base, after)
+    assert all(after[name] <= base[name] + MAX_RSS_GROWTH_MEMORY_MB for name in base), (base, after)
