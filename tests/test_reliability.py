@@ -313,6 +313,16 @@ def _decode_request(first: wpb.PrefillResponse, prompt: list[int], policy: str) 
     )
 
 
+def _kill_and_expect_unavailable(stack, victim, stream) -> None:
+    """SIGKILL the worker serving `stream`: the rest of the stream ends UNAVAILABLE within 5 s."""
+    stack.kill(victim)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+
+
 def _offline_tokens(offline: LLM, prompt: list[int]) -> list[int]:
     return offline.generate(
         prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
@@ -357,12 +367,7 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         assert wait_until(lambda: len(reading()) == 1, 30)
         victim = reading()[0]
         assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1  # under the READ
-        stack.kill(victim)
-        t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in stream:
-                pass
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+        _kill_and_expect_unavailable(stack, victim, stream)
         assert wait_until(lambda: _holds_nothing(prefill.endpoint, free), 5.0), load(prefill.endpoint, TOKEN)
         read_gate.unlink()
         tokens, _ = generate(
@@ -519,12 +524,7 @@ def test_decode_worker_killed_mid_stream(stack):
     while seen < 3:
         seen += len(next(it).token_ids)
     victim = next(p for p in stack.workers("decode") if load(p.endpoint, TOKEN).num_running > 0)
-    stack.kill(victim)
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in it:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+    _kill_and_expect_unavailable(stack, victim, it)
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert [w.healthy for w in info.workers if w.endpoint == victim.endpoint] == [False]
     tokens, msgs = generate(
