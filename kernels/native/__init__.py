@@ -141,16 +141,18 @@ def takes(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def _few_enough(rows: int, weight_bytes: int) -> bool:
+    """Whether a product of `rows` rows through a weight of `weight_bytes` runs here (max_rows();
+    without AMX, 2 rows or more only through weights up to FEW_ROWS_MAX_BYTES)."""
+    return 0 < rows <= _max_rows and (rows == 1 or _max_rows > FEW_ROWS or weight_bytes <= FEW_ROWS_MAX_BYTES)
+
+
 def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of x's rows (the second-last dimension) with weight should run here:
     loaded, the operands taken as they are, and few enough rows for the weight's size."""
-    rows = x.shape[-2]
     return (
         _library is not None
-        and 0 < rows <= _max_rows
-        and (
-            rows == 1 or _max_rows > FEW_ROWS or weight.numel() * weight.element_size() <= FEW_ROWS_MAX_BYTES
-        )
+        and _few_enough(x.shape[-2], weight.numel() * weight.element_size())
         and takes(x, weight)
     )
 
@@ -162,30 +164,17 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     if (
         _library is None
         or k != k_w
-        or not 0 < rows <= _max_rows
         or not (x.dtype is _BF16 and weight.dtype is _BF16 and x.is_cpu and weight.is_cpu)
         or x.stride(1) != 1
         or weight.stride(1) != 1
-        or (1 < rows and _max_rows == FEW_ROWS and n * k * 2 > FEW_ROWS_MAX_BYTES)
+        or not _few_enough(rows, n * k * 2)
     ):
         return None
     y = torch.empty((rows, n), dtype=_BF16)
     if n:
         _library.linear_bf16(
-            x.data_ptr(),
-            0,
-            x.stride(0),
-            weight.data_ptr(),
-            0,
-            weight.stride(0),
-            y.data_ptr(),
-            0,
-            n,
-            1,
-            rows,
-            n,
-            k,
-        )
+            x.data_ptr(), 0, x.stride(0), weight.data_ptr(), 0, weight.stride(0), y.data_ptr(), 0, n, 1, rows, n, k
+        )  # fmt: skip
     return y
 
 
