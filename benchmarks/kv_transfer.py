@@ -15,7 +15,7 @@ on a decode worker that moves KV over that transport. Reported per row (medians)
   hand-off to the read thread and back), from the decode worker's /metrics.
 The ceiling: two processes with NIXL agents over KV caches of the same spec and size, one READs
 the other's blocks through the same descriptors the workers use (engine/kv_cache/nixl.py), no
-checksum; and the xxh3-64 digest rate of the same bytes (what verification costs).
+checksum; and the CRC-32C checksum rate of the same bytes (what verification costs).
 
 Two stacks run one after the other (router, prefill, decode; the second with the decode worker
 at --kv-transport grpc), each process with --threads threads. With --baseline REV, a stack of this
@@ -279,7 +279,7 @@ def raw(args, lengths: list[int]) -> list[dict]:
                 nbytes = agent.read(peer, sink, 0, ids, 600.0, threading.Event())
                 reads.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                sink.digests(0)  # what the consumer's verification costs
+                sink.checksums(0)  # what the consumer's verification costs
                 digests.append(time.perf_counter() - start)
                 sink.close()
             read_s, digest_s = statistics.median(reads[1:]), statistics.median(digests[1:])
@@ -288,7 +288,7 @@ def raw(args, lengths: list[int]) -> list[dict]:
                 "kv_bytes": nbytes,
                 "nixl_read_ms": round(read_s * 1e3, 2),
                 "nixl_read_gbps": round(nbytes / read_s / 1e9, 3),
-                "xxh3_gbps": round(nbytes / digest_s / 1e9, 3),
+                "checksum_gbps": round(nbytes / digest_s / 1e9, 3),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

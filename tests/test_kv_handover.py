@@ -142,7 +142,7 @@ def _nixl_transfer(pd, kv, rid: str, first_block: int) -> None:
     Prefill handler does before the handle goes out), the consumer READs the producer's blocks
     [first_block, end) into its sink's and verifies them."""
     export = pd.producer.exports.begin_read(kv.export_id)
-    digests = pd.producer.kv_port.digest_exported(export, first_block)
+    digests = pd.producer.kv_port.checksum_exported(export, first_block)
     pd.producer.exports.end_read(export)
     sink = pd.consumer.import_sink(rid)
     pd.consumer_agent.read(
@@ -378,7 +378,7 @@ def test_a_byte_flipped_after_the_checksums_were_taken_is_caught_and_recomputed(
     first = _export(pd.producer, "r", prompt, GREEDY)
     kv = first.exported_kv
     export = pd.producer.exports.begin_read(kv.export_id)
-    digests = pd.producer.kv_port.digest_exported(export)
+    digests = pd.producer.kv_port.checksum_exported(export)
     pd.producer.exports.end_read(export)
     pd.producer.runner.kv_caches[1][kv.block_ids[2], 0, 5] += 1.0  # [blocks, BS, width]
     c = pd.consumer

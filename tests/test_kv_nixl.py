@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.kv_cache import nixl
-from engine.kv_cache.codec import block_digests
+from engine.kv_cache.checksum import block_checksums
 from engine.kv_cache.transfer import ImportClosed, KVPort, MemoryRegion
 from tests.test_kv_hybrid import NUM_BLOCKS, SPEC, _filled, _rows, _same
 
@@ -42,18 +42,18 @@ def test_exactly_the_missing_blocks_arrive_in_every_group(pair):
     sink = port.sink("r", [6, 1, 4])  # the consumer's blocks for a 3-block prompt
     untouched = _rows(consumer_caches, [0, 2, 3, 5, 7, 6])  # 6: a prefix hit, not read
     before = _rows(consumer_caches, [6])
-    expected = block_digests(SPEC, producer_caches, [3, 7])
+    expected = block_checksums(SPEC, producer_caches, [3, 7])
     n = consumer.read(peer, sink, 1, [3, 7], TIMEOUT_S, threading.Event(), expected)
     assert n == 2 * SPEC.bytes_per_block
     assert _same(_rows(consumer_caches, [1, 4]), _rows(producer_caches, [3, 7]))
     assert _same(_rows(consumer_caches, [6]), before)
     assert _same(_rows(consumer_caches, [0, 2, 3, 5, 7, 6]), untouched)
-    assert sink.digests(1) == expected
+    assert sink.checksums(1) == expected
 
 
 def test_a_block_changed_after_its_checksum_was_taken_is_caught(pair):
     producer_caches, consumer_caches, port, consumer, peer = pair
-    expected = block_digests(SPEC, producer_caches, [2, 5])
+    expected = block_checksums(SPEC, producer_caches, [2, 5])
     flipped = producer_caches[4][5].view(torch.uint8)  # the indexer group's last layer, block 5
     flipped[0, 3] ^= 0x10
     try:
@@ -120,7 +120,7 @@ def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_
     descriptor per layer carries them all, each lands where the consumer's ids say, and a block
     changed after its checksum was taken is named by its index in the sink."""
     producer_caches, consumer_caches, port, consumer, peer = pair
-    expected = block_digests(SPEC, producer_caches, [6, 5, 4])
+    expected = block_checksums(SPEC, producer_caches, [6, 5, 4])
     timings = nixl.ReadTimings()
     sink = port.sink("r", [7, 6, 5])
     n = consumer.read(peer, sink, 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected, timings)
@@ -147,7 +147,7 @@ def test_a_read_held_at_the_gate_has_its_first_block_in_and_goes_on_once_it_open
     gate.touch()
     consumer.read_gate = gate
     try:
-        expected = block_digests(SPEC, producer_caches, [1, 3])
+        expected = block_checksums(SPEC, producer_caches, [1, 3])
         sink = port.sink("r", [5, 0])
         untouched = _rows(consumer_caches, [0])
         result = {}

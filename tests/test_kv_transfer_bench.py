@@ -27,5 +27,5 @@ def test_kv_transfer_smoke(tiny_model, tmp_path):
     assert set(raw) == {20, 40, 8192}
     for n in (20, 40):
         assert raw[n]["kv_bytes"] == rows[(n, "nixl")]["kv_bytes"]
-    assert all(r["nixl_read_gbps"] > 0 and r["xxh3_gbps"] > 0 for r in raw.values())
+    assert all(r["nixl_read_gbps"] > 0 and r["checksum_gbps"] > 0 for r in raw.values())
     assert set(result["nixl_over_grpc_pull_gbps"]) == {"20", "40"}

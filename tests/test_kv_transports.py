@@ -221,5 +221,97 @@ def test_a_read_ends_before_the_producers_hold_on_the_blocks(hold_ms, posted):
             asyncio.run(go)
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and agent.timeouts == []
     else:
-        assert asyncio.run(go) == 123 and agent.timeouts == [posted]
+        assert asyncio.run(go) == 123
+        # the hold counts from when BeginRead was sent (the producer answered later)
+        assert len(agent.timeouts) == 1 and posted - 0.5 < agent.timeouts[0] <= posted
+    transports.close()
+
+
+class SlowBeginRead:
+    """A BeginRead that answers once the READ has started (or fails with `error` then), so a pull
+    that waits for the answer before it reads never gets one."""
+
+    def __init__(self, agent, answer: kv_pb.BeginReadResponse | None, error: grpc.StatusCode | None = None):
+        self.agent, self.answer, self.error = agent, answer, error
+
+    def kv(self, endpoint):
+        return self
+
+    async def BeginRead(self, request, timeout=None):
+        started = await asyncio.get_running_loop().run_in_executor(None, self.agent.started.wait, 5)
+        assert started, "the READ waited for BeginRead"
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, None, None, details="transfer 't' has run out of lease")
+        return self.answer
+
+
+class Reads(HeldRead):
+    """A read that lands at once unless `hold` (then it holds until cancelled)."""
+
+    def __init__(self, hold: bool = False):
+        super().__init__()
+        self.hold, self.posted = hold, []
+
+    def read(self, peer, sink, first_block, block_ids, timeout_s, cancel, expected, timings=None):
+        self.posted.append((first_block, block_ids, expected))
+        if self.hold:
+            return super().read(peer, sink, first_block, block_ids, timeout_s, cancel, expected)
+        self.started.set()
+        return 64 * len(block_ids)
+
+
+NAMED = kv_pb.KvHandle(
+    transfer_id="t", producer=PRODUCER, num_blocks=3, block_ids=[4, 5, 6], block_checksums=[10, 11, 12]
+)
+
+
+def test_a_handle_that_names_its_blocks_is_read_while_begin_read_is_under_way():
+    agent = Reads()
+    answer = kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[11, 12], read_hold_ms=60_000)
+    transports = Transports("auto", agent, SlowBeginRead(agent, answer))
+    assert asyncio.run(pull(transports, None, NAMED, None, 1, 30.0, verify=True)) == 128
+    assert agent.posted == [(1, [5, 6], [11, 12])]  # from the handle, from block 1 on
+    transports.close()
+
+
+@pytest.mark.parametrize(
+    "answer, error, code, message",
+    [
+        (
+            kv_pb.BeginReadResponse(block_ids=[5, 7], block_checksums=[11, 12], read_hold_ms=60_000),
+            None,
+            grpc.StatusCode.DATA_LOSS,
+            "names other blocks or checksums than its handle",
+        ),
+        (
+            kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[11, 13], read_hold_ms=60_000),
+            None,
+            grpc.StatusCode.DATA_LOSS,
+            "names other blocks or checksums than its handle",
+        ),
+        (None, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND, "has run out of lease"),
+    ],
+    ids=["other-blocks", "other-checksums", "lease-gone"],
+)
+def test_what_was_read_early_is_kept_only_once_begin_read_confirms_it(answer, error, code, message):
+    """A BeginRead that disagrees with the handle, or fails (the export ended before our READ was
+    confirmed), fails the pull with its reason, after the READ in flight was cancelled and had
+    released its handle."""
+    agent = Reads(hold=True)
+    transports = Transports("auto", agent, SlowBeginRead(agent, answer, error))
+    with pytest.raises(ServiceError, match=message) as err:
+        asyncio.run(pull(transports, None, NAMED, None, 1, 30.0, verify=True))
+    assert err.value.code == code
+    assert agent.events == ["read ended: handle released"] and transports.reading == set()
+    transports.close()
+
+
+def test_an_early_read_that_outlasts_the_hold_is_cancelled():
+    agent = Reads(hold=True)
+    answer = kv_pb.BeginReadResponse(block_ids=[5, 6], block_checksums=[11, 12], read_hold_ms=600)
+    transports = Transports("auto", agent, SlowBeginRead(agent, answer))
+    with pytest.raises(ServiceError, match="outlasted the hold BeginRead granted") as err:
+        asyncio.run(pull(transports, None, NAMED, None, 1, 30.0, verify=True))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert agent.events == ["read ended: handle released"]
     transports.close()

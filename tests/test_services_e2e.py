@@ -26,7 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.codec import block_digests
+from engine.kv_cache.checksum import block_checksums
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.nixl import NixlAgent
 from engine.kv_cache.transfer import KVPort
@@ -565,7 +565,7 @@ class FlippedNixlProducer(kv_grpc.KvTransferServicer, wgrpc.WorkerServicer):
             c.copy_(torch.randn(c.shape))
         self.agent = NixlAgent(name, KVPort(self.spec, self.caches))
         self.block_ids = [2, 0]
-        self.digests = block_digests(self.spec, self.caches, self.block_ids)
+        self.digests = block_checksums(self.spec, self.caches, self.block_ids)
         self.caches[0][0].view(torch.uint8)[3, 7] ^= 0x08  # block 0: the handle's second block
         self.releases: list[kv_pb.ReleaseRequest] = []
 

@@ -116,12 +116,14 @@ def _handle(endpoint: str = "127.0.0.1:1", **fields) -> kv_pb.KvHandle:
         block_size=16,
         lease_expiry_unix_ms=1_700_000_000_000,
         compat_hash="abc",
+        block_ids=[4, 9],
+        block_checksums=[0xDEADBEEF, 7],
     )
     for name, value in fields.items():
         target = h.producer if name in ("engine_id", "epoch", "dp_rank") else h
-        if name == "block_hashes":
-            del h.block_hashes[:]
-            h.block_hashes.extend(value)
+        if name in ("block_hashes", "block_ids", "block_checksums"):
+            del getattr(h, name)[:]
+            getattr(h, name).extend(value)
         else:
             setattr(target, name, value)
     return h
@@ -141,6 +143,10 @@ FIELD_CHANGES = {
     "block_size": {"block_size": 32},
     "lease_expiry": {"lease_expiry_unix_ms": 1_700_000_000_001},
     "compat_hash": {"compat_hash": "abd"},
+    "block_ids": {"block_ids": [9, 4]},
+    "block_ids-none": {"block_ids": []},
+    "block_checksums": {"block_checksums": [0xDEADBEEF, 8]},
+    "checksums-as-ids": {"block_ids": [4, 9, 0xDEADBEEF, 7], "block_checksums": []},
 }
 
 

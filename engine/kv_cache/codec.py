@@ -23,7 +23,6 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
 
@@ -45,32 +44,6 @@ class KVCodecError(ValueError):
 
 def crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data)
-
-
-def block_digests(spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int]) -> list[int]:
-    """xxh3-64 of each engine block, over every layer of every group in layer order (the block's
-    rows of each layer, as stored): what a one-sided read (NIXL) is checked against end to end.
-    Host caches are hashed in place (an engine block's rows are contiguous); a GPU cache's rows
-    are gathered to the host first, one copy per layer."""
-    hashers = [xxhash.xxh3_64() for _ in block_ids]
-    if not block_ids:
-        return []
-    for g in spec.groups:
-        k = spec.sub_blocks(g)
-        for layer in range(g.layer_start, g.layer_start + g.num_layers):
-            cache = caches[layer]  # [rows, block_size, width]
-            if cache.is_cuda:
-                index = torch.tensor(
-                    spec.group_block_ids(g, block_ids), dtype=torch.long, device=cache.device
-                )
-                rows = cache.index_select(0, index).cpu().view(len(block_ids), -1).view(torch.uint8).numpy()
-                for h, row in zip(hashers, rows, strict=True):  # [blocks, bytes]
-                    h.update(row)
-                continue
-            engine_blocks = cache.view(cache.shape[0] // k, -1).view(torch.uint8).numpy()  # [blocks, bytes]
-            for h, b in zip(hashers, block_ids, strict=True):
-                h.update(engine_blocks[b])  # a view: no copy
-    return [h.intdigest() for h in hashers]
 
 
 @dataclass(frozen=True)

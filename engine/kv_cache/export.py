@@ -110,8 +110,8 @@ class Export:
     created: float = field(default_factory=time.time)
     remote_read_until: float | None = None
     """time.time() at which a peer's remote read ends by itself; None: none in progress."""
-    block_digests: list[int] | None = None
-    """xxh3-64 per block, computed before the handle went out (codec.block_digests); None: not
+    block_checksums: list[int] | None = None
+    """CRC-32C per block, computed before the handle went out (checksum.block_checksums); None: not
     computed (checksums off, or the worker serves KV over gRPC only)."""
 
     @property

@@ -27,7 +27,7 @@ off the engine thread and the event loop. It writes only inside the import sink'
 slot (engine/kv_cache/transfer.py): when the import closes, or the caller cancels, or the
 deadline passes, every transfer handle is released -- NIXL cancels a transfer in flight, and
 one it cannot cancel is waited out first -- before the slot is left, so no READ lands in blocks
-the import no longer owns. An end-to-end checksum (xxh3-64 per block, codec.block_digests)
+the import no longer owns. An end-to-end checksum (CRC-32C per block, engine/kv_cache/checksum.py)
 computed by the producer when it issued the handle is verified on the consumer's blocks before
 they join the batch.
 
@@ -495,12 +495,12 @@ class _Read:
     def verify(self, first: int, expected: list[int]) -> None:
         """The sink's blocks [first, first + len(expected)) against the producer's checksums."""
         start = time.monotonic()
-        got = self.sink.digests(first, first + len(expected))
+        got = self.sink.checksums(first, first + len(expected))
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             if g != e:
                 raise ChecksumMismatch(
                     f"KV block {first + i} read from {self.peer.name} fails its checksum "
-                    f"(xxh3-64 {g:016x}, the producer's {e:016x})"
+                    f"(CRC-32C {g:08x}, the producer's {e:08x})"
                 )
         self.t.verify += time.monotonic() - start
 

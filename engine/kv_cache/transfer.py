@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.codec import Slab, block_digests, read_slab, write_slab
+from engine.kv_cache.checksum import block_checksums
+from engine.kv_cache.codec import Slab, read_slab, write_slab
 from engine.kv_cache.export import Export
 from engine.kv_cache.spec import KVCacheSpec
 
@@ -103,10 +104,10 @@ class ImportSink:
                 self._remote_writers -= 1
                 self._idle.notify_all()
 
-    def digests(self, first_block: int, end: int | None = None) -> list[int]:
-        """Any thread, inside a remote_write slot: xxh3-64 of blocks [first_block, end or
-        num_blocks) (codec.block_digests)."""
-        return block_digests(self.spec, self._caches, self._block_ids[first_block:end])
+    def checksums(self, first_block: int, end: int | None = None) -> list[int]:
+        """Any thread, inside a remote_write slot: the checksums of blocks [first_block,
+        end or num_blocks) (engine/kv_cache/checksum.py)."""
+        return block_checksums(self.spec, self._caches, self._block_ids[first_block:end])
 
     def close(self) -> None:
         """Engine thread: waits for a write in progress and cancels a remote write, waiting until
@@ -136,9 +137,9 @@ class KVPort:
         ids = export.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
         return read_slab(self.spec, self._caches, ids, slab.layer_start, slab.num_layers)
 
-    def digest_exported(self, export: Export, first_block: int = 0) -> list[int]:
-        """Any thread, inside a read of the export: xxh3-64 of its blocks [first_block, end)."""
-        return block_digests(self.spec, self._caches, export.block_ids[first_block:])
+    def checksum_exported(self, export: Export, first_block: int = 0) -> list[int]:
+        """Any thread, inside a read of the export: the checksums of its blocks [first_block, end)."""
+        return block_checksums(self.spec, self._caches, export.block_ids[first_block:])
 
     def memory_regions(self) -> list[MemoryRegion]:
         """Every layer cache's memory, in layer order (registered once with a NIXL agent; the

@@ -40,7 +40,7 @@ class KvProducer(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., dp_rank: _Optional[int] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("transfer_id", "producer", "block_hashes", "num_tokens", "num_blocks", "block_size", "lease_expiry_unix_ms", "compat_hash")
+    __slots__ = ("transfer_id", "producer", "block_hashes", "num_tokens", "num_blocks", "block_size", "lease_expiry_unix_ms", "compat_hash", "block_ids", "block_checksums")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class KvHandle(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     producer: KvProducer
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -57,7 +59,9 @@ class KvHandle(_message.Message):
     block_size: int
     lease_expiry_unix_ms: int
     compat_hash: str
-    def __init__(self, transfer_id: _Optional[str] = ..., producer: _Optional[_Union[KvProducer, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_expiry_unix_ms: _Optional[int] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., producer: _Optional[_Union[KvProducer, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_expiry_unix_ms: _Optional[int] = ..., compat_hash: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("transfer_id", "epoch", "first_block", "max_chunk_bytes")

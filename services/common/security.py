@@ -258,7 +258,8 @@ HANDLE_MAC_DOMAIN = b"pdserve.v1.KvHandle.mac/1"
 def _handle_message(handle: kv_pb.KvHandle) -> bytes:
     """A canonical encoding of every KvHandle field: each part as an 8-byte big-endian length and
     its bytes, strings as UTF-8, integers as 8 big-endian bytes, block_hashes as a count then each
-    hash (so no two different handles encode alike)."""
+    hash, and where either is set block_ids then block_checksums as one part each of 8-byte
+    integers (so no two different handles encode alike)."""
     p = handle.producer
     parts = [
         HANDLE_MAC_DOMAIN,
@@ -275,6 +276,9 @@ def _handle_message(handle: kv_pb.KvHandle) -> bytes:
         struct.pack(">q", handle.lease_expiry_unix_ms),
         handle.compat_hash.encode(),
     ]
+    if handle.block_ids or handle.block_checksums:  # a NIXL producer's (absent: as before they were)
+        parts.append(struct.pack(f">{len(handle.block_ids)}q", *handle.block_ids))
+        parts.append(struct.pack(f">{len(handle.block_checksums)}Q", *handle.block_checksums))
     return b"".join(struct.pack(">Q", len(part)) + part for part in parts)
 
 

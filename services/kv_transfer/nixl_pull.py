@@ -10,7 +10,9 @@ and logged once.
 The pull: BeginRead pins the blocks for the read and names them (the producer's block ids and
 checksums), the engine's NixlAgent READs them into the import sink's blocks off the event loop,
 verifies the checksums, and returns; the caller then releases the producer (done or abort), which
-ends the read there. Cancelling the pull cancels the READ and waits until its transfer handle is
+ends the read there. A NIXL producer's handle already names the blocks and their checksums, so
+the READ is posted at once and BeginRead's round trip (~2 ms here) runs under it; what was read
+is kept only once BeginRead confirms (see pull). Cancelling the pull cancels the READ and waits until its transfer handle is
 released before the cancellation goes on, so no Release reaches the producer while our READ may
 still be in flight.
 """
@@ -50,11 +52,12 @@ class PullTimings:
     """Where one NIXL pull's time went, in seconds (pull fills it in)."""
 
     begin_read: float = 0.0
-    """The BeginRead round trip."""
+    """The BeginRead round trip (under the READ, when the handle names the blocks)."""
     read: nixl.ReadTimings = field(default_factory=nixl.ReadTimings)
     """The read thread's own time."""
     handoff: float = 0.0
-    """To the read thread and back to the event loop: the READ's wall time less the thread's."""
+    """To the read thread and back to the event loop: from the READ's start to the pull's end,
+    less the thread's time (and so also any wait for BeginRead's answer once the READ is done)."""
 
     def phases(self) -> dict[str, float]:
         r = self.read
@@ -196,12 +199,21 @@ async def pull(
     NIXL, checked against the producer's checksums when verify; returns the bytes read (and
     fills timings in, when given). Raises ServiceError: DATA_LOSS (a checksum, or block ids that
     do not fit), FAILED_PRECONDITION (no checksums offered while verify), DEADLINE_EXCEEDED,
-    CANCELLED, UNAVAILABLE (the READ failed)."""
+    CANCELLED, UNAVAILABLE (the READ failed).
+
+    A handle that names its blocks (and their checksums, when verify) is read at once, BeginRead
+    under way meanwhile: what was read is kept only once BeginRead has answered with the same
+    ids and checksums, which proves the export still held the blocks (an export that ran out of
+    lease or was released never comes back, so it held them through a READ that began before);
+    a READ still going when the hold BeginRead grants runs out is cancelled. Otherwise the READ
+    waits for BeginRead's answer."""
     t = timings if timings is not None else PullTimings()
     stub = transports.peers.kv(handle.producer.endpoint)
-    start = time.monotonic()
-    try:
-        begun = await stub.BeginRead(
+    want = handle.num_blocks - first_block
+    loop = asyncio.get_running_loop()
+    sent = time.monotonic()
+    begin = asyncio.ensure_future(
+        stub.BeginRead(
             kv_pb.BeginReadRequest(
                 transfer_id=handle.transfer_id,
                 epoch=handle.producer.epoch,
@@ -210,65 +222,112 @@ async def pull(
             ),
             timeout=min(timeout, INFO_TIMEOUT_S),
         )
-    except grpc.aio.AioRpcError as e:
-        raise ServiceError(
-            f"BeginRead of transfer {handle.transfer_id} at {handle.producer.endpoint} failed: {e.details()}",
-            e.code(),
-        ) from None
-    t.begin_read = time.monotonic() - start
-    # Our READ ends before the producer's hold does (it may have granted less than we asked).
-    timeout = min(timeout, begun.read_hold_ms / 1000 - HOLD_MARGIN_S)
-    if timeout <= 0:
-        raise ServiceError(
-            f"transfer {handle.transfer_id} at {handle.producer.endpoint} is held for a read only "
-            f"{begun.read_hold_ms} ms",
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-        )
-    want = handle.num_blocks - first_block
-    if len(begun.block_ids) != want:
-        raise DataLoss(f"BeginRead gave {len(begun.block_ids)} block_ids, the handle leaves {want} to read")
-    digests = None
-    if verify:
-        if len(begun.block_checksums) != want:
-            raise FailedPrecondition(
-                f"KV producer {handle.producer.endpoint} offers {len(begun.block_checksums)} block checksums "
-                f"for {want} blocks: start it with checksums on, or this worker with --no-kv-checksum"
-            )
-        digests = list(begun.block_checksums)
+    )
+    early = len(handle.block_ids) == handle.num_blocks and (
+        not verify or len(handle.block_checksums) == handle.num_blocks
+    )
     cancel = threading.Event()
+    expired = threading.Event()  # the hold ran out under our READ
+    read: asyncio.Future | None = None
+    hold_timer: asyncio.TimerHandle | None = None
     transports.reading.add(cancel)
-    start = time.monotonic()
-    try:
-        read = asyncio.get_running_loop().run_in_executor(
+
+    posted = 0.0
+
+    def start_read(block_ids: list[int], digests: list[int] | None, read_timeout: float) -> asyncio.Future:
+        nonlocal posted
+        posted = time.monotonic()
+        return loop.run_in_executor(
             transports.executor,
             transports.agent.read,
             peer,
             sink,
             first_block,
-            list(begun.block_ids),
-            timeout,
+            block_ids,
+            read_timeout,
             cancel,
             digests,
             t.read,
         )
+
+    try:
+        if early:
+            block_ids = list(handle.block_ids[first_block:])
+            digests = list(handle.block_checksums[first_block:]) if verify else None
+            read = start_read(block_ids, digests, timeout)
+        begun = await _answer(begin, handle)
+        t.begin_read = time.monotonic() - sent
+        # The hold counts from the producer's answer, which came after we asked: counted from
+        # then, our READ ends before the producer's hold does (it may grant less than we asked).
+        hold = begun.read_hold_ms / 1000 - HOLD_MARGIN_S - (time.monotonic() - sent)
+        if hold <= 0:
+            raise ServiceError(
+                f"transfer {handle.transfer_id} at {handle.producer.endpoint} is held for a read only "
+                f"{begun.read_hold_ms} ms",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        if len(begun.block_ids) != want:
+            raise DataLoss(
+                f"BeginRead gave {len(begun.block_ids)} block_ids, the handle leaves {want} to read"
+            )
+        if verify and len(begun.block_checksums) != want:
+            raise FailedPrecondition(
+                f"KV producer {handle.producer.endpoint} offers {len(begun.block_checksums)} block checksums "
+                f"for {want} blocks: start it with checksums on, or this worker with --no-kv-checksum"
+            )
+        if read is None:
+            digests = list(begun.block_checksums) if verify else None
+            read = start_read(list(begun.block_ids), digests, min(timeout, hold))
+        else:
+            if list(begun.block_ids) != block_ids or (verify and list(begun.block_checksums) != digests):
+                raise DataLoss(
+                    f"BeginRead of transfer {handle.transfer_id} names other blocks or checksums than its handle"
+                )
+            if not read.done():
+                hold_timer = loop.call_later(hold, lambda: (expired.set(), cancel.set()))
         received = await asyncio.shield(read)
         r = t.read
-        t.handoff = max(0.0, time.monotonic() - start - (r.prepare + r.transfer + r.verify + r.release))
+        t.handoff = max(0.0, time.monotonic() - posted - (r.prepare + r.transfer + r.verify + r.release))
         return received
-    except asyncio.CancelledError:
+    except BaseException as e:
         cancel.set()
-        await asyncio.wait([read])  # the READ's handle is released before anyone releases the producer
-        raise
-    except nixl.ChecksumMismatch as e:
-        raise DataLoss(str(e)) from None
-    except ValueError as e:  # the producer's block ids do not fit its own geometry
-        raise DataLoss(f"BeginRead of transfer {handle.transfer_id}: {e}") from None
-    except nixl.NixlTimeout as e:
-        raise ServiceError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED) from None
-    except (ImportClosed, nixl.NixlCancelled) as e:
-        raise ServiceError(str(e), grpc.StatusCode.CANCELLED) from None
-    except nixl.NixlError as e:
-        transports.forget(handle.producer)
-        raise ServiceError(str(e), grpc.StatusCode.UNAVAILABLE) from None
+        if read is not None:
+            await asyncio.wait([read])  # the READ's handle is released before anyone releases the producer
+        if isinstance(e, nixl.NixlCancelled) and expired.is_set():
+            raise ServiceError(
+                f"NIXL READ of transfer {handle.transfer_id} outlasted the hold BeginRead granted",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        raise _status(e, handle, transports) from None
     finally:
+        if hold_timer is not None:
+            hold_timer.cancel()
+        if not begin.done():
+            begin.cancel()
         transports.reading.discard(cancel)
+
+
+async def _answer(begin: asyncio.Future, handle: kv_pb.KvHandle) -> kv_pb.BeginReadResponse:
+    try:
+        return await begin
+    except grpc.aio.AioRpcError as e:
+        raise ServiceError(
+            f"BeginRead of transfer {handle.transfer_id} at {handle.producer.endpoint} failed: {e.details()}",
+            e.code(),
+        ) from None
+
+
+def _status(e: BaseException, handle: kv_pb.KvHandle, transports: Transports) -> BaseException:
+    """What a failed pull raises: a read's error as its status; anything else as it is."""
+    if isinstance(e, nixl.ChecksumMismatch):
+        return DataLoss(str(e))
+    if isinstance(e, ValueError):  # the producer's block ids do not fit its own geometry
+        return DataLoss(f"BeginRead of transfer {handle.transfer_id}: {e}")
+    if isinstance(e, nixl.NixlTimeout):
+        return ServiceError(str(e), grpc.StatusCode.DEADLINE_EXCEEDED)
+    if isinstance(e, (ImportClosed, nixl.NixlCancelled)):
+        return ServiceError(str(e), grpc.StatusCode.CANCELLED)
+    if isinstance(e, nixl.NixlError):
+        transports.forget(handle.producer)
+        return ServiceError(str(e), grpc.StatusCode.UNAVAILABLE)
+    return e

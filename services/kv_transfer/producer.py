@@ -93,7 +93,7 @@ class KvTransferService(kv_grpc.KvTransferServicer):
                 request.transfer_id, request.read_timeout_ms / 1000 + READ_MARGIN_S
             )
         first = request.first_block
-        digests = export.block_digests[first:] if export.block_digests is not None else []
+        digests = export.block_checksums[first:] if export.block_checksums is not None else []
         nbytes = (num_blocks - first) * self.port.spec.bytes_per_block
         export.bytes_sent += nbytes
         self.metrics.labels(self.metrics.kv_transfer_bytes, "sent").inc(nbytes)

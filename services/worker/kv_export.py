@@ -31,11 +31,15 @@ class KvExporter:
         self.kv_spec: KVCacheSpec | None = None
         self.compat_hash = ""
         self.port: KVPort | None = None
+        self.nixl = False
+        """This worker serves KV over NIXL: its handles name their blocks (a reader posts its READ
+        while BeginRead is under way)."""
         self.checksums = False
         """Take per-block checksums for NIXL readers (this worker serves NIXL and checks are on)."""
 
     def engine_ready(self, kv_spec: KVCacheSpec, port: KVPort | None, nixl: bool) -> None:
         self.kv_spec, self.compat_hash, self.port = kv_spec, kv_spec.compat_hash(), port
+        self.nixl = nixl
         self.checksums = nixl and self.settings.kv_checksums
 
     @contextmanager
@@ -68,6 +72,8 @@ class KvExporter:
                 block_size=self.kv_spec.block_size,
                 lease_expiry_unix_ms=int(kv.lease_expiry * 1000),
                 compat_hash=self.compat_hash,
+                block_ids=kv.block_ids if self.nixl else (),
+                block_checksums=(kv.block_checksums or ()) if self.nixl else (),
             )
         )
         if kv.generator_state is not None:
@@ -78,6 +84,6 @@ class KvExporter:
         the blocks are pinned and the engine writes them no more), for NIXL readers to verify."""
         export = self.exports.begin_read(export_id)
         try:
-            export.block_digests = await asyncio.to_thread(self.port.digest_exported, export)
+            export.block_checksums = await asyncio.to_thread(self.port.checksum_exported, export)
         finally:
             self.exports.end_read(export, room=False)
