@@ -351,13 +351,7 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         kv_failure_policy=policy_pb,
     )
     ref = _offline_tokens(offline, prompt)
-    said = {p.name: p.log_path.read_text().count(HELD_AT_GATE) for p in stack.workers("decode")}
-
-    def reading() -> list:
-        return [
-            p for p in stack.workers("decode") if p.log_path.read_text().count(HELD_AT_GATE) > said[p.name]
-        ]
-
+    reading = _held_at_gate_from_now(stack)
     stub = inference(stack)
     victim = None
     read_gate.touch()
@@ -382,6 +376,57 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         read_gate.unlink(missing_ok=True)
         if victim is not None:
             _restart(stack, victim)
+
+
+def _held_at_gate_from_now(stack):
+    """-> a call that lists the decode workers whose NIXL READ stopped at the gate since now."""
+    said = {p.name: p.log_path.read_text().count(HELD_AT_GATE) for p in stack.workers("decode")}
+
+    def reading() -> list:
+        return [
+            p for p in stack.workers("decode") if p.log_path.read_text().count(HELD_AT_GATE) > said[p.name]
+        ]
+
+    return reading
+
+
+def test_a_request_cancelled_in_the_middle_of_its_nixl_read(stack, offline, read_gate):
+    """The client cancels a disaggregated request while its decode worker's READ is held after the
+    first block (the read gate): the router cancels the Decode, the READ is cancelled and lets go
+    of its handle, and both sides free what they held exactly once -- every worker's free blocks
+    come back to where they were, not below and not above, and nothing stays pinned -- while the
+    gate is still shut. Then the same request gives the offline tokens."""
+    prompt = [37 + (i * 13) % 3000 for i in range(40)]
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=6),
+        mode=pb.SERVING_MODE_DISAGGREGATED,
+    )
+    ref = _offline_tokens(offline, prompt)
+    free = {p.name: load(p.endpoint, TOKEN).num_free_blocks for p in stack.workers()}
+    prefill = stack.workers("prefill")[0]
+    reading = _held_at_gate_from_now(stack)
+    stub = inference(stack)
+    read_gate.touch()
+    try:
+        call = stub.Generate(request, timeout=60)
+        assert list(next(call).token_ids) == ref[:1]
+        assert wait_until(lambda: len(reading()) == 1, 30)
+        assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1  # under the READ
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert wait_until(
+            lambda: all(_holds_nothing(p.endpoint, free[p.name]) for p in stack.workers()), 5.0
+        ), {p.name: load(p.endpoint, TOKEN) for p in stack.workers()}
+        assert read_gate.exists()  # the READ ended by its cancellation, not by the gate
+    finally:
+        read_gate.unlink(missing_ok=True)
+    tokens, _ = generate(
+        stub, token_ids=pb.TokenIds(ids=prompt), sampling=request.sampling, mode=request.mode
+    )
+    assert tokens == ref and all(p.popen.poll() is None for p in stack.workers())
 
 
 def test_a_nixl_read_outlives_a_lease_that_runs_out_under_it(stack, offline, read_gate):
@@ -427,7 +472,8 @@ def test_a_nixl_read_outlives_a_lease_that_runs_out_under_it(stack, offline, rea
 def test_a_nixl_handle_whose_export_ended_before_the_read(stack, offline, end, policy):
     """The export behind a handle ended before the decode worker's BeginRead: its lease ran out
     (the decode side came too late), or someone released it (abort; the router does when it gave
-    up on the decode side). BeginRead is refused, so nothing is READ: the fail policy ends the
+    up on the decode side). BeginRead is refused, so what the READ posted meanwhile (the handle
+    names the blocks) is dropped: the fail policy ends the
     Decode with NOT_FOUND naming the end, the recompute policy gives the offline tokens; the
     decode worker's free blocks come back and the prefill worker pins nothing."""
     prefill, decode = stack.workers("prefill")[0], stack.workers("decode")[0]
