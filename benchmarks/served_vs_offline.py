@@ -5,7 +5,8 @@ C prompts of --input-len random token ids each generate exactly --output-len tok
 ignore_eos). Offline: one `LLM.generate` call over all C prompts (the engine batches them).
 Served: a stack (router + prefill worker + decode worker, as `pdserve serve` starts it) and C
 concurrent streams through the router, with the gRPC client or the `openai` client; every
-stream opens at once. Output tok/s = C * output_len / wall time of the whole workload, for both;
+stream opens at once. Each side first runs the whole workload once untimed (batch shapes, channels,
+client threads). Output tok/s = C * output_len / wall time of the whole workload, for both;
 served / offline is what the services cost (KV transfer, per-token messages, the router's
 re-streaming, the processes sharing the CPU). Each side runs --rounds times; the medians are
 compared. Results go to benchmarks/results/served_vs_offline_<hardware>_<date>.json.
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from concurrent import futures
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,25 +41,61 @@ def prompts_for(concurrency: int, input_len: int, vocab: int, seed: int) -> list
     return [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(input_len)] for _ in range(concurrency)]
 
 
-def offline_rates(args, prompts: list[list[int]]) -> list[float]:
+@dataclass
+class Rates:
+    """One side's rounds: whole-workload output tok/s, and decode tok/s at the workload's batch."""
+
+    tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+
+
+def offline_rates(args, prompts: list[list[int]]) -> Rates:
+    """Each round runs the workload twice: with max_tokens 1 (the prefill and first token) and
+    whole; decode tok/s = C * (output_len - 1) / the difference of their wall times."""
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=2, temperature=0))
-    rates = []
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm-up: the whole workload once
+    rates = Rates()
     for _ in range(args.rounds):
+        start = time.perf_counter()
+        llm.generate(prompt_token_ids=prompts, sampling_params=first)
+        prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         seconds = time.perf_counter() - start
         assert all(len(o.token_ids) == args.output_len for o in outs)
-        rates.append(len(prompts) * args.output_len / seconds)
+        rates.tok_s.append(len(prompts) * args.output_len / seconds)
+        rates.decode_tok_s.append(len(prompts) * (args.output_len - 1) / max(seconds - prefill_s, 1e-9))
     del llm
     gc.collect()
     return rates
 
 
-def _grpc_stream(endpoint: str, prompt: list[int], output_len: int) -> int:
+@dataclass
+class Stream:
+    """What one stream's client saw: pieces (tokens over gRPC, text chunks over HTTP) and when
+    the first and the last arrived."""
+
+    pieces: int = 0
+    first: float = 0.0
+    last: float = 0.0
+
+    def seen(self) -> None:
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        self.pieces += 1
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per piece after the first."""
+        return (self.last - self.first) / max(self.pieces - 1, 1)
+
+
+def _grpc_stream(endpoint: str, prompt: list[int], output_len: int) -> Stream:
     import grpc
 
     from pdserve.v1 import inference_pb2 as pb
@@ -68,13 +106,31 @@ def _grpc_stream(endpoint: str, prompt: list[int], output_len: int) -> int:
             token_ids=pb.TokenIds(ids=prompt),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
         )
-        return sum(len(m.token_ids) for m in pb_grpc.InferenceStub(ch).Generate(request, timeout=600))
+        stream = Stream()
+        for m in pb_grpc.InferenceStub(ch).Generate(request, timeout=600):
+            for _ in m.token_ids:
+                stream.seen()
+        return stream
 
 
-def _openai_stream(url: str, model: str, prompt: list[int], output_len: int) -> int:
+def _openai_client(url: str, streams: int):
+    """One client for every stream, as a load generator keeps one (an OpenAI client is safe to
+    share between threads; building one per request costs the client ~30 ms of CPU each, on the
+    cores the stack is measured on), with a connection per stream."""
+    import httpx
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    return openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=600,
+        http_client=openai.DefaultHttpxClient(limits=limits),
+    )
+
+
+def _openai_stream(client, model: str, prompt: list[int], output_len: int) -> Stream:
     stream = client.completions.create(
         model=model,
         prompt=prompt,
@@ -83,11 +139,11 @@ def _openai_stream(url: str, model: str, prompt: list[int], output_len: int) -> 
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    pieces = 0
+    seen = Stream()
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
-            pieces += 1
-    return pieces
+            seen.seen()
+    return seen
 
 
 def cpu_seconds(pid: int) -> float:
@@ -96,9 +152,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int], dict[str, float]]:
-    """-> (output tok/s per round, pieces per round, CPU seconds per output token of each stack
-    process and of the client, over all rounds)."""
+def served_rates(args, prompts: list[list[int]]) -> tuple[Rates, list[int], dict[str, float]]:
+    """-> (the rounds' rates, pieces per round, CPU seconds per output token of each stack
+    process and of the client, over all rounds). Decode tok/s of a round = C / the streams'
+    median time per piece after their first (the batch the decode worker runs once every stream
+    is in; the whole-workload rate also counts the prefill worker taking the C prompts in)."""
     from services.launcher import Stack, StackConfig
     from services.worker.server import model_name
 
@@ -110,25 +168,27 @@ def served_rates(args, prompts: list[list[int]]) -> tuple[list[float], list[int]
         log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
     )
     name = model_name(args.model)
-    rates, counts = [], []
+    rates, counts = Rates(), []
     cpu: dict[str, float] = {}
     with Stack(cfg) as stack:
+        client = _openai_client(stack.http_url, len(prompts)) if args.client == "openai" else None
 
-        def one(prompt: list[int]) -> int:
-            if args.client == "openai":
-                return _openai_stream(stack.http_url, name, prompt, args.output_len)
+        def one(prompt: list[int]) -> Stream:
+            if client is not None:
+                return _openai_stream(client, name, prompt, args.output_len)
             return _grpc_stream(stack.grpc_endpoint, prompt, args.output_len)
 
-        one(prompts[0][:8])  # warm-up: channels, the workers' first batch
-        pids = {proc.name: proc.popen.pid for proc in stack.procs} | {"client": os.getpid()}
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         with futures.ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(one, prompts))  # warm-up: the whole workload once, as offline
+            pids = {proc.name: proc.popen.pid for proc in stack.procs} | {"client": os.getpid()}
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             for _ in range(args.rounds):
                 start = time.perf_counter()
-                got = list(pool.map(one, prompts))
+                streams = list(pool.map(one, prompts))
                 seconds = time.perf_counter() - start
-                counts.append(sum(got))
-                rates.append(len(prompts) * args.output_len / seconds)
+                counts.append(sum(s.pieces for s in streams))
+                rates.tok_s.append(len(prompts) * args.output_len / seconds)
+                rates.decode_tok_s.append(len(prompts) / statistics.median(s.tpot for s in streams))
         tokens = args.rounds * len(prompts) * args.output_len
         cpu = {name: (cpu_seconds(pid) - before[name]) / tokens for name, pid in pids.items()}
     return rates, counts, cpu
@@ -155,17 +215,32 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_for(args.concurrency, args.input_len, vocab, args.seed)
     offline = offline_rates(args, prompts)
     served, counts, cpu = served_rates(args, prompts)
-    ratio = statistics.median(served) / statistics.median(offline)
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    def rounds(xs: list[float]) -> str:
+        return ", ".join(f"{x:.1f}" for x in xs)
+
+    ratio = median(served.tok_s) / median(offline.tok_s)
+    decode_ratio = median(served.decode_tok_s) / median(offline.decode_tok_s)
+    for label, side in (("offline", offline), ("served", served)):
+        print(f"{label:8s} {median(side.tok_s):8.1f} output tok/s  (rounds: {rounds(side.tok_s)})")
+        print(f"{'':8s} {median(side.decode_tok_s):8.1f} decode tok/s  (rounds: {rounds(side.decode_tok_s)})")
     print(
-        f"offline  {statistics.median(offline):8.1f} output tok/s  (rounds: {', '.join(f'{r:.1f}' for r in offline)})"
+        f"served / offline {ratio:.2f}x output, {decode_ratio:.2f}x decode ({args.client} client, {args.concurrency} streams)"
     )
-    print(
-        f"served   {statistics.median(served):8.1f} output tok/s  (rounds: {', '.join(f'{r:.1f}' for r in served)})"
-    )
-    print(f"served / offline {ratio:.2f}x ({args.client} client, {args.concurrency} streams)")
     print("CPU ms per output token: " + ", ".join(f"{name} {1000 * s:.2f}" for name, s in cpu.items()))
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "log_dir")}
-    payload = {"settings": settings, "offline_tok_s": offline, "served_tok_s": served, "ratio": ratio}
+    payload = {
+        "settings": settings,
+        "offline_tok_s": offline.tok_s,
+        "served_tok_s": served.tok_s,
+        "ratio": ratio,
+        "offline_decode_tok_s": offline.decode_tok_s,
+        "served_decode_tok_s": served.decode_tok_s,
+        "decode_ratio": decode_ratio,
+    }
     payload["served_pieces"] = counts  # tokens (gRPC) or text chunks (openai) the client saw
     payload["served_cpu_s_per_token"] = cpu
     path = save("served_vs_offline", payload, Path(args.output) if args.output else None)

@@ -1,5 +1,6 @@
 """`benchmarks/served_vs_offline.py` as a user runs it, on the tiny model: the offline engine and a
-real stack run the same streams, every served token arrives, and the ratio is written out."""
+real stack run the same streams, every served token arrives, and the ratios (whole workload and
+decode at the same batch) are written out."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client):
     assert len(result["offline_tok_s"]) == len(result["served_tok_s"]) == 1
     assert result["offline_tok_s"][0] > 0 and result["served_tok_s"][0] > 0
     assert result["ratio"] == pytest.approx(result["served_tok_s"][0] / result["offline_tok_s"][0])
+    decode = result["served_decode_tok_s"][0], result["offline_decode_tok_s"][0]
+    assert decode[0] > 0 and decode[1] > 0
+    assert result["decode_ratio"] == pytest.approx(decode[0] / decode[1])
     if client == "grpc":
         assert result["served_pieces"] == [3 * 8]  # every token of every stream arrived
     else:
