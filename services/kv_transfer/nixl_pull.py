@@ -12,9 +12,9 @@ checksums), the engine's NixlAgent READs them into the import sink's blocks off 
 verifies the checksums, and returns; the caller then releases the producer (done or abort), which
 ends the read there. A NIXL producer's handle already names the blocks and their checksums, so
 the READ is posted at once and BeginRead's round trip (~2 ms here) runs under it; what was read
-is kept only once BeginRead confirms (see pull). Cancelling the pull cancels the READ and waits until its transfer handle is
-released before the cancellation goes on, so no Release reaches the producer while our READ may
-still be in flight.
+is kept only once BeginRead confirms (see pull). Cancelling the pull cancels the READ and waits
+until its transfer handle is released before the cancellation goes on, so no Release reaches the
+producer while our READ may still be in flight.
 """
 
 from __future__ import annotations
@@ -229,10 +229,9 @@ async def pull(
     cancel = threading.Event()
     expired = threading.Event()  # the hold ran out under our READ
     read: asyncio.Future | None = None
+    posted = 0.0  # when the READ was handed to the read thread
     hold_timer: asyncio.TimerHandle | None = None
     transports.reading.add(cancel)
-
-    posted = 0.0
 
     def start_read(block_ids: list[int], digests: list[int] | None, read_timeout: float) -> asyncio.Future:
         nonlocal posted
