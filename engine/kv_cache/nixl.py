@@ -66,6 +66,7 @@ from types import ModuleType
 
 import numpy as np
 
+from engine.kv_cache import checksum
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import ImportClosed, ImportSink, KVPort, MemoryRegion
 
@@ -261,6 +262,7 @@ class NixlAgent:
         self.regions = tuple(port.memory_regions())
         self.mem_type = "VRAM" if port.on_gpu else "DRAM"
         self.read_gate = read_gate
+        checksum.load()  # built now, at start, not on the first read's critical path
         cfg = b.nixlAgentConfig()
         cfg.useProgThread = True
         cfg.useListenThread = False
