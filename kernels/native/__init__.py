@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_bf16.cpp")
+HEADERS = (Path(__file__).with_name("pool.h"),)  # included by SOURCE: part of the build key
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 """/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
@@ -79,7 +80,7 @@ def load(build_dir: Path, amx: bool = True) -> bool:
     if not supported():
         logger.info("native CPU kernels: this CPU lacks %s; using torch's", "/".join(REQUIRED_FLAGS))
         return False
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     name = f"pdserve_native_{key}"
     folder = Path(build_dir) / name
@@ -115,6 +116,24 @@ def use_amx(on: bool) -> bool:
     amx = bool(_library.use_amx(on and AMX_FLAGS <= cpu_flags()))
     _max_rows = AMX_ROWS if amx else FEW_ROWS
     return amx
+
+
+def use_pool(threads: int) -> int:
+    """threads >= 1: the kernels share each call's work over their own pool of that many threads
+    (the caller's included; kernels/native/pool.h), from 128 KB of weight; 0: over torch's OpenMP
+    threads, from 4 MB (the default). Their helpers spin between calls, as OpenMP's do, so the
+    pool is for stretches whose work is all native: the engine's few-token decode steps
+    (engine/runner.py). -> the setting it replaces. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    return int(_library.use_pool(threads))
+
+
+def pool_min_bytes(bytes_: int | None) -> int:
+    """Calls reading at least this many bytes (of weight, or of cache for attention) are shared
+    over the pool; None restores the default. -> the threshold it replaces. For tests and
+    benchmarks: the default is measured (see decode_bf16.cpp). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    return int(_library.set_pool_min_bytes(-1 if bytes_ is None else bytes_))
 
 
 def loaded() -> bool:

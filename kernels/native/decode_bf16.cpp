@@ -11,15 +11,15 @@
 // all rows of x, multiplies bf16 pairs with VDPBF16PS (exact products, float32 sums, as the BLAS
 // does), and rounds each sum to bf16 to nearest-even (as torch's bf16 matmul does).
 //
-// Layout: the N output columns are split over torch's intra-op threads (at::parallel_for, the
-// pool torch's own ops use, so nothing is oversubscribed) when the weight is large enough to pay
-// for a parallel region (PARALLEL_MIN_BYTES); a thread takes its columns in tiles of
-// TILE_N, and each tile for every row of x in blocks of ROWS_PER_PASS, COLS columns at a time
+// Layout: the N output columns are shared over threads (torch's, or the kernels' own pool: see
+// use_pool) when the weight is large enough to pay for it, in chunks of whole column steps;
+// within a chunk, columns go in tiles of TILE_N, and each tile for every row of x in blocks of ROWS_PER_PASS, COLS columns at a time
 // (ROWS_PER_PASS x COLS accumulators, each x vector loaded once per COLS columns), so a weight row
 // is read from memory once and from L1 for the following blocks. x is small (M rows of K) and
 // stays in L1.
 
 #include <ATen/Parallel.h>
+#include <pthread.h>
 #include <immintrin.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -32,29 +32,76 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
 constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
 constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
 constexpr int COLS = 4;               // weight rows (output columns) accumulated at once
-constexpr int64_t GRAIN_N = 64;       // fewest columns worth a thread
-// Below this many bytes of weight (or of cache, for attention) a call runs on the calling thread
-// alone. A parallel region ends in a barrier that waits for every thread, and on a shared or busy
-// CPU (a prefill and a decode worker on the same cores, a test run beside) a descheduled thread
-// holds it for a scheduler tick: a batch-1 step of the bench model took 570 ms instead of 28 with
-// every product split, while torch's (single-threaded at these sizes) took 41. One thread reads a
-// layer's 0.25-1 MB weights at 7-8 GB/s; the LM head (32 MB) still gains 1.3x from two.
-constexpr int64_t PARALLEL_MIN_BYTES = int64_t(4) << 20;
+// How a call's work is shared, set by use_pool:
+// - over torch's OpenMP threads (at::parallel_for), only from OMP_MIN_BYTES of weight (or of
+//   cache, for attention). A parallel region ends in a barrier that waits for every thread, and on
+//   a shared or busy CPU a descheduled thread holds it for a scheduler tick: a batch-1 step of the
+//   bench model took 570 ms instead of 28 with every product split that way. One thread reads a
+//   layer's 0.25-1 MB weights at 7-8 GB/s; the LM head (32 MB) still gains 1.3x from two.
+// - over the kernels' own pool (pool.h), from POOL_MIN_BYTES: its caller never waits on a helper
+//   that is not running, so even a layer's small products are split safely; 1.3-1.8x on them.
+//   But its helpers spin between calls, as OpenMP's do after a region: the two pools spinning
+//   at once on two cores starve each other (a batch-8 step, whose attention is torch's, 19 ->
+//   32 ms). So the engine turns it on only for steps whose work is all native (use_pool).
+constexpr int64_t OMP_MIN_BYTES = int64_t(4) << 20;
+constexpr int64_t POOL_MIN_BYTES = int64_t(128) << 10;
+constexpr int64_t CHUNK_BYTES = int64_t(64) << 10;  // about this much weight per chunk
 
-// f(begin, end) over [0, n), split over torch's threads only when `bytes` of memory are read.
+int64_t g_pool_min_bytes = POOL_MIN_BYTES;  // set_pool_min_bytes: tests and benchmarks
+std::mutex g_pool_lock;
+std::atomic<pool::Pool*> g_pool{nullptr};
+std::atomic<int> g_pool_threads{0};  // the pool's threads, the caller's included; 0: OpenMP's instead
+
+// Sets the pool's threshold (negative: POOL_MIN_BYTES); -> the one it replaces.
+int64_t set_pool_min_bytes(int64_t bytes) {
+  const int64_t before = g_pool_min_bytes;
+  g_pool_min_bytes = bytes < 0 ? POOL_MIN_BYTES : bytes;
+  return before;
+}
+
+// threads >= 1: calls share their work over the pool, with that many threads (the caller's
+// included); 0: over torch's OpenMP threads. -> the setting it replaces.
+int64_t use_pool(int64_t threads) { return g_pool_threads.exchange(int(std::max<int64_t>(0, threads))); }
+
+// The pool with `want` threads (helpers = want - 1). Rebuilt when the count changes, and in a
+// forked child (whose helpers did not survive the fork); a pool replaced is left to its sleeping
+// helpers, never freed, as a call may still be using it.
+pool::Pool& pool_of(int want) {
+  pool::Pool* p = g_pool.load();
+  if (p != nullptr && p->threads() == want) return *p;
+  std::lock_guard<std::mutex> hold(g_pool_lock);
+  p = g_pool.load();
+  if (p == nullptr || p->threads() != want) g_pool.store(p = new pool::Pool(want - 1));
+  return *p;
+}
+
+// Threads a parallel call may use now.
+int threads_now() {
+  const int pooled = g_pool_threads.load();
+  return pooled > 0 ? pooled : std::max(1, at::get_num_threads());
+}
+
+// f(begin, end) over [0, n), in chunks of `chunk`, shared when `bytes` of memory are read (see above).
 template <typename F>
-inline void maybe_parallel(int64_t n, int64_t grain, int64_t bytes, const F& f) {
-  if (bytes < PARALLEL_MIN_BYTES) {
-    if (n > 0) f(0, n);
-  } else {
-    at::parallel_for(0, n, grain, f);
+inline void maybe_parallel(int64_t n, int64_t chunk, int64_t bytes, const F& f) {
+  const int pooled = g_pool_threads.load();
+  chunk = std::max<int64_t>(1, chunk);
+  if (pooled > 0 && bytes >= g_pool_min_bytes) {
+    pool_of(pooled).run(n, chunk, f);
+  } else if (pooled == 0 && bytes >= OMP_MIN_BYTES) {
+    at::parallel_for(0, n, chunk, f);
+  } else if (n > 0) {
+    f(0, n);
   }
 }
 
@@ -215,18 +262,26 @@ inline void pack_pairs(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, 
     for (int64_t i = 0; i < K / 2; ++i) std::memcpy(&xt[i * AMX_M + m], x + m * ldx + 2 * i, 4);  // (x[2i], x[2i+1])
 }
 
-// Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (K a multiple of 32,
-// whole 32-column steps), `columns` for the rest.
+// Whether columns of a product with inner dimension K run on the tile unit (whole AMX_N steps).
+inline bool amx_takes(int64_t K) { return g_amx && K % AMX_K == 0; }
+
+// Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (amx_takes, whole
+// 32-column steps), `columns` for the rest. xt: x already packed by pack_pairs (M <= AMX_M), or
+// null to pack here.
 void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy, int64_t M,
-             int64_t K, int64_t n0, int64_t n1) {
-  const int64_t n_amx = g_amx && K % AMX_K == 0 ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
+             int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr) {
+  const int64_t n_amx = amx_takes(K) ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
   if (n_amx > n0) {
     amx_configure();
-    std::vector<uint32_t> xt;
-    for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
-      const int64_t rows = std::min(AMX_M, M - m0);
-      pack_pairs(x + m0 * ldx, ldx, rows, K, xt);
-      amx_columns(xt.data(), w, ldw, y + m0 * ldy, ldy, rows, K, n0, n_amx);
+    if (xt != nullptr && M <= AMX_M) {
+      amx_columns(xt, w, ldw, y, ldy, M, K, n0, n_amx);
+    } else {
+      std::vector<uint32_t> packed;
+      for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
+        const int64_t rows = std::min(AMX_M, M - m0);
+        pack_pairs(x + m0 * ldx, ldx, rows, K, packed);
+        amx_columns(packed.data(), w, ldw, y + m0 * ldy, ldy, rows, K, n0, n_amx);
+      }
     }
   }
   if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
@@ -235,18 +290,22 @@ void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
 // Pointers as integers (torch.Tensor.data_ptr()): the Python wrapper checks shapes, dtypes and
 // strides, so this file needs neither torch's tensor headers nor their build time. B products
 // y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
-// otherwise), their columns split over the threads together (in whole AMX steps).
+// otherwise), their columns shared over the threads together in chunks of whole AMX steps; on
+// the tile unit, each x[b] is packed once before.
 void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
                  int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
-  const int64_t steps = (N + AMX_N - 1) / AMX_N;  // a thread's share is whole 32-column steps
-  maybe_parallel(B * steps, GRAIN_N / AMX_N, B * N * K * 2, [&](int64_t i0, int64_t i1) {
+  const int64_t steps = (N + AMX_N - 1) / AMX_N;  // a chunk is whole 32-column steps
+  std::vector<std::vector<uint32_t>> packed(amx_takes(K) && M <= AMX_M && N >= AMX_N ? B : 0);
+  for (int64_t b = 0; b < int64_t(packed.size()); ++b) pack_pairs(x + b * x_batch, ldx, M, K, packed[b]);
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (AMX_N * K * 2));  // steps per chunk
+  maybe_parallel(B * steps, chunk, B * N * K * 2, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
       const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
       product(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, s0 * AMX_N,
-              std::min(N, s1 * AMX_N));
+              std::min(N, s1 * AMX_N), packed.empty() ? nullptr : packed[b].data());
       i += s1 - s0;
     }
   });
@@ -399,7 +458,7 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
   auto* o = reinterpret_cast<uint16_t*>(o_ptr);
   // Split heads only when there are fewer sequences than threads (a batch-1 decode).
-  const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (at::get_num_threads() + B - 1) / B));
+  const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (threads_now() + B - 1) / B));
   const int64_t per_split = (H + splits - 1) / splits;
   std::atomic<int64_t> bad{0};
   int64_t cached = 0;  // cache rows read, times the heads reading them
@@ -478,7 +537,10 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); });
   m.def("use_amx", &use_amx);
+  m.def("use_pool", &use_pool);
+  m.def("set_pool_min_bytes", &set_pool_min_bytes);
   m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
