@@ -25,6 +25,8 @@ from engine.spec_decode.drafter import draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
 from engine.structured.bitmask import TokenBitmask
 from engine.structured.manager import StructuredOutputManager
+from kernels import native
+from kernels.mla import NATIVE_MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class ModelRunner:
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
         """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512-BF16)."""
+        self.threads = torch.get_num_threads()  # the engine's, set before the runner is built
         self.spec = cfg.spec
         self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)
         self.max_model_len = max_model_len
@@ -202,11 +205,23 @@ class ModelRunner:
         assert self.structured is not None, "a request has a grammar but the runner has no structured outputs"
         return self.structured.bitmask(entries)
 
+    def _share_native_work(self, batch: ForwardBatch) -> None:
+        """A decode step of at most NATIVE_MAX_BATCH tokens (batch 1, a speculative verification)
+        runs all its work in the native kernels (attention, products, experts, LM head): they
+        share it over their own pool, whose caller never waits on a helper that is not running.
+        Other steps leave it to torch's OpenMP threads: the two pools spinning at once on the same
+        cores starve each other (kernels/native/decode_bf16.cpp has the figures). Process-wide,
+        like torch's thread count; set every step, so engines sharing a process each get theirs."""
+        if self.native_kernels:
+            few = not batch.prefills and batch.input_ids.numel() <= NATIVE_MAX_BATCH
+            native.use_pool(self.threads if few else 0)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes first, grouped by query length: the model runs each group as one absorbed-MLA call.
         items = sorted(sched.scheduled, key=lambda it: (not it.is_decode, it.query_len))
         batch, sample_rows, prompt_rows = self._build_batch(items)
+        self._share_native_work(batch)
         filling = self._grammar_bitmask(items, sample_rows)
         hidden = self.model(batch, self.kv_caches)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
@@ -225,9 +240,12 @@ class ModelRunner:
             bitmask.without([row for _, row in samplers]).apply(logits)
         if samplers:
             sampler_rows = [row for _, row in samplers]
-            rows = torch.tensor(sampler_rows, dtype=torch.long, device=logits.device)
+            if sampler_rows == list(range(logits.shape[0])):  # every row (a decode step): no gather
+                sampled_logits = logits
+            else:
+                sampled_logits = logits[torch.tensor(sampler_rows, dtype=torch.long, device=logits.device)]
             result = self.sampler(
-                logits[rows],
+                sampled_logits,
                 [it.request for it, _ in samplers],
                 bitmask=bitmask.select(sampler_rows) if bitmask is not None else None,
             )
