@@ -240,6 +240,14 @@ def fused_moe_triton(
     return out_k.sum(dim=1)  # [T, H]; 16-bit sums accumulate in fp32
 
 
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [2I, H] (gate rows, then up rows), w2 [H, I] -> [T, H]: one SwiGLU MLP (a
+    dense layer's, a shared expert's), every row."""
+    inter = w2.shape[-1]
+    gate_up = linear(x, w13)  # [T, 2I]
+    return linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -247,11 +255,15 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     impl: str = "auto",
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in x's dtype."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in
+    x's dtype. shared: the shared experts' (w13 [2Is, H], w2 [H, Is]), whose `swiglu` is then added
+    to the output (in the same native call as the routed experts where those run natively)."""
     if resolve_impl(impl, x, has_triton=True) == "triton":
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        return out if shared is None else out + swiglu(x, *shared)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
 
 
 def fused_moe_ref(
@@ -260,17 +272,25 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
-    out = torch.zeros_like(x)
     if num_tokens == 0:
-        return out
+        return torch.zeros_like(x)
     if num_tokens * top_k < w13.shape[0] or (
         native.loaded()
         and num_tokens * top_k <= native_pairs_per_expert() * w13.shape[0]
         and native.takes(x, w13, w2)
     ):  # too few pairs to load every expert, or few enough for the native kernel: decode batches
-        return _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out)
+        return _fused_moe_few(x, w13, w2, topk_weights, topk_ids, shared)
+    out = _fused_moe_loop(x, w13, w2, topk_weights, topk_ids, torch.zeros_like(x))
+    return out if shared is None else out + swiglu(x, *shared)
+
+
+def _fused_moe_loop(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
+    """The pairs sorted by expert, then per expert a GEMM pair (or all experts padded to two batched
+    GEMMs where that pays), added into out."""
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
     counts = torch.bincount(flat_ids.clamp(min=-1) + 1, minlength=w13.shape[0] + 1).tolist()
@@ -310,18 +330,19 @@ def native_pairs_per_expert() -> int:
     return NATIVE_PAIRS_PER_EXPERT_AMX if native.max_rows() > native.FEW_ROWS else NATIVE_PAIRS_PER_EXPERT
 
 
-def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
+def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, shared=None) -> torch.Tensor:
     """The per-expert loop for a handful of pairs (all of them in one native call where the
-    kernels are loaded), grouped on the host from one small copy of the ids: the sort, bincount
-    and gathers of the general loop cost more than the GEMMs here. Same per-expert arithmetic,
-    experts in the same (ascending) order."""
+    kernels are loaded, the shared expert's too), grouped on the host from one small copy of the
+    ids: the sort, bincount and gathers of the general loop cost more than the GEMMs here. Same
+    per-expert arithmetic, experts in the same (ascending) order, the shared expert after."""
+    out = torch.zeros_like(x)
     inter = w2.shape[-1]
     pairs: dict[int, list[tuple[int, int]]] = {}
     for t, row in enumerate(topk_ids.tolist()):
         for k, e in enumerate(row):
             if e >= 0:
                 pairs.setdefault(e, []).append((t, k))
-    if native.loaded() and native.takes(x, w13, w2, out):
+    if native.loaded() and native.takes(x, w13, w2, out, *(shared or ())):
         # All pairs in one native call, expert by expert as the loop below: an expert seeing two
         # tokens (a verification's drafts, a small batch) reads its weights the second time from cache.
         order = [(e, t, k) for e in sorted(pairs) for t, k in pairs[e]]
@@ -334,6 +355,7 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
             [e for e, _, _ in order],
             [t for _, t, _ in order],
             [weights[t][k] for _, t, k in order],
+            shared,
         )
         return out
     for expert in sorted(pairs):
@@ -349,7 +371,7 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         expert_out = linear(act, w2[expert]) * topk_weights[tokens, ks][:, None]
         out.index_add_(0, tokens, expert_out.to(out.dtype))
-    return out
+    return out if shared is None else out + swiglu(x, *shared)
 
 
 WX_ROWS = 64

@@ -249,6 +249,37 @@ def test_moe_pairs_equal_the_torch_loop(loaded, products, monkeypatch, tokens, s
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("tokens", [1, 3], ids=lambda t: f"T{t}")
+def test_the_shared_expert_in_the_same_call_equals_adding_its_mlp(loaded, products, monkeypatch, tokens):
+    """fused_moe's shared expert (its own intermediate size) goes into the routed experts' native
+    call as the last pair of every token: the value of the torch path's `routed + swiglu(x)`."""
+    from kernels.moe import fused_moe_ref, swiglu
+
+    gen = torch.Generator().manual_seed(100 + tokens)
+    experts, hidden, inter, shared_inter, top_k = 8, 64, 32, 48, 2
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+    shared = (
+        (torch.randn(2 * shared_inter, hidden, generator=gen) * hidden**-0.5).bfloat16(),
+        (torch.randn(hidden, shared_inter, generator=gen) * shared_inter**-0.5).bfloat16(),
+    )
+    ids = torch.randperm(experts, generator=gen)[: tokens * top_k].view(tokens, top_k)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    calls = []
+    if loaded:
+        real = native.moe_pairs
+        monkeypatch.setattr(native, "moe_pairs", lambda *a: calls.append(a[7]) or real(*a))
+    got = fused_moe_ref(x, w13, w2, weights, ids, shared)
+    assert len(calls) == int(loaded) and all(c is shared for c in calls)  # one call, the shared expert in it
+    monkeypatch.setattr(native, "_library", None)
+    routed = fused_moe_ref(x, w13, w2, weights, ids)
+    want = routed + swiglu(x, *shared)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, shared), want)  # the torch path adds it
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
+    assert not torch.allclose(routed.float(), want.float(), atol=2**-6 * float(want.abs().max()))
+
+
 def test_moe_pairs_refuses_ids_out_of_range(loaded):
     if not loaded:
         assert not native.loaded()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.linear import linear
+from kernels.moe import swiglu
 from kernels.norm import rms_norm
 
 
@@ -60,7 +61,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(
-            F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        )
+        return swiglu(x, self.gate_up_proj.weight, self.down_proj.weight)

@@ -73,12 +73,17 @@ class DeepseekMoE(nn.Module):
             cfg.routed_scaling_factor,
             scoring=cfg.scoring_func,
         )
+        shared = self.shared_experts
         if self.ep is not None:
             out = self.ep.forward(
                 self.layer_idx, x, topk_weights, topk_ids, self.experts.w13, self.experts.w2
             )
-        else:
-            out = fused_moe(x, self.experts.w13, self.experts.w2, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return out if shared is None else out + shared(x)
+        return fused_moe(
+            x,
+            self.experts.w13,
+            self.experts.w2,
+            topk_weights,
+            topk_ids,
+            shared=None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight),
+        )

@@ -242,11 +242,14 @@ def moe_pairs(
     experts: list[int],
     tokens: list[int],
     weights: list[float],
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """In place, for each (expert e, token t, weight) in order: out[t] += weight * e's SwiGLU MLP
     of x[t], with kernels/moe.py's per-expert roundings. Pairs of one expert should be adjacent
-    (its weights are then read once for all its tokens). x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    out [T, H], all CPU bf16 with unit stride along their last dimension. Requires `loaded()`."""
+    (its weights are then read once for all its tokens). shared: the shared expert's weights
+    (w13 [2Is, H], w2 [H, Is]), then added to every token after its routed experts, as
+    `out + shared(x)` rounds. x [T, H], w13 [E, 2I, H], w2 [E, H, I], out [T, H], all CPU bf16
+    with unit stride along their last dimension. Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
     (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape
     inter = two_inter // 2
@@ -265,12 +268,23 @@ def moe_pairs(
         0 <= min(experts) and max(experts) < num_experts and 0 <= min(tokens) and max(tokens) < num_tokens
     ):
         raise ValueError(f"expert ids must lie in [0, {num_experts}) and tokens in [0, {num_tokens})")
+    s13, s2, s_inter = (None, None, 0) if shared is None else (*shared, shared[1].shape[-1])
+    if shared is not None:
+        if s13.shape != (2 * s_inter, hidden) or s2.shape != (hidden, s_inter) or not takes(s13, s2):
+            raise ValueError(
+                f"the shared expert must be w13 [2Is, H={hidden}] and w2 [H, Is], CPU bfloat16 with unit "
+                f"stride along the last dimension, got {tuple(s13.shape)} and {tuple(s2.shape)}"
+            )
+        experts, tokens = [*experts, *[-1] * num_tokens], [*tokens, *range(num_tokens)]
+        weights = [*weights, *[1.0] * num_tokens]
     _library.moe_pairs(
         x.data_ptr(), x.stride(0),
         w13.data_ptr(), w13.stride(0), w13.stride(1),
         w2.data_ptr(), w2.stride(0), w2.stride(1),
         out.data_ptr(), out.stride(0),
         experts, tokens, weights, hidden, inter,
+        0 if s13 is None else s13.data_ptr(), 0 if s13 is None else s13.stride(0),
+        0 if s2 is None else s2.data_ptr(), 0 if s2 is None else s2.stride(0), s_inter,
     )  # fmt: skip
 
 

@@ -327,22 +327,28 @@ inline uint16_t to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// The routed experts of a few decode tokens, given as (expert, token, weight) pairs grouped by
-// expert (kernels/moe.py _fused_moe_few passes them in ascending expert order), with the torch
-// loop's arithmetic and roundings:
+// The experts of a few decode tokens, given as (expert, token, weight) pairs grouped by expert
+// (kernels/moe.py _fused_moe_few passes them in ascending expert order, then the shared expert's),
+// with the torch loop's arithmetic and roundings:
 //   gate_up = bf16(x[t] @ w13[e]^T)                       [2I]
 //   act     = bf16(bf16(silu(gate)) * up)                  [I]
 //   out[t]  = bf16(out[t] + bf16(bf16(act @ w2[e]^T) * weight))
-// An expert's pairs (a run of equal experts) are one product of their rows, so its weights are
-// read once. Experts run in parallel when their weights are worth a parallel region (a small
-// decode batch touches most experts); each pair's scaled output lands in its own row, and the
-// additions into out then run in pair order on one thread, so the sums round exactly as the loop's.
+// Expert -1 is the shared expert (its own weights s13 [2Is, H], s2 [H, Is]; weight 1, added after
+// a token's routed experts, as `out + shared(x)` rounds). An expert's pairs (a run of equal
+// experts) are one product of their rows, so its weights are read once. Experts are shared over
+// the threads whole (one thread streams an expert's weights end to end: 35 GB/s on two threads
+// at batch 1, where splitting every expert's products by columns, in two rounds, reached 25);
+// each pair's scaled output lands in its own row, and the additions into out then run in pair
+// order on one thread, so the sums round exactly as the loop's.
 void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
                int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
-               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I) {
+               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I,
+               int64_t s13_ptr, int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* w13 = reinterpret_cast<const uint16_t*>(w13_ptr);
   const auto* w2 = reinterpret_cast<const uint16_t*>(w2_ptr);
+  const auto* s13 = reinterpret_cast<const uint16_t*>(s13_ptr);
+  const auto* s2 = reinterpret_cast<const uint16_t*>(s2_ptr);
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
   const int64_t P = int64_t(experts.size());
   std::vector<int64_t> runs;  // [runs[r], runs[r + 1]): the pairs of one expert
@@ -354,17 +360,21 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
   maybe_parallel(R, 1, R * 3 * I * H * 2, [&](int64_t r0, int64_t r1) {
     std::vector<uint16_t> xs, gate_up, act, down;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t p0 = runs[r], m = runs[r + 1] - p0;
-      xs.resize(m * H), gate_up.resize(m * 2 * I), act.resize(m * I), down.resize(m * H);
+      const int64_t p0 = runs[r], m = runs[r + 1] - p0, e = experts[p0];
+      const bool shared = e < 0;
+      const int64_t inter = shared ? Is : I;
+      const uint16_t* we13 = shared ? s13 : w13 + e * w13_expert;
+      const uint16_t* we2 = shared ? s2 : w2 + e * w2_expert;
+      xs.resize(m * H), gate_up.resize(m * 2 * inter), act.resize(m * inter), down.resize(m * H);
       for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
-      product(xs.data(), H, w13 + experts[p0] * w13_expert, ld13, gate_up.data(), 2 * I, m, H, 0, 2 * I);
+      product(xs.data(), H, we13, shared ? ld_s13 : ld13, gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < I; ++j) {
-          const float g = from_bf16(gate_up[i * 2 * I + j]);
+        for (int64_t j = 0; j < inter; ++j) {
+          const float g = from_bf16(gate_up[i * 2 * inter + j]);
           const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
-          act[i * I + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * I + I + j]));
+          act[i * inter + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * inter + inter + j]));
         }
-      product(act.data(), I, w2 + experts[p0] * w2_expert, ld2, down.data(), H, m, I, 0, H);
+      product(act.data(), inter, we2, shared ? ld_s2 : ld2, down.data(), H, m, inter, 0, H);
       for (int64_t i = 0; i < m; ++i)
         for (int64_t h = 0; h < H; ++h)
           scaled[(p0 + i) * H + h] = to_bf16(from_bf16(down[i * H + h]) * weights[p0 + i]);
