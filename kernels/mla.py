@@ -414,6 +414,18 @@ FAST_CHUNK_BYTES = 8 << 20
 last-level cache between the two GEMMs that read it (and below glibc's mmap threshold)."""
 
 
+def per_token_tables(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, s_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's block_table [D, max_blocks] and seq_lens [D] -> one row per query token
+    ([D*s_q, max_blocks], [D*s_q]): with drafts (s_q > 1), query i of a sequence is a sequence of
+    its own over the same blocks, seeing its first seq_len - s_q + 1 + i keys."""
+    if s_q == 1:
+        return block_table, seq_lens
+    lens = seq_lens[:, None] - s_q + 1 + torch.arange(s_q, dtype=seq_lens.dtype)  # [D, s_q]
+    return block_table.repeat_interleave(s_q, dim=0), lens.view(-1)
+
+
 def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) -> torch.Tensor:
     """The same attention without the LSE, in a few large ops: the s_q * H query rows of a
     sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
@@ -421,9 +433,7 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     batch, s_q, heads, width = q.shape
     if batch * s_q <= NATIVE_MAX_BATCH and native.loaded() and native.takes(q, kv_cache):
         # The cache read in place, no gather; with drafts, each query token is a sequence of its own.
-        if s_q > 1:
-            block_table = block_table.repeat_interleave(s_q, dim=0)
-            seq_lens = (seq_lens[:, None] - s_q + 1 + torch.arange(s_q, dtype=seq_lens.dtype)).view(-1)
+        block_table, seq_lens = per_token_tables(block_table, seq_lens, s_q)
         o = native.mla_decode(
             q.reshape(batch * s_q, heads, width), kv_cache, block_table, seq_lens, scale, kv_lora_rank
         )

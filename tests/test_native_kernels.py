@@ -397,3 +397,94 @@ def test_rotary_equals_the_reference_bitwise(loaded, monkeypatch, interleaved, h
     assert calls == ([1] if loaded else [])
     assert got.shape == x.shape and got.dtype == torch.bfloat16
     assert torch.equal(got, apply_rotary_ref(x, cos, sin, interleaved))
+
+
+def _mla_layer(q_lora: int | None, seed: int):
+    """A small MLA layer (odd-free but not the bench sizes: 3 heads) with random bf16 weights."""
+    from engine.config import ModelConfig
+    from engine.models.mla import MLAttention
+
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 64,
+        "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 3,
+        "kv_lora_rank": 64, "q_lora_rank": q_lora, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "max_position_embeddings": 256, "n_routed_experts": None,
+    }  # fmt: skip
+    cfg = ModelConfig.from_dict(raw)
+    layer = MLAttention(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    layer.process_weights()
+    return cfg, layer
+
+
+@pytest.mark.parametrize("q_lora", [48, None], ids=["q_lora", "q_proj"])
+@pytest.mark.parametrize("seqs, s_q", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 3), (2, 2)], ids=str)
+@torch.inference_mode()
+def test_mla_attention_in_one_call_is_the_bits_of_the_layers_calls(loaded, products, q_lora, seqs, s_q):
+    """native.mla_attention, a few decode tokens' attention in one call (batch 1, a verification),
+    against MLAttention's own calls: the same output and the same cache rows written, bit for bit
+    (it calls the same functions in the same order), where the layer takes it."""
+    from engine.forward_batch import DecodeGroup, ForwardBatch
+    from kernels.mla import NATIVE_MAX_BATCH
+    from kernels.rotary import rope_cos_sin_cache
+
+    if not loaded:
+        assert _mla_layer(q_lora, 0)[1].native_weights is None
+        return
+    cfg, layer = _mla_layer(q_lora, seqs * 10 + s_q)
+    assert layer.native_weights is not None
+    tokens, block_size = seqs * s_q, 4
+    gen = torch.Generator().manual_seed(tokens)
+    lens = [9 + 6 * i for i in range(seqs)]  # context lengths, the s_q new tokens included
+    per_seq = -(-max(lens) // block_size)
+    cache = torch.randn(seqs * per_seq + 3, block_size, cfg.kv_cache_width, generator=gen).bfloat16()
+    tables = torch.randperm(cache.shape[0], generator=gen)[: seqs * per_seq].view(seqs, per_seq)
+    positions = [lens[b] - s_q + i for b in range(seqs) for i in range(s_q)]
+    slots = [int(tables[b, p // block_size]) * block_size + p % block_size for b, p in zip(
+        [b for b in range(seqs) for _ in range(s_q)], positions, strict=True)]  # fmt: skip
+    batch = ForwardBatch(
+        input_ids=torch.zeros(tokens, dtype=torch.long),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        decodes=[DecodeGroup.of(0, s_q, tables.tolist(), lens, "cpu")],
+        prefills=[],
+        logits_indices=torch.arange(tokens),
+    )
+    cos, sin = (t[batch.positions] for t in rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 256))
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen).bfloat16()
+    takes = tokens <= NATIVE_MAX_BATCH and layer.native_weights.takes_rows(tokens)
+    calls = []
+    real = native.mla_attention
+    try:
+        native.mla_attention = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        one_call_cache = cache.clone()
+        got = layer(x, cos, sin, batch, one_call_cache)
+    finally:
+        native.mla_attention = real
+    assert calls == ([tokens] if takes else [])
+    weights, layer.native_weights = layer.native_weights, None
+    calls_cache = cache.clone()
+    want = layer(x, cos, sin, batch, calls_cache)
+    layer.native_weights = weights
+    assert torch.equal(got, want)
+    assert torch.equal(one_call_cache, calls_cache) and not torch.equal(calls_cache, cache)
+
+
+def test_mla_attention_refuses_slots_outside_the_cache(loaded):
+    from kernels.rotary import rope_cos_sin_cache
+
+    if not loaded:
+        return
+    cfg, layer = _mla_layer(48, 1)
+    cache = torch.zeros(2, 4, cfg.kv_cache_width, dtype=torch.bfloat16)
+    cos, sin = (t[:1] for t in rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 16))
+    x = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the cache's 2 blocks of 4"):
+        native.mla_attention(x, layer.native_weights, cos, sin, cache, torch.tensor([8]), table, lens)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        native.mla_attention(
+            x, layer.native_weights, cos, sin, cache, torch.tensor([3], dtype=torch.int32), table, lens
+        )

@@ -21,7 +21,7 @@ from engine.models.layers import Linear, RMSNorm
 from kernels import native
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
-from kernels.mla import mla_decode
+from kernels.mla import NATIVE_MAX_BATCH, mla_decode, per_token_tables
 from kernels.rotary import apply_rotary
 
 
@@ -53,6 +53,7 @@ class MLAttention(nn.Module):
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
         self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native few-token products
         self.w_uv: torch.Tensor | None = None  # [H, v, L], a view of kv_b_proj's weight
+        self.native_weights: native.MLAWeights | None = None  # the one-call decode's, set by process_weights
 
     def process_weights(self) -> None:
         """Split kv_b_proj into the absorbed-form matrices once the weights are loaded."""
@@ -62,6 +63,40 @@ class MLAttention(nn.Module):
         if native.loaded() and native.takes(w):  # one decode token: per-head products as GEMVs
             self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
             self.w_uv = w[:, self.nope_dim :]
+            self.native_weights = self._native_weights()
+
+    def _native_weights(self) -> native.MLAWeights | None:
+        """The weights of the one-call native decode (native.mla_attention), or None where it
+        cannot take them (biases, another dtype, non-contiguous rows)."""
+        q_a = self.q_a_proj if self.q_lora else None
+        linears = [*([q_a] if q_a else []), self.q_b_proj if self.q_lora else self.q_proj]
+        linears += [self.kv_a_proj_with_mqa, self.o_proj]
+        if any(m.bias is not None for m in linears):
+            return None
+        weights = native.MLAWeights(
+            q_a=q_a.weight if q_a else None,
+            q_a_norm=self.q_a_layernorm.weight if self.q_lora else None,
+            q_b=(self.q_b_proj if self.q_lora else self.q_proj).weight,
+            kv_a=self.kv_a_proj_with_mqa.weight,
+            kv_a_norm=self.kv_a_layernorm.weight,
+            w_uk_t=self.w_uk_t,
+            w_uv=self.w_uv,
+            o_proj=self.o_proj.weight,
+            heads=self.num_heads,
+            nope_dim=self.nope_dim,
+            rope_dim=self.rope_dim,
+            kv_lora_rank=self.kv_lora_rank,
+            v_dim=self.v_dim,
+            q_eps=self.q_a_layernorm.eps if self.q_lora else 0.0,
+            kv_eps=self.kv_a_layernorm.eps,
+            scale=self.scale,
+            interleaved=self.interleaved,
+        )
+        tensors = [t for t in (weights.q_a, weights.q_a_norm) if t is not None]
+        tensors += [weights.q_b, weights.kv_a, weights.kv_a_norm, weights.w_uk_t, weights.o_proj]
+        if not (native.takes(*tensors, weights.w_uv) and all(t.is_contiguous() for t in tensors)):
+            return None
+        return weights
 
     def forward(
         self,
@@ -73,6 +108,19 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, R/2] at each token's position, kv_cache [blocks, block_size, L+R]."""
         n, H = x.shape[0], self.num_heads
+        if (
+            self.native_weights is not None
+            and not batch.prefills
+            and len(batch.decodes) == 1
+            and n <= NATIVE_MAX_BATCH
+            and self.native_weights.takes_rows(n)
+            and native.takes(kv_cache)
+        ):  # a few decode tokens (batch 1, a verification): the whole path below in one native call
+            group = batch.decodes[0]
+            tables, lens = per_token_tables(group.block_table, group.seq_lens, group.query_len)
+            return native.mla_attention(
+                x, self.native_weights, cos, sin, kv_cache, batch.slot_mapping, tables, lens
+            )
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(n, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -146,6 +147,46 @@ def max_rows() -> int:
 
 
 _BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """One MLA layer's decode weights as mla_attention takes them: bf16, contiguous rows, no biases.
+    Built by engine/models/mla.py once the weights are loaded."""
+
+    q_a: torch.Tensor | None  # [q_lora, hidden], or None: q_b is then q_proj [H*(nope+R), hidden]
+    q_a_norm: torch.Tensor | None  # [q_lora]
+    q_b: torch.Tensor  # [H*(nope+R), q_lora]
+    kv_a: torch.Tensor  # [L+R, hidden]
+    kv_a_norm: torch.Tensor  # [L]
+    w_uk_t: torch.Tensor  # [H, L, nope] contiguous
+    w_uv: torch.Tensor  # [H, v, L], rows L apart (a view of kv_b_proj's weight)
+    o_proj: torch.Tensor  # [hidden, H*v]
+    heads: int
+    nope_dim: int
+    rope_dim: int
+    kv_lora_rank: int
+    v_dim: int
+    q_eps: float
+    kv_eps: float
+    scale: float
+    interleaved: bool
+
+    @property
+    def q_lora_rank(self) -> int:
+        return 0 if self.q_a is None else self.q_a.shape[0]
+
+    @property
+    def products(self) -> tuple[torch.Tensor, ...]:
+        """The weights a token is multiplied through, one [N, K] matrix each (a head's, per head)."""
+        first = () if self.q_a is None else (self.q_a,)
+        return (*first, self.q_b, self.kv_a, self.w_uk_t[0], self.w_uv[0], self.o_proj)
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether M = rows tokens take every product natively (as the layer's own calls would)."""
+        return all(_few_enough(rows, w.numel() * 2) for w in self.products)
+
+
 # The wrappers below sit on a decode step's hot path (a hundred calls a step at batch 1): their
 # checks use the cheapest tensor attributes (`is_cpu`, not `device.type`; no generators), which
 # keeps a call's Python cost near torch's own dispatch (~4 µs against ~16 before).
@@ -327,6 +368,69 @@ def mla_decode(
         if bad:
             raise ValueError(f"block_table holds {bad} block ids outside [0, {num_blocks})")
     return o
+
+
+def mla_attention(
+    x: torch.Tensor,
+    weights: MLAWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One MLA layer's attention for the M decode tokens x [M, hidden] (bf16), each its own
+    sequence of block_table [M, max_blocks] / seq_lens [M] (int32), whose cache rows it writes at
+    slots [M] (int64, -1 skips) before attending: engine/models/mla.py's decode path in one call,
+    with its bits. cos/sin [M, R/2] float32, kv_cache [blocks, block_size, L+R] bf16 contiguous
+    -> [M, hidden] bf16. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    w = weights
+    rows, hidden = x.shape
+    heads, width, latent = w.heads, kv_cache.shape[-1], w.kv_lora_rank
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
+    if width != latent + w.rope_dim or cos.shape != (rows, w.rope_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(
+            f"kv_cache rows must be L+R = {latent + w.rope_dim} wide and cos/sin [M={rows}, R/2], got "
+            f"{tuple(kv_cache.shape)}, {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if slots.shape != (rows,) or block_table.shape[0] != rows or seq_lens.shape != (rows,):
+        raise ValueError(
+            f"slots, block_table and seq_lens must have a row per token (M={rows}), got {tuple(slots.shape)}, "
+            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if (
+        slots.dtype != torch.int64
+        or block_table.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+    ):
+        raise ValueError("slots must be int64, block_table and seq_lens int32, cos and sin float32")
+    if not (takes(x, kv_cache) and x.is_contiguous() and kv_cache.is_contiguous()):
+        raise ValueError("x and kv_cache must be contiguous CPU bfloat16")
+    slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, hidden, dtype=_BF16)
+    if rows == 0:
+        return out
+    bad = _library.mla_attention(
+        x.data_ptr(), rows, hidden,
+        0 if w.q_a is None else w.q_a.data_ptr(), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
+        w.q_lora_rank, w.q_eps, w.q_b.data_ptr(),
+        w.kv_a.data_ptr(), w.kv_a_norm.data_ptr(), w.kv_eps,
+        w.w_uk_t.data_ptr(), w.w_uv.data_ptr(), w.w_uv.stride(0), w.o_proj.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), w.interleaved,
+        kv_cache.data_ptr(), num_blocks, block_size,
+        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
+        out.data_ptr(), heads, w.nope_dim, w.rope_dim, latent, w.v_dim, w.scale,
+    )  # fmt: skip
+    if bad:
+        raise ValueError(
+            f"{bad} block ids or slots lie outside the cache's {num_blocks} blocks of {block_size}"
+        )
+    return out
 
 
 def rms_norm(
