@@ -20,7 +20,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -171,6 +171,7 @@ class MLAWeights:
     kv_eps: float
     scale: float
     interleaved: bool
+    _taken: dict[tuple[int, int], bool] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def q_lora_rank(self) -> int:
@@ -183,8 +184,12 @@ class MLAWeights:
         return (*first, self.q_b, self.kv_a, self.w_uk_t[0], self.w_uv[0], self.o_proj)
 
     def takes_rows(self, rows: int) -> bool:
-        """Whether M = rows tokens take every product natively (as the layer's own calls would)."""
-        return all(_few_enough(rows, w.numel() * 2) for w in self.products)
+        """Whether M = rows tokens take every product natively (as the layer's own calls would).
+        Remembered per (rows, max_rows()): this is asked by every layer of every decode step."""
+        key = (rows, _max_rows)
+        if (taken := self._taken.get(key)) is None:
+            taken = self._taken[key] = all(_few_enough(rows, w.numel() * 2) for w in self.products)
+        return taken
 
 
 # The wrappers below sit on a decode step's hot path (a hundred calls a step at batch 1): their
@@ -390,10 +395,16 @@ def mla_attention(
     rows, hidden = x.shape
     heads, width, latent = w.heads, kv_cache.shape[-1], w.kv_lora_rank
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
-    if width != latent + w.rope_dim or cos.shape != (rows, w.rope_dim // 2) or sin.shape != cos.shape:
+    if (
+        hidden != w.kv_a.shape[1]
+        or width != latent + w.rope_dim
+        or cos.shape != (rows, w.rope_dim // 2)
+        or sin.shape != cos.shape
+    ):
         raise ValueError(
-            f"kv_cache rows must be L+R = {latent + w.rope_dim} wide and cos/sin [M={rows}, R/2], got "
-            f"{tuple(kv_cache.shape)}, {tuple(cos.shape)} and {tuple(sin.shape)}"
+            f"x must be [M, hidden={w.kv_a.shape[1]}], kv_cache rows L+R = {latent + w.rope_dim} wide and "
+            f"cos/sin [M={rows}, R/2], got {tuple(x.shape)}, {tuple(kv_cache.shape)}, {tuple(cos.shape)} "
+            f"and {tuple(sin.shape)}"
         )
     if slots.shape != (rows,) or block_table.shape[0] != rows or seq_lens.shape != (rows,):
         raise ValueError(
