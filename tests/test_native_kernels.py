@@ -472,7 +472,7 @@ def test_mla_attention_in_one_call_is_the_bits_of_the_layers_calls(loaded, produ
     assert torch.equal(one_call_cache, calls_cache) and not torch.equal(calls_cache, cache)
 
 
-def test_mla_attention_refuses_slots_outside_the_cache(loaded):
+def test_mla_attention_refuses_bad_operands(loaded):
     from kernels.rotary import rope_cos_sin_cache
 
     if not loaded:
@@ -484,6 +484,8 @@ def test_mla_attention_refuses_slots_outside_the_cache(loaded):
     table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
     with pytest.raises(ValueError, match="outside the cache's 2 blocks of 4"):
         native.mla_attention(x, layer.native_weights, cos, sin, cache, torch.tensor([8]), table, lens)
+    with pytest.raises(ValueError, match=r"x must be \[M, hidden=96\]"):
+        native.mla_attention(x[:, :64], layer.native_weights, cos, sin, cache, torch.tensor([3]), table, lens)
     with pytest.raises(ValueError, match="slots must be int64"):
         native.mla_attention(
             x, layer.native_weights, cos, sin, cache, torch.tensor([3], dtype=torch.int32), table, lens
