@@ -490,3 +490,42 @@ def test_mla_attention_refuses_bad_operands(loaded):
         native.mla_attention(
             x, layer.native_weights, cos, sin, cache, torch.tensor([3], dtype=torch.int32), table, lens
         )
+
+
+@pytest.mark.parametrize(
+    "scoring, with_bias, n_group, topk_group, top_k, norm",
+    [
+        ("sigmoid", True, 4, 2, 4, True),  # DeepSeek-V3's noaux_tc (the bench model's)
+        ("sigmoid", True, 8, 3, 8, True),
+        ("sigmoid", True, 1, 1, 2, False),
+        ("softmax", False, 1, 1, 6, False),  # V2's greedy
+        ("softmax", False, 4, 2, 3, True),  # group-limited without a bias
+    ],
+    ids=str,
+)
+def test_route_is_the_bits_of_the_reference(
+    loaded, monkeypatch, scoring, with_bias, n_group, topk_group, top_k, norm
+):
+    """native.route, a few tokens' routing from the scores on in one call, against grouped_topk_ref's
+    own ops: the same ids and float32 weights bit for bit, over 2,400 tokens of which half have
+    exact ties (logits on a coarse grid), where the lowest index must win."""
+    from kernels.gate import HOST_SELECT_MAX, grouped_topk_ref
+
+    experts, tokens = 32, HOST_SELECT_MAX // 32
+    gen = torch.Generator().manual_seed(n_group * 10 + top_k)
+    args = (n_group, topk_group, top_k, norm, 2.5)
+    calls = []
+    if loaded:
+        real = native.route
+        monkeypatch.setattr(native, "route", lambda *a: calls.append(1) or real(*a))
+    for trial in range(300):
+        logits = torch.randn(tokens, experts, generator=gen) * 3
+        if trial % 2:
+            logits = (logits * 2).round() / 2  # ties
+        bias = torch.randn(experts, generator=gen) * 0.5 if with_bias else None
+        got = grouped_topk_ref(logits, bias, *args, scoring=scoring)
+        with monkeypatch.context() as torch_path:
+            torch_path.setattr(native, "_library", None)
+            want = grouped_topk_ref(logits, bias, *args, scoring=scoring)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), trial
+    assert len(calls) == (300 if loaded else 0)

@@ -444,6 +444,47 @@ def mla_attention(
     return out
 
 
+def route(
+    scores: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert routing from the scores on: scores [T, E] float32 (after the sigmoid or softmax),
+    bias [E] float32 or None -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64),
+    kernels/gate.py grouped_topk_ref's values bit for bit. For a decode step's few tokens (one
+    call for the reference's dozen small ops). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    num_tokens, num_experts = scores.shape
+    if (
+        scores.dtype != torch.float32
+        or not scores.is_cpu
+        or (bias is not None and bias.dtype != torch.float32)
+    ):
+        raise ValueError(
+            f"scores and bias must be CPU float32, got {scores.dtype} and {getattr(bias, 'dtype', None)}"
+        )
+    if bias is not None and bias.shape != (num_experts,):
+        raise ValueError(f"bias must be [E={num_experts}], got {tuple(bias.shape)}")
+    if n_group < 1 or num_experts % n_group or not 0 < top_k <= num_experts or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"E={num_experts} must split into n_group={n_group} groups, 0 < topk_group={topk_group} <= n_group "
+            f"and 0 < top_k={top_k} <= E"
+        )
+    scores = scores.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    _library.route(
+        scores.data_ptr(), 0 if bias is None else bias.data_ptr(), num_tokens, num_experts, n_group, topk_group,
+        top_k, norm_topk_prob, routed_scaling_factor, ids.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -611,6 +611,63 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
   return 0;
 }
 
+
+// Expert routing of a few tokens after their scores (kernels/gate.py grouped_topk_ref from the
+// sigmoid or softmax on), with its float32 operations in its order, so ids and weights are its
+// bits: choice = score + bias; with groups (n_group > topk_group) a group's score is the sum of
+// its two best choices (with a bias) or its best (without), the topk_group best groups are kept
+// and the other experts' choices become `masked`; the top_k choices win, ties to the lowest index
+// (as the reference's stable sort); weights = their scores, over their sum + 1e-20 when
+// norm_topk_prob, times routed_scaling_factor.
+void route(int64_t scores_ptr, int64_t bias_ptr, int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
+           int64_t top_k, bool norm_topk_prob, double routed_scaling_factor, int64_t ids_ptr, int64_t weights_ptr) {
+  const auto* scores = reinterpret_cast<const float*>(scores_ptr);
+  const auto* bias = reinterpret_cast<const float*>(bias_ptr);
+  auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
+  auto* weights = reinterpret_cast<float*>(weights_ptr);
+  const bool grouped = n_group > 1 && topk_group < n_group;
+  const int64_t size = E / n_group;
+  const float masked = bias != nullptr ? -INFINITY : 0.0f;
+  std::vector<float> choice(E), group_score(n_group);
+  std::vector<int64_t> order(std::max(E, n_group));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* st = scores + t * E;
+    for (int64_t e = 0; e < E; ++e) choice[e] = bias != nullptr ? st[e] + bias[e] : st[e];
+    if (grouped) {
+      for (int64_t g = 0; g < n_group; ++g) {
+        const float* cg = &choice[g * size];
+        int64_t first = 0;  // the best, ties to the lowest index (as torch.topk's first is its max)
+        for (int64_t i = 1; i < size; ++i)
+          if (cg[i] > cg[first]) first = i;
+        float second = -INFINITY;
+        for (int64_t i = 0; i < size; ++i)
+          if (i != first && cg[i] > second) second = cg[i];
+        group_score[g] = bias != nullptr ? cg[first] + second : cg[first];
+      }
+      for (int64_t g = 0; g < n_group; ++g) order[g] = g;
+      std::stable_sort(order.begin(), order.begin() + n_group,
+                       [&](int64_t a, int64_t b) { return group_score[a] > group_score[b]; });
+      std::vector<bool> kept(n_group, false);
+      for (int64_t g = 0; g < topk_group; ++g) kept[order[g]] = true;
+      for (int64_t e = 0; e < E; ++e)
+        if (!kept[e / size]) choice[e] = masked;
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.begin() + E, [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
+    float total = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) {
+      ids[t * top_k + k] = order[k];
+      weights[t * top_k + k] = st[order[k]];
+      total += st[order[k]];
+    }
+    for (int64_t k = 0; k < top_k; ++k) {
+      float w = weights[t * top_k + k];
+      if (norm_topk_prob) w = w / (total + 1e-20f);
+      weights[t * top_k + k] = w * float(routed_scaling_factor);
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -624,4 +681,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_attention", &mla_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("route", &route);
 }
