@@ -336,28 +336,17 @@ def _fused_moe_few(x, w13, w2, topk_weights, topk_ids, shared=None) -> torch.Ten
     ids: the sort, bincount and gathers of the general loop cost more than the GEMMs here. Same
     per-expert arithmetic, experts in the same (ascending) order, the shared expert after."""
     out = torch.zeros_like(x)
+    if native.loaded() and native.takes(x, w13, w2, out, *(shared or ())):
+        # All pairs in one native call, expert by expert as the loop below: an expert seeing two
+        # tokens (a verification's drafts, a small batch) reads its weights the second time from cache.
+        native.moe_topk(x, w13, w2, out, topk_ids.long(), topk_weights.float(), shared)
+        return out
     inter = w2.shape[-1]
     pairs: dict[int, list[tuple[int, int]]] = {}
     for t, row in enumerate(topk_ids.tolist()):
         for k, e in enumerate(row):
             if e >= 0:
                 pairs.setdefault(e, []).append((t, k))
-    if native.loaded() and native.takes(x, w13, w2, out, *(shared or ())):
-        # All pairs in one native call, expert by expert as the loop below: an expert seeing two
-        # tokens (a verification's drafts, a small batch) reads its weights the second time from cache.
-        order = [(e, t, k) for e in sorted(pairs) for t, k in pairs[e]]
-        weights = topk_weights.tolist()
-        native.moe_pairs(
-            x,
-            w13,
-            w2,
-            out,
-            [e for e, _, _ in order],
-            [t for _, t, _ in order],
-            [weights[t][k] for _, t, k in order],
-            shared,
-        )
-        return out
     for expert in sorted(pairs):
         (t, k), *more = pairs[expert]
         if not more:  # one token: slices, no gathers

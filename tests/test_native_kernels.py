@@ -240,10 +240,10 @@ def test_moe_pairs_equal_the_torch_loop(loaded, products, monkeypatch, tokens, s
     weights = torch.rand(tokens, top_k, generator=gen)
     calls = []
     if loaded:
-        real = native.moe_pairs
-        monkeypatch.setattr(native, "moe_pairs", lambda *a: calls.append(a[4]) or real(*a))
+        real = native.moe_topk
+        monkeypatch.setattr(native, "moe_topk", lambda *a: calls.append(a[4].flatten().tolist()) or real(*a))
     got = fused_moe_ref(x, w13, w2, weights, ids)
-    assert calls == ([sorted(ids.flatten().tolist())] if loaded else [])
+    assert calls == ([ids.flatten().tolist()] if loaded else [])
     monkeypatch.setattr(native, "_library", None)
     want = fused_moe_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
@@ -268,8 +268,8 @@ def test_the_shared_expert_in_the_same_call_equals_adding_its_mlp(loaded, produc
     weights = torch.rand(tokens, top_k, generator=gen)
     calls = []
     if loaded:
-        real = native.moe_pairs
-        monkeypatch.setattr(native, "moe_pairs", lambda *a: calls.append(a[7]) or real(*a))
+        real = native.moe_topk
+        monkeypatch.setattr(native, "moe_topk", lambda *a: calls.append(a[6]) or real(*a))
     got = fused_moe_ref(x, w13, w2, weights, ids, shared)
     assert len(calls) == int(loaded) and all(c is shared for c in calls)  # one call, the shared expert in it
     monkeypatch.setattr(native, "_library", None)
@@ -278,6 +278,37 @@ def test_the_shared_expert_in_the_same_call_equals_adding_its_mlp(loaded, produc
     assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, shared), want)  # the torch path adds it
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
     assert not torch.allclose(routed.float(), want.float(), atol=2**-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 9], ids=lambda t: f"T{t}")
+def test_moe_topk_is_moe_pairs_in_expert_order(loaded, tokens):
+    """native.moe_topk groups the router's (token, k) pairs itself: the bits of moe_pairs given the
+    pairs by ascending expert, each expert's in (token, k) order, the -1s (other ranks') left out."""
+    if not loaded:
+        return
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 6, 64, 32, 3
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.1).bfloat16()
+    shared = (
+        (torch.randn(64, hidden, generator=gen) * 0.1).bfloat16(),
+        (torch.randn(hidden, 32) * 0.1).bfloat16(),
+    )
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    order = sorted(
+        ((e, t, k) for t, row in enumerate(ids.tolist()) for k, e in enumerate(row) if e >= 0),
+        key=lambda p: p[0],
+    )
+    want = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    got = want.clone()
+    native.moe_topk(x, w13, w2, got, ids, weights, shared)
+    native.moe_pairs(
+        x, w13, w2, want, [e for e, _, _ in order], [t for _, t, _ in order],
+        [float(weights[t, k]) for _, t, k in order], shared,
+    )  # fmt: skip
+    assert torch.equal(got, want)
 
 
 def test_moe_pairs_refuses_ids_out_of_range(loaded):
@@ -291,6 +322,8 @@ def test_moe_pairs_refuses_ids_out_of_range(loaded):
         native.moe_pairs(x, w13, w2, torch.zeros_like(x), [4], [0], [1.0])
     with pytest.raises(ValueError, match="tokens in"):
         native.moe_pairs(x, w13, w2, torch.zeros_like(x), [1], [1], [1.0])
+    with pytest.raises(ValueError, match="1 expert ids lie at or past E=4"):
+        native.moe_topk(x, w13, w2, torch.zeros_like(x), torch.tensor([[4, -1]]), torch.ones(1, 2))
 
 
 @pytest.mark.parametrize(

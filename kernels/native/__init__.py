@@ -280,6 +280,34 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if batched else y.squeeze(0)
 
 
+def _check_experts(x, w13, w2, out, shared) -> tuple[int, int, int, int]:
+    """moe_pairs' and moe_topk's operand checks -> (T, H, E, I)."""
+    (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape
+    inter = two_inter // 2
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or out.shape != x.shape:
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
+            f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
+        )
+    if not takes(x, w13, w2, out):
+        raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
+    if shared is not None:
+        s13, s2 = shared
+        if s13.shape != (2 * s2.shape[-1], hidden) or s2.shape[0] != hidden or not takes(s13, s2):
+            raise ValueError(
+                f"the shared expert must be w13 [2Is, H={hidden}] and w2 [H, Is], CPU bfloat16 with unit "
+                f"stride along the last dimension, got {tuple(s13.shape)} and {tuple(s2.shape)}"
+            )
+    return num_tokens, hidden, num_experts, inter
+
+
+def _shared_args(shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int, int]:
+    if shared is None:
+        return 0, 0, 0, 0, 0
+    s13, s2 = shared
+    return s13.data_ptr(), s13.stride(0), s2.data_ptr(), s2.stride(0), s2.shape[-1]
+
+
 def moe_pairs(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -297,15 +325,7 @@ def moe_pairs(
     `out + shared(x)` rounds. x [T, H], w13 [E, 2I, H], w2 [E, H, I], out [T, H], all CPU bf16
     with unit stride along their last dimension. Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
-    (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape
-    inter = two_inter // 2
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or out.shape != x.shape:
-        raise ValueError(
-            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
-            f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
-        )
-    if not takes(x, w13, w2, out):
-        raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
+    num_tokens, hidden, num_experts, inter = _check_experts(x, w13, w2, out, shared)
     if not len(experts) == len(tokens) == len(weights):
         raise ValueError(
             f"experts, tokens and weights must be as long, got {len(experts)}, {len(tokens)}, {len(weights)}"
@@ -314,13 +334,7 @@ def moe_pairs(
         0 <= min(experts) and max(experts) < num_experts and 0 <= min(tokens) and max(tokens) < num_tokens
     ):
         raise ValueError(f"expert ids must lie in [0, {num_experts}) and tokens in [0, {num_tokens})")
-    s13, s2, s_inter = (None, None, 0) if shared is None else (*shared, shared[1].shape[-1])
     if shared is not None:
-        if s13.shape != (2 * s_inter, hidden) or s2.shape != (hidden, s_inter) or not takes(s13, s2):
-            raise ValueError(
-                f"the shared expert must be w13 [2Is, H={hidden}] and w2 [H, Is], CPU bfloat16 with unit "
-                f"stride along the last dimension, got {tuple(s13.shape)} and {tuple(s2.shape)}"
-            )
         experts, tokens = [*experts, *[-1] * num_tokens], [*tokens, *range(num_tokens)]
         weights = [*weights, *[1.0] * num_tokens]
     _library.moe_pairs(
@@ -328,10 +342,44 @@ def moe_pairs(
         w13.data_ptr(), w13.stride(0), w13.stride(1),
         w2.data_ptr(), w2.stride(0), w2.stride(1),
         out.data_ptr(), out.stride(0),
-        experts, tokens, weights, hidden, inter,
-        0 if s13 is None else s13.data_ptr(), 0 if s13 is None else s13.stride(0),
-        0 if s2 is None else s2.data_ptr(), 0 if s2 is None else s2.stride(0), s_inter,
+        experts, tokens, weights, hidden, inter, *_shared_args(shared),
     )  # fmt: skip
+
+
+def moe_topk(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """moe_pairs from the router's output: topk_ids [T, K] (int64, -1 for an expert on another
+    rank) and topk_weights [T, K] (float32), the pairs grouped by expert in ascending order (an
+    expert's in (token, k) order), in one call without the Python lists. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    num_tokens, hidden, num_experts, inter = _check_experts(x, w13, w2, out, shared)
+    top_k = topk_ids.shape[-1]
+    if topk_ids.shape != (num_tokens, top_k) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids and topk_weights must be [T={num_tokens}, K], got {tuple(topk_ids.shape)} and "
+            f"{tuple(topk_weights.shape)}"
+        )
+    if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_ids must be int64 and topk_weights float32, got {topk_ids.dtype} and {topk_weights.dtype}"
+        )
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    bad = _library.moe_topk(
+        x.data_ptr(), x.stride(0),
+        w13.data_ptr(), w13.stride(0), w13.stride(1),
+        w2.data_ptr(), w2.stride(0), w2.stride(1),
+        out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
+        num_tokens, top_k, num_experts, hidden, inter, *_shared_args(shared),
+    )  # fmt: skip
+    if bad:
+        raise ValueError(f"{bad} expert ids lie at or past E={num_experts}")
 
 
 def mla_decode(

@@ -388,6 +388,35 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
 }
 
 
+// The experts of T tokens from their top-k ids [T, K] (int64; -1: an expert on another rank) and
+// weights [T, K] (float32): moe_pairs over their pairs grouped by expert in ascending order, an
+// expert's pairs in (token, k) order (kernels/moe.py _fused_moe_few's order), then the shared
+// expert's when s13_ptr is given. Returns the count of ids >= E (0: fine; the caller raises).
+int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+                 int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t ids_ptr, int64_t weights_ptr,
+                 int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t s13_ptr, int64_t ld_s13,
+                 int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
+  const auto* topk_weights = reinterpret_cast<const float*>(weights_ptr);
+  std::vector<int64_t> pairs;  // flat (token, k) indices of the local experts' pairs
+  int64_t bad = 0;
+  for (int64_t p = 0; p < T * K; ++p) {
+    if (ids[p] >= E) ++bad;
+    if (ids[p] >= 0) pairs.push_back(p);
+  }
+  if (bad != 0) return bad;
+  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<int64_t> experts, tokens;
+  std::vector<float> weights;
+  for (const int64_t p : pairs) experts.push_back(ids[p]), tokens.push_back(p / K), weights.push_back(topk_weights[p]);
+  if (s13_ptr != 0)
+    for (int64_t t = 0; t < T; ++t) experts.push_back(-1), tokens.push_back(t), weights.push_back(1.0f);
+  moe_pairs(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo, experts, tokens, weights, H,
+            I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is);
+  return 0;
+}
+
+
 // MLA decode attention, one query token per sequence, over the paged latent cache (the math of
 // kernels/mla.py), with the torch path's roundings (_mla_decode_fast):
 //   s[h, j]  = bf16(bf16(q[b, h] . cache[j]) * scale)      j < seq_lens[b]
@@ -677,6 +706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool_min_bytes", &set_pool_min_bytes);
   m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("moe_topk", &moe_topk, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
