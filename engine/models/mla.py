@@ -69,12 +69,12 @@ class MLAttention(nn.Module):
         """The weights of the one-call native decode (native.mla_attention), or None where it
         cannot take them (biases, another dtype, non-contiguous rows)."""
         q_a = self.q_a_proj if self.q_lora else None
-        linears = [*([q_a] if q_a else []), self.q_b_proj if self.q_lora else self.q_proj]
+        linears = [*([q_a] if q_a is not None else []), self.q_b_proj if self.q_lora else self.q_proj]
         linears += [self.kv_a_proj_with_mqa, self.o_proj]
         if any(m.bias is not None for m in linears):
             return None
         weights = native.MLAWeights(
-            q_a=q_a.weight if q_a else None,
+            q_a=q_a.weight if q_a is not None else None,
             q_a_norm=self.q_a_layernorm.weight if self.q_lora else None,
             q_b=(self.q_b_proj if self.q_lora else self.q_proj).weight,
             kv_a=self.kv_a_proj_with_mqa.weight,

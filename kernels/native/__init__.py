@@ -20,7 +20,6 @@ import functools
 import hashlib
 import importlib.util
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -149,54 +148,6 @@ def max_rows() -> int:
 _BF16 = torch.bfloat16
 
 
-@dataclass(frozen=True)
-class MLAWeights:
-    """One MLA layer's decode weights as mla_attention takes them: bf16, contiguous rows, no biases.
-    Built by engine/models/mla.py once the weights are loaded."""
-
-    q_a: torch.Tensor | None  # [q_lora, hidden], or None: q_b is then q_proj [H*(nope+R), hidden]
-    q_a_norm: torch.Tensor | None  # [q_lora]
-    q_b: torch.Tensor  # [H*(nope+R), q_lora]
-    kv_a: torch.Tensor  # [L+R, hidden]
-    kv_a_norm: torch.Tensor  # [L]
-    w_uk_t: torch.Tensor  # [H, L, nope] contiguous
-    w_uv: torch.Tensor  # [H, v, L], rows L apart (a view of kv_b_proj's weight)
-    o_proj: torch.Tensor  # [hidden, H*v]
-    heads: int
-    nope_dim: int
-    rope_dim: int
-    kv_lora_rank: int
-    v_dim: int
-    q_eps: float
-    kv_eps: float
-    scale: float
-    interleaved: bool
-    _taken: dict[tuple[int, int], bool] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def q_lora_rank(self) -> int:
-        return 0 if self.q_a is None else self.q_a.shape[0]
-
-    @property
-    def products(self) -> tuple[torch.Tensor, ...]:
-        """The weights a token is multiplied through, one [N, K] matrix each (a head's, per head)."""
-        first = () if self.q_a is None else (self.q_a,)
-        return (*first, self.q_b, self.kv_a, self.w_uk_t[0], self.w_uv[0], self.o_proj)
-
-    def takes_rows(self, rows: int) -> bool:
-        """Whether M = rows tokens take every product natively (as the layer's own calls would).
-        Remembered per (rows, max_rows()): this is asked by every layer of every decode step."""
-        key = (rows, _max_rows)
-        if (taken := self._taken.get(key)) is None:
-            taken = self._taken[key] = all(_few_enough(rows, w.numel() * 2) for w in self.products)
-        return taken
-
-
-# The wrappers below sit on a decode step's hot path (a hundred calls a step at batch 1): their
-# checks use the cheapest tensor attributes (`is_cpu`, not `device.type`; no generators), which
-# keeps a call's Python cost near torch's own dispatch (~4 µs against ~16 before).
-
-
 def takes(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels here take these operands as they are: each CPU bf16 with unit stride
     along its last dimension (None, an absent optional operand, always passes)."""
@@ -280,108 +231,6 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if batched else y.squeeze(0)
 
 
-def _check_experts(x, w13, w2, out, shared) -> tuple[int, int, int, int]:
-    """moe_pairs' and moe_topk's operand checks -> (T, H, E, I)."""
-    (num_tokens, hidden), (num_experts, two_inter, _) = x.shape, w13.shape
-    inter = two_inter // 2
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or out.shape != x.shape:
-        raise ValueError(
-            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
-            f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
-        )
-    if not takes(x, w13, w2, out):
-        raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
-    if shared is not None:
-        s13, s2 = shared
-        if s13.shape != (2 * s2.shape[-1], hidden) or s2.shape[0] != hidden or not takes(s13, s2):
-            raise ValueError(
-                f"the shared expert must be w13 [2Is, H={hidden}] and w2 [H, Is], CPU bfloat16 with unit "
-                f"stride along the last dimension, got {tuple(s13.shape)} and {tuple(s2.shape)}"
-            )
-    return num_tokens, hidden, num_experts, inter
-
-
-def _shared_args(shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int, int]:
-    if shared is None:
-        return 0, 0, 0, 0, 0
-    s13, s2 = shared
-    return s13.data_ptr(), s13.stride(0), s2.data_ptr(), s2.stride(0), s2.shape[-1]
-
-
-def moe_pairs(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    out: torch.Tensor,
-    experts: list[int],
-    tokens: list[int],
-    weights: list[float],
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """In place, for each (expert e, token t, weight) in order: out[t] += weight * e's SwiGLU MLP
-    of x[t], with kernels/moe.py's per-expert roundings. Pairs of one expert should be adjacent
-    (its weights are then read once for all its tokens). shared: the shared expert's weights
-    (w13 [2Is, H], w2 [H, Is]), then added to every token after its routed experts, as
-    `out + shared(x)` rounds. x [T, H], w13 [E, 2I, H], w2 [E, H, I], out [T, H], all CPU bf16
-    with unit stride along their last dimension. Requires `loaded()`."""
-    assert _library is not None, "kernels.native.load() first"
-    num_tokens, hidden, num_experts, inter = _check_experts(x, w13, w2, out, shared)
-    if not len(experts) == len(tokens) == len(weights):
-        raise ValueError(
-            f"experts, tokens and weights must be as long, got {len(experts)}, {len(tokens)}, {len(weights)}"
-        )
-    if experts and not (
-        0 <= min(experts) and max(experts) < num_experts and 0 <= min(tokens) and max(tokens) < num_tokens
-    ):
-        raise ValueError(f"expert ids must lie in [0, {num_experts}) and tokens in [0, {num_tokens})")
-    if shared is not None:
-        experts, tokens = [*experts, *[-1] * num_tokens], [*tokens, *range(num_tokens)]
-        weights = [*weights, *[1.0] * num_tokens]
-    _library.moe_pairs(
-        x.data_ptr(), x.stride(0),
-        w13.data_ptr(), w13.stride(0), w13.stride(1),
-        w2.data_ptr(), w2.stride(0), w2.stride(1),
-        out.data_ptr(), out.stride(0),
-        experts, tokens, weights, hidden, inter, *_shared_args(shared),
-    )  # fmt: skip
-
-
-def moe_topk(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """moe_pairs from the router's output: topk_ids [T, K] (int64, -1 for an expert on another
-    rank) and topk_weights [T, K] (float32), the pairs grouped by expert in ascending order (an
-    expert's in (token, k) order), in one call without the Python lists. Requires `loaded()`."""
-    assert _library is not None, "kernels.native.load() first"
-    num_tokens, hidden, num_experts, inter = _check_experts(x, w13, w2, out, shared)
-    top_k = topk_ids.shape[-1]
-    if topk_ids.shape != (num_tokens, top_k) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_ids and topk_weights must be [T={num_tokens}, K], got {tuple(topk_ids.shape)} and "
-            f"{tuple(topk_weights.shape)}"
-        )
-    if topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32:
-        raise ValueError(
-            f"topk_ids must be int64 and topk_weights float32, got {topk_ids.dtype} and {topk_weights.dtype}"
-        )
-    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    bad = _library.moe_topk(
-        x.data_ptr(), x.stride(0),
-        w13.data_ptr(), w13.stride(0), w13.stride(1),
-        w2.data_ptr(), w2.stride(0), w2.stride(1),
-        out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
-        num_tokens, top_k, num_experts, hidden, inter, *_shared_args(shared),
-    )  # fmt: skip
-    if bad:
-        raise ValueError(f"{bad} expert ids lie at or past E={num_experts}")
-
-
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -421,116 +270,6 @@ def mla_decode(
         if bad:
             raise ValueError(f"block_table holds {bad} block ids outside [0, {num_blocks})")
     return o
-
-
-def mla_attention(
-    x: torch.Tensor,
-    weights: MLAWeights,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> torch.Tensor:
-    """One MLA layer's attention for the M decode tokens x [M, hidden] (bf16), each its own
-    sequence of block_table [M, max_blocks] / seq_lens [M] (int32), whose cache rows it writes at
-    slots [M] (int64, -1 skips) before attending: engine/models/mla.py's decode path in one call,
-    with its bits. cos/sin [M, R/2] float32, kv_cache [blocks, block_size, L+R] bf16 contiguous
-    -> [M, hidden] bf16. Requires `loaded()`."""
-    assert _library is not None, "kernels.native.load() first"
-    w = weights
-    rows, hidden = x.shape
-    heads, width, latent = w.heads, kv_cache.shape[-1], w.kv_lora_rank
-    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
-    if (
-        hidden != w.kv_a.shape[1]
-        or width != latent + w.rope_dim
-        or cos.shape != (rows, w.rope_dim // 2)
-        or sin.shape != cos.shape
-    ):
-        raise ValueError(
-            f"x must be [M, hidden={w.kv_a.shape[1]}], kv_cache rows L+R = {latent + w.rope_dim} wide and "
-            f"cos/sin [M={rows}, R/2], got {tuple(x.shape)}, {tuple(kv_cache.shape)}, {tuple(cos.shape)} "
-            f"and {tuple(sin.shape)}"
-        )
-    if slots.shape != (rows,) or block_table.shape[0] != rows or seq_lens.shape != (rows,):
-        raise ValueError(
-            f"slots, block_table and seq_lens must have a row per token (M={rows}), got {tuple(slots.shape)}, "
-            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
-        )
-    if (
-        slots.dtype != torch.int64
-        or block_table.dtype != torch.int32
-        or seq_lens.dtype != torch.int32
-        or cos.dtype != torch.float32
-        or sin.dtype != torch.float32
-    ):
-        raise ValueError("slots must be int64, block_table and seq_lens int32, cos and sin float32")
-    if not (takes(x, kv_cache) and x.is_contiguous() and kv_cache.is_contiguous()):
-        raise ValueError("x and kv_cache must be contiguous CPU bfloat16")
-    slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(rows, hidden, dtype=_BF16)
-    if rows == 0:
-        return out
-    bad = _library.mla_attention(
-        x.data_ptr(), rows, hidden,
-        0 if w.q_a is None else w.q_a.data_ptr(), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
-        w.q_lora_rank, w.q_eps, w.q_b.data_ptr(),
-        w.kv_a.data_ptr(), w.kv_a_norm.data_ptr(), w.kv_eps,
-        w.w_uk_t.data_ptr(), w.w_uv.data_ptr(), w.w_uv.stride(0), w.o_proj.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), w.interleaved,
-        kv_cache.data_ptr(), num_blocks, block_size,
-        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
-        out.data_ptr(), heads, w.nope_dim, w.rope_dim, latent, w.v_dim, w.scale,
-    )  # fmt: skip
-    if bad:
-        raise ValueError(
-            f"{bad} block ids or slots lie outside the cache's {num_blocks} blocks of {block_size}"
-        )
-    return out
-
-
-def route(
-    scores: torch.Tensor,
-    bias: torch.Tensor | None,
-    n_group: int,
-    topk_group: int,
-    top_k: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert routing from the scores on: scores [T, E] float32 (after the sigmoid or softmax),
-    bias [E] float32 or None -> (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64),
-    kernels/gate.py grouped_topk_ref's values bit for bit. For a decode step's few tokens (one
-    call for the reference's dozen small ops). Requires `loaded()`."""
-    assert _library is not None, "kernels.native.load() first"
-    num_tokens, num_experts = scores.shape
-    if (
-        scores.dtype != torch.float32
-        or not scores.is_cpu
-        or (bias is not None and bias.dtype != torch.float32)
-    ):
-        raise ValueError(
-            f"scores and bias must be CPU float32, got {scores.dtype} and {getattr(bias, 'dtype', None)}"
-        )
-    if bias is not None and bias.shape != (num_experts,):
-        raise ValueError(f"bias must be [E={num_experts}], got {tuple(bias.shape)}")
-    if n_group < 1 or num_experts % n_group or not 0 < top_k <= num_experts or not 0 < topk_group <= n_group:
-        raise ValueError(
-            f"E={num_experts} must split into n_group={n_group} groups, 0 < topk_group={topk_group} <= n_group "
-            f"and 0 < top_k={top_k} <= E"
-        )
-    scores = scores.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
-    _library.route(
-        scores.data_ptr(), 0 if bias is None else bias.data_ptr(), num_tokens, num_experts, n_group, topk_group,
-        top_k, norm_topk_prob, routed_scaling_factor, ids.data_ptr(), weights.data_ptr(),
-    )  # fmt: skip
-    return weights, ids
 
 
 def rms_norm(
@@ -592,3 +331,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
             out.data_ptr(), n, g, r, interleaved,
         )  # fmt: skip
     return out.view(x.shape)
+
+
+# The calls that take a whole block of a layer (its attention, its routing, its experts).
+from kernels.native.blocks import MLAWeights, mla_attention, moe_pairs, moe_topk, route  # noqa: E402, F401
