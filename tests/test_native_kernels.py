@@ -505,6 +505,45 @@ def test_mla_attention_in_one_call_is_the_bits_of_the_layers_calls(loaded, produ
     assert torch.equal(one_call_cache, calls_cache) and not torch.equal(calls_cache, cache)
 
 
+@pytest.mark.parametrize("first_layer", [True, False], ids=["no-residual", "residual"])
+@torch.inference_mode()
+def test_the_decoder_layer_norms_in_the_same_call_are_their_bits(loaded, first_layer):
+    """With the decoder layer's input and post-attention norms (DecoderLayer.forward's few-token
+    path): the normed output and the new residual stream equal the norms' own calls around the
+    layer's, bit for bit, in the first layer (no residual yet) and after it."""
+    from engine.forward_batch import DecodeGroup, ForwardBatch
+    from engine.models.layers import RMSNorm
+    from kernels.rotary import rope_cos_sin_cache
+
+    if not loaded:
+        return
+    cfg, layer = _mla_layer(48, 3)
+    gen = torch.Generator().manual_seed(5)
+    norms = tuple(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=torch.bfloat16) for _ in range(2))
+    for norm in norms:
+        norm.weight.copy_(1 + 0.1 * torch.randn(cfg.hidden_size, generator=gen))
+    cache = torch.randn(6, 4, cfg.kv_cache_width, generator=gen).bfloat16()
+    batch = ForwardBatch(
+        input_ids=torch.zeros(2, dtype=torch.long),
+        positions=torch.tensor([9, 10]),
+        slot_mapping=torch.tensor([4 * 3 + 1, 4 * 3 + 2]),
+        decodes=[DecodeGroup.of(0, 2, [[5, 0, 3]], [11], "cpu")],
+        prefills=[],
+        logits_indices=torch.arange(2),
+    )
+    cos, sin = (t[batch.positions] for t in rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 64))
+    x = torch.randn(2, cfg.hidden_size, generator=gen).bfloat16()
+    residual = None if first_layer else torch.randn(2, cfg.hidden_size, generator=gen).bfloat16()
+    assert layer.takes_in_one_call(batch, 2, cache)
+    one_cache = cache.clone()
+    got, got_stream = layer.one_call(x, cos, sin, batch, one_cache, norms, residual)
+    normed, stream = (norms[0](x), x) if first_layer else norms[0](x, residual)
+    weights, layer.native_weights = layer.native_weights, None
+    want, want_stream = norms[1](layer(normed, cos, sin, batch, cache), stream)
+    layer.native_weights = weights
+    assert torch.equal(got, want) and torch.equal(got_stream, want_stream) and torch.equal(one_cache, cache)
+
+
 def test_mla_attention_refuses_bad_operands(loaded):
     from kernels.rotary import rope_cos_sin_cache
 

@@ -44,6 +44,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output, residual: the stream before it (None for layer 0).
         Each residual add is fused into the following RMSNorm. -> (mlp output, residual stream)."""
+        if self.self_attn.takes_in_one_call(batch, x.shape[0], kv_cache):  # both norms in the call too
+            norms = (self.input_layernorm, self.post_attention_layernorm)
+            x, residual = self.self_attn.one_call(x, cos, sin, batch, kv_cache, norms, residual)
+            return self.mlp(x), residual
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

@@ -108,19 +108,8 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, R/2] at each token's position, kv_cache [blocks, block_size, L+R]."""
         n, H = x.shape[0], self.num_heads
-        if (
-            self.native_weights is not None
-            and not batch.prefills
-            and len(batch.decodes) == 1
-            and n <= NATIVE_MAX_BATCH
-            and self.native_weights.takes_rows(n)
-            and native.takes(kv_cache)
-        ):  # a few decode tokens (batch 1, a verification): the whole path below in one native call
-            group = batch.decodes[0]
-            tables, lens = per_token_tables(group.block_table, group.seq_lens, group.query_len)
-            return native.mla_attention(
-                x, self.native_weights, cos, sin, kv_cache, batch.slot_mapping, tables, lens
-            )
+        if self.takes_in_one_call(batch, n, kv_cache):  # the whole path below in one native call
+            return self.one_call(x, cos, sin, batch, kv_cache)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(n, H, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
@@ -138,6 +127,48 @@ class MLAttention(nn.Module):
                 ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(x.dtype)
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)
         return self.o_proj(out.view(n, H * self.v_dim))
+
+    def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache: torch.Tensor) -> bool:
+        """Whether this step's n tokens run as one native call (native.mla_attention): a few decode
+        tokens (batch 1, a verification, the MTP draft) in one group, whose products all go native."""
+        return (
+            self.native_weights is not None
+            and not batch.prefills
+            and len(batch.decodes) == 1
+            and n <= NATIVE_MAX_BATCH
+            and self.native_weights.takes_rows(n)
+            and native.takes(kv_cache)
+        )
+
+    def one_call(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` when takes_in_one_call; with the decoder layer's input and post-attention norms,
+        x is the layer's input before its norm and -> (post-norm output, residual stream)."""
+        group = batch.decodes[0]
+        tables, lens = per_token_tables(group.block_table, group.seq_lens, group.query_len)
+        layer_norms = (
+            None if norms is None else (norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps)
+        )
+        return native.mla_attention(
+            x,
+            self.native_weights,
+            cos,
+            sin,
+            kv_cache,
+            batch.slot_mapping,
+            tables,
+            lens,
+            layer_norms,
+            residual,
+        )
 
     def store_latents(
         self,

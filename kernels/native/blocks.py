@@ -173,12 +173,17 @@ def mla_attention(
     slots: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-) -> torch.Tensor:
+    norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One MLA layer's attention for the M decode tokens x [M, hidden] (bf16), each its own
     sequence of block_table [M, max_blocks] / seq_lens [M] (int32), whose cache rows it writes at
     slots [M] (int64, -1 skips) before attending: engine/models/mla.py's decode path in one call,
     with its bits. cos/sin [M, R/2] float32, kv_cache [blocks, block_size, L+R] bf16 contiguous
-    -> [M, hidden] bf16. Requires `loaded()`."""
+    -> [M, hidden] bf16. norms (the decoder layer's input and post-attention RMSNorms: weight [hidden],
+    eps, weight, eps): x is then the layer's input before its norm, added to `residual` (None in the
+    first layer) as DecoderLayer does, and -> (the post-attention norm's output, the new residual
+    stream), the bits of the two norms' own calls. Requires `loaded()`."""
     assert native._library is not None, "kernels.native.load() first"
     w = weights
     rows, hidden = x.shape
@@ -210,11 +215,21 @@ def mla_attention(
         raise ValueError("slots must be int64, block_table and seq_lens int32, cos and sin float32")
     if not (native.takes(x, kv_cache) and x.is_contiguous() and kv_cache.is_contiguous()):
         raise ValueError("x and kv_cache must be contiguous CPU bfloat16")
+    if norms is not None and not (
+        norms[0].shape == norms[2].shape == (hidden,)
+        and native.takes(norms[0], norms[2], residual)
+        and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
+    ):
+        raise ValueError(
+            f"the norms' weights must be [hidden={hidden}] and the residual like x, CPU bfloat16"
+        )
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    stream = None if norms is None else torch.empty(rows, hidden, dtype=torch.bfloat16)  # the new residual
     if rows == 0:
-        return out
+        return out if stream is None else (out, stream)
+    pre, pre_eps, post, post_eps = norms if norms is not None else (None, 0.0, None, 0.0)
     bad = native._library.mla_attention(
         x.data_ptr(), rows, hidden,
         0 if w.q_a is None else w.q_a.data_ptr(), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
@@ -225,12 +240,14 @@ def mla_attention(
         kv_cache.data_ptr(), num_blocks, block_size,
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
         out.data_ptr(), heads, w.nope_dim, w.rope_dim, latent, w.v_dim, w.scale,
+        0 if pre is None else pre.data_ptr(), pre_eps, 0 if residual is None else residual.data_ptr(),
+        0 if post is None else post.data_ptr(), post_eps, 0 if stream is None else stream.data_ptr(),
     )  # fmt: skip
     if bad:
         raise ValueError(
             f"{bad} block ids or slots lie outside the cache's {num_blocks} blocks of {block_size}"
         )
-    return out
+    return out if stream is None else (out, stream)
 
 
 def route(

@@ -592,11 +592,21 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
                       int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h, int64_t o_ptr, int64_t cos_ptr,
                       int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks, int64_t block_size,
                       int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t out_ptr,
-                      int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale) {
+                      int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
+                      double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
   const int64_t qk = nope + R, W = L + R;
   std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), kv_a(M * W), c(M * L), k_pe(M * R), q_lat(H * M * L),
-      q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v);
+      q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v), normed, attended;
   auto at = [](std::vector<uint16_t>& b, int64_t offset = 0) { return int64_t(b.data() + offset); };
+  if (pre_norm_ptr != 0) {  // x is the residual stream before the layer's input norm (added to res when given)
+    normed.resize(M * hidden);
+    const int64_t sum_ptr = res_ptr != 0 ? res_out_ptr : 0;  // without a residual, x itself is the stream
+    rms_norm(x_ptr, hidden, res_ptr, hidden, pre_norm_ptr, at(normed), hidden, sum_ptr, hidden, M, hidden, pre_eps);
+    if (res_ptr == 0) std::memcpy(reinterpret_cast<uint16_t*>(res_out_ptr), reinterpret_cast<const uint16_t*>(x_ptr), M * hidden * 2);
+    x_ptr = at(normed);
+  }
+  const int64_t final_out = out_ptr;
+  if (post_norm_ptr != 0) attended.resize(M * hidden), out_ptr = at(attended);
   if (qa_ptr != 0) {
     std::vector<uint16_t> q_a(M * q_lora), q_an(M * q_lora);
     linear_bf16(x_ptr, 0, hidden, qa_ptr, 0, hidden, at(q_a), 0, q_lora, 1, M, q_lora, hidden);
@@ -637,6 +647,9 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
   for (int64_t i = 0; i < M; ++i)
     for (int64_t h = 0; h < H; ++h) std::memcpy(&o_heads[(i * H + h) * v], &o_v[(h * M + i) * v], v * 2);
   linear_bf16(at(o_heads), 0, H * v, o_ptr, 0, H * v, out_ptr, 0, hidden, 1, M, hidden, H * v);
+  if (post_norm_ptr != 0)  // the post-attention norm over attended + the stream, which it then replaces
+    rms_norm(out_ptr, hidden, res_out_ptr, hidden, post_norm_ptr, final_out, hidden, res_out_ptr, hidden, M, hidden,
+             post_eps);
   return 0;
 }
 
