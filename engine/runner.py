@@ -187,6 +187,7 @@ class ModelRunner:
             prefills=[PrefillSeq(0, 1, 1, torch.zeros(1, dtype=torch.long))],
             logits_indices=torch.zeros(0, dtype=torch.long, device=dev),
         )
+        self._share_native_work(batch)
         self.model(batch, self.kv_caches)
 
     def _grammar_bitmask(

@@ -585,8 +585,12 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 //   o_lat  = mla_decode([q_lat, q_pe]) over the paged cache           [M, H, L]
 //   out    = o_proj(o_lat @ w_uv[h]^T per head)  (w_uv [H, v, L], heads wuv_h apart)   [M, hidden]
 // Token i is sequence i of table [M, max_blocks] / lens [M] (a verification's tokens come
-// expanded, as kernels/mla.py passes them); slots [M] int64, -1 to skip. Returns the count of
-// block ids and slots outside the cache (0: fine; the caller raises).
+// expanded, as kernels/mla.py passes them); slots [M] int64, -1 to skip. With the decoder
+// layer's norms (pre_norm_ptr, post_norm_ptr), x is the layer's input before its norm, res the
+// residual stream it is added to (0 in the first layer: x is the stream), and out gets the
+// post-attention norm of (attention + stream), res_out the new stream: DecoderLayer's rms_norm
+// calls around the attention. Returns the count of block ids and slots outside the cache (0:
+// fine; the caller raises).
 int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, int64_t qa_norm_ptr, int64_t q_lora,
                       double q_eps, int64_t qb_ptr, int64_t kva_ptr, int64_t kva_norm_ptr, double kv_eps,
                       int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h, int64_t o_ptr, int64_t cos_ptr,
@@ -602,7 +606,8 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
     normed.resize(M * hidden);
     const int64_t sum_ptr = res_ptr != 0 ? res_out_ptr : 0;  // without a residual, x itself is the stream
     rms_norm(x_ptr, hidden, res_ptr, hidden, pre_norm_ptr, at(normed), hidden, sum_ptr, hidden, M, hidden, pre_eps);
-    if (res_ptr == 0) std::memcpy(reinterpret_cast<uint16_t*>(res_out_ptr), reinterpret_cast<const uint16_t*>(x_ptr), M * hidden * 2);
+    if (res_ptr == 0)
+      std::memcpy(reinterpret_cast<uint16_t*>(res_out_ptr), reinterpret_cast<const uint16_t*>(x_ptr), M * hidden * 2);
     x_ptr = at(normed);
   }
   const int64_t final_out = out_ptr;
