@@ -49,7 +49,8 @@ constexpr int COLS = 4;               // weight rows (output columns) accumulate
 //   bench model took 570 ms instead of 28 with every product split that way. One thread reads a
 //   layer's 0.25-1 MB weights at 7-8 GB/s; the LM head (32 MB) still gains 1.3x from two.
 // - over the kernels' own pool (pool.h), from POOL_MIN_BYTES: its caller never waits on a helper
-//   that is not running, so even a layer's small products are split safely; 1.3-1.8x on them.
+//   that is not running, so even a layer's small products are split safely: 1.2-1.8x on one
+//   row through 0.5-2 MB weights.
 //   But its helpers spin between calls, as OpenMP's do after a region: the two pools spinning
 //   at once on two cores starve each other (a batch-8 step, whose attention is torch's, 19 ->
 //   32 ms). So the engine turns it on only for steps whose work is all native (use_pool).
