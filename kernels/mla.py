@@ -406,6 +406,8 @@ NATIVE_MAX_BATCH = 4
 kernel (kernels/native, bf16 on AVX512-BF16 CPUs). Measured against this path at 200 cached
 tokens, bench model (8 heads), 2-core Xeon: 0.10 / 0.14 / 0.23 / 0.47 ms against 0.21 / 0.24 /
 0.29 / 0.48 at 1 / 2 / 4 / 8 sequences, and slower from 16 on, where the batched GEMMs here win.
+Where the native attention runs on the AMX tile unit (native.attends_on_tiles), it takes every
+batch: 1.9 / 1.4 / 2.7 / 2.9 / 2.1x this path at 8 / 16 / 32 / 64 / 128 sequences of ~200 tokens.
 A speculative verification's s_q > 1 tokens of a sequence go in as s_q sequences over the same
 blocks, query i seeing the first seq_len - s_q + 1 + i keys."""
 
@@ -431,7 +433,11 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
     batches run in chunks of sequences so the gathered KV is reused from cache, not DRAM."""
     batch, s_q, heads, width = q.shape
-    if batch * s_q <= NATIVE_MAX_BATCH and native.loaded() and native.takes(q, kv_cache):
+    if (
+        native.loaded()
+        and native.takes(q, kv_cache)
+        and (batch * s_q <= NATIVE_MAX_BATCH or native.attends_on_tiles(kv_cache, kv_lora_rank))
+    ):
         # The cache read in place, no gather; with drafts, each query token is a sequence of its own.
         block_table, seq_lens = per_token_tables(block_table, seq_lens, s_q)
         o = native.mla_decode(

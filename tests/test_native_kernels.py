@@ -368,16 +368,76 @@ def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens,
     assert err(got) <= 1.5 * err(want) + 1e-3
 
 
-def test_mla_decode_refuses_block_ids_outside_the_cache(loaded):
+@pytest.mark.parametrize(
+    "block_size, lens, s_q, heads",
+    [
+        (16, [1, 15, 16, 17, 0, 33, 100, 64], 1, 8),  # more sequences than NATIVE_MAX_BATCH
+        (32, [31, 33, 64], 2, 3),
+        (16, [40, 7], 1, 20),  # two groups of heads: 16 and 4
+        (8, [9, 20, 3, 30, 5], 1, 4),  # blocks of half a tile: the VDPBF16PS path
+    ],
+    ids=str,
+)
+def test_mla_decode_on_tiles_equals_the_torch_path(
+    loaded, products, monkeypatch, block_size, lens, s_q, heads
+):
+    """Latents of 64 and rope of 32 (tile-shaped, as the bench model's 512 + 64): with AMX, every
+    batch's attention goes native, and gives the torch path's value up to float32 summation order
+    and the VDPBF16PS path's within one bf16 rounding. Where it goes native, the rows past a
+    sequence's length in its last block hold NaN: the tiles load them, and nothing of them reaches
+    the output (the torch path multiplies them by zero, so it gets zeros there)."""
+    from kernels.mla import NATIVE_MAX_BATCH, mla_decode, mla_decode_ref, per_token_tables
+
+    tiles = products == "amx" and block_size % 16 == 0
+    native_call = loaded and (tiles or len(lens) * s_q <= NATIVE_MAX_BATCH)
+    gen = torch.Generator().manual_seed(len(lens) * block_size + heads)
+    lat, rope = 64, 32
+    per_seq = max(1, -(-max(lens) // block_size))
+    num_blocks = len(lens) * per_seq + 3
+    cache = torch.randn(num_blocks, block_size, lat + rope, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    # Each sequence's unwritten rows (a block is never read past its owner's length).
+    for b, n in enumerate(lens):
+        rows = cache[table[b].long()].view(-1, lat + rope)
+        rows[n:] = float("nan") if native_call else 0.0
+        cache[table[b].long()] = rows.view(per_seq, block_size, lat + rope)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), s_q, heads, lat + rope, generator=gen).bfloat16()
+    calls = []
+    if loaded:
+        real = native.mla_decode
+        monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    got, _ = mla_decode(q, cache, table, seq_lens, 0.2, lat, return_lse=False)
+    assert calls == ([len(lens) * s_q] if native_call else [])
+    assert not got.isnan().any()
+    if tiles and loaded:  # the same attention through VDPBF16PS
+        native.use_amx(False)
+        try:
+            vdp = real(
+                q.view(-1, heads, lat + rope), cache, *per_token_tables(table, seq_lens, s_q), 0.2, lat
+            )
+        finally:
+            native.use_amx(True)
+        torch.testing.assert_close(got.view_as(vdp).float(), vdp.float(), rtol=2**-7, atol=1e-3)
+    cache = cache.nan_to_num()
+    monkeypatch.setattr(native, "_library", None)
+    want, _ = mla_decode(q, cache, table, seq_lens, 0.2, lat, return_lse=False)
+    exact, _ = mla_decode_ref(q.float(), cache.float(), table, seq_lens, 0.2, lat)  # no bf16 roundings
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+    err = lambda o: float((o.float() - exact).abs().max())  # noqa: E731
+    assert err(got) <= 1.5 * err(want) + 1e-3
+
+
+@pytest.mark.parametrize("block_size, width, lat", [(2, 16, 8), (16, 96, 64)], ids=["vdpbf16ps", "tiles"])
+def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, block_size, width, lat):
     if not loaded:
         assert not native.loaded()
         return
-    cache = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
-    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(4, block_size, width, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, width, dtype=torch.bfloat16)
+    table, lens = torch.tensor([[1, 4]], dtype=torch.int32), torch.tensor([block_size + 1], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
-        native.mla_decode(
-            q, cache, torch.tensor([[1, 4]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0, 8
-        )
+        native.mla_decode(q, cache, table, lens, 1.0, lat)
     with pytest.raises(ValueError, match="must be int32"):
         native.mla_decode(q, cache, torch.tensor([[1]]), torch.tensor([1]), 1.0, 8)
 
