@@ -311,6 +311,94 @@ def test_moe_topk_is_moe_pairs_in_expert_order(loaded, tokens):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "scoring, with_bias, n_group, topk_group, top_k, norm, with_shared",
+    [
+        ("sigmoid", True, 4, 2, 4, True, True),  # V3 (noaux_tc), the bench model's routing
+        ("softmax", False, 1, 1, 2, False, False),  # V2 greedy
+        ("sigmoid", False, 4, 2, 3, True, False),  # group-limited without a bias
+    ],
+    ids=str,
+)
+def test_moe_block_equals_the_torch_path(
+    loaded, products, scoring, with_bias, n_group, topk_group, top_k, norm, with_shared
+):
+    """A decode step's MoE in one native call (router product, scores, routing, routed and shared
+    experts) against the torch path's ops (F.linear in float32, grouped_topk_ref, fused_moe_ref):
+    equal up to the float32 summation order; and each token's row is the bits of that token alone
+    (a verification's rows are one-token decodes)."""
+    from kernels.gate import grouped_topk_ref
+    from kernels.moe import fused_moe_ref
+
+    if not loaded:
+        return
+    gen = torch.Generator().manual_seed(top_k * 7 + n_group)
+    experts, hidden, inter = 32, 96, 48
+    x = torch.randn(4, hidden, generator=gen).bfloat16()
+    gate = torch.randn(experts, hidden, generator=gen) * hidden**-0.5
+    bias = torch.randn(experts, generator=gen) * 0.1 if with_bias else None
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+    shared = None
+    if with_shared:
+        shared = (
+            (torch.randn(2 * 32, hidden, generator=gen) * hidden**-0.5).bfloat16(),
+            (torch.randn(hidden, 32, generator=gen) * 32**-0.5).bfloat16(),
+        )
+    weights = native.MoEWeights(
+        gate, bias, scoring == "softmax", n_group, topk_group, top_k, norm, 2.5, w13, w2, shared
+    )
+    got = native.moe_block(x, weights)
+    routing = grouped_topk_ref(
+        F.linear(x.float(), gate), bias, n_group, topk_group, top_k, norm, 2.5, scoring
+    )
+    topk_weights, topk_ids = routing
+    want = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    # The experts' roundings are the torch loop's: a last-bit difference in a routing weight
+    # moves an output's rounding now and then, no more.
+    assert (got == want).float().mean() >= 0.95
+    for t in range(x.shape[0]):
+        assert torch.equal(native.moe_block(x[t : t + 1], weights), got[t : t + 1])
+    with pytest.raises(ValueError, match="n_group=3"):
+        native.MoEWeights(gate, bias, False, 3, 1, top_k, norm, 2.5, w13, w2, shared)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 9])
+@torch.inference_mode()
+def test_moe_layer_takes_one_call_for_a_few_tokens(loaded, monkeypatch, tokens):
+    """DeepseekMoE runs moe_block for up to NATIVE_MAX_BATCH tokens (where the kernels are loaded)
+    and its own path beyond, with the same value either way."""
+    from engine.config import ModelConfig
+    from engine.models.moe import DeepseekMoE
+    from kernels.mla import NATIVE_MAX_BATCH
+
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 64,
+        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "max_position_embeddings": 256, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+    }  # fmt: skip
+    layer = DeepseekMoE(ModelConfig.from_dict(raw), dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(tokens)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    layer.process_weights()
+    assert (layer.native_weights is not None) == loaded
+    calls = []
+    if loaded:
+        real = native.moe_block
+        monkeypatch.setattr(native, "moe_block", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(tokens, 64, generator=gen).bfloat16()
+    got = layer(x)
+    assert calls == ([1] if loaded and tokens <= NATIVE_MAX_BATCH else [])
+    layer.native_weights = None
+    want = layer(x)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
 def test_moe_pairs_refuses_ids_out_of_range(loaded):
     if not loaded:
         assert not native.loaded()

@@ -85,6 +85,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def process_weights(self) -> None:
         for layer in [*self.layers, *self.mtp]:
             layer.self_attn.process_weights()
+            if isinstance(layer.mlp, DeepseekMoE):
+                layer.mlp.process_weights()
 
     def mtp_forward(
         self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor

@@ -9,7 +9,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import GatedMLP, _param
+from kernels import native
 from kernels.gate import grouped_topk
+from kernels.mla import NATIVE_MAX_BATCH
 from kernels.moe import fused_moe
 
 if TYPE_CHECKING:
@@ -58,9 +60,36 @@ class DeepseekMoE(nn.Module):
         self.topk_group = self.n_group if cfg.topk_method == "greedy" else cfg.topk_group
         # HF's V2 never renormalises the top-k weights; V3 does when norm_topk_prob.
         self.norm_topk_prob = cfg.norm_topk_prob and cfg.model_type == "deepseek_v3"
+        self.native_weights: native.MoEWeights | None = None  # the one-call decode's, set by process_weights
+
+    def process_weights(self) -> None:
+        """The one-call native MoE of a decode step's few tokens (native.moe_block), where the
+        kernels take the experts as they are and this rank holds them all."""
+        shared = self.shared_experts
+        shared_weights = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
+        experts = (self.experts.w13, self.experts.w2, *(shared_weights or ()))
+        if self.ep is not None or not (native.loaded() and native.takes(*experts)):
+            return
+        if not all(t.is_contiguous() for t in (self.gate.weight, *experts)):
+            return
+        self.native_weights = native.MoEWeights(
+            gate=self.gate.weight,
+            bias=self.gate.e_score_correction_bias,
+            softmax=self.cfg.scoring_func == "softmax",
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            top_k=self.cfg.num_experts_per_tok,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.cfg.routed_scaling_factor,
+            w13=self.experts.w13,
+            w2=self.experts.w2,
+            shared=shared_weights,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
+        if self.native_weights is not None and x.shape[0] <= NATIVE_MAX_BATCH and native.takes(x):
+            return native.moe_block(x, self.native_weights)  # the whole path below in one native call
         cfg = self.cfg
         router_logits = torch.nn.functional.linear(x.float(), self.gate.weight)  # [N, E]
         topk_weights, topk_ids = grouped_topk(

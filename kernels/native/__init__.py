@@ -346,4 +346,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 
 
 # The calls that take a whole block of a layer (its attention, its routing, its experts).
-from kernels.native.blocks import MLAWeights, mla_attention, moe_pairs, moe_topk, route  # noqa: E402, F401
+from kernels.native.blocks import (  # noqa: E402, F401
+    MLAWeights,
+    MoEWeights,
+    mla_attention,
+    moe_block,
+    moe_pairs,
+    moe_topk,
+    route,
+)

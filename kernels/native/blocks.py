@@ -1,7 +1,9 @@
 """The native kernels' calls that take a whole block of a layer for a decode step's few tokens:
 a layer's MLA attention (mla_attention, with the weights it takes in MLAWeights), its expert
-routing (route) and its routed and shared experts (moe_pairs, moe_topk). Each is one call where the
-Python path makes a dozen, with the Python path's bits (the tests hold them to it). Re-exported by
+routing (route) and its routed and shared experts (moe_pairs, moe_topk), or its whole MoE block
+(moe_block, with MoEWeights). Each is one call where the Python path makes a dozen, with the
+Python path's bits (the tests hold them to it), but for moe_block's router product (its float32
+sums in another order than torch's BLAS). Re-exported by
 kernels/native, whose `load` builds them; each requires `native.loaded()`.
 """
 
@@ -245,6 +247,14 @@ def mla_attention(
     return out if stream is None else (out, stream)
 
 
+def _check_routing(num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
+    if n_group < 1 or num_experts % n_group or not 0 < top_k <= num_experts or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"E={num_experts} must split into n_group={n_group} groups, 0 < topk_group={topk_group} <= n_group "
+            f"and 0 < top_k={top_k} <= E"
+        )
+
+
 def route(
     scores: torch.Tensor,
     bias: torch.Tensor | None,
@@ -270,11 +280,7 @@ def route(
         )
     if bias is not None and bias.shape != (num_experts,):
         raise ValueError(f"bias must be [E={num_experts}], got {tuple(bias.shape)}")
-    if n_group < 1 or num_experts % n_group or not 0 < top_k <= num_experts or not 0 < topk_group <= n_group:
-        raise ValueError(
-            f"E={num_experts} must split into n_group={n_group} groups, 0 < topk_group={topk_group} <= n_group "
-            f"and 0 < top_k={top_k} <= E"
-        )
+    _check_routing(num_experts, n_group, topk_group, top_k)
     scores = scores.contiguous()
     bias = None if bias is None else bias.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
@@ -284,3 +290,55 @@ def route(
         top_k, norm_topk_prob, routed_scaling_factor, ids.data_ptr(), weights.data_ptr(),
     )  # fmt: skip
     return weights, ids
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """One MoE layer as moe_block takes it: the router in float32, its routing, and the experts in
+    bf16 with unit stride along their last dimension. Built by engine/models/moe.py once the
+    weights are loaded."""
+
+    gate: torch.Tensor  # [E, hidden] float32
+    bias: torch.Tensor | None  # [E] float32: V3's score correction, or None
+    softmax: bool  # scores: softmax over the experts (V2), else the sigmoid (V3)
+    n_group: int
+    topk_group: int
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    w13: torch.Tensor  # [E, 2I, hidden]
+    w2: torch.Tensor  # [E, hidden, I]
+    shared: tuple[torch.Tensor, torch.Tensor] | None  # the shared experts' w13 [2Is, hidden], w2 [hidden, Is]
+
+    def __post_init__(self):
+        num_experts, hidden = self.gate.shape
+        if self.gate.dtype != torch.float32 or self.gate.stride(1) != 1 or not self.gate.is_cpu:
+            raise ValueError(f"gate must be CPU float32 with unit stride, got {self.gate.dtype}")
+        if self.bias is not None and (self.bias.dtype != torch.float32 or self.bias.shape != (num_experts,)):
+            raise ValueError(
+                f"bias must be [E={num_experts}] float32, got {tuple(self.bias.shape)} {self.bias.dtype}"
+            )
+        if self.w13.shape[0] != num_experts or self.w13.shape[2] != hidden:
+            raise ValueError(f"w13 must be [E={num_experts}, 2I, H={hidden}], got {tuple(self.w13.shape)}")
+        _check_routing(num_experts, self.n_group, self.topk_group, self.top_k)
+
+
+def moe_block(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """DeepseekMoE.forward for a decode step's few tokens in one call: the router's product,
+    scores, `route` and the experts with `moe_topk` (the shared one with them). x [T, hidden] CPU
+    bf16 -> [T, hidden]. The router's float32 sums go in the kernel's order (torch's BLAS has its
+    own), so a logit can differ in its last bits from the torch path's; each token gets the same
+    operations whatever T is. Requires `loaded()`."""
+    assert native._library is not None, "kernels.native.load() first"
+    out = torch.zeros_like(x)
+    num_tokens, hidden, num_experts, inter = _check_experts(x, w.w13, w.w2, out, w.shared)
+    if num_tokens:
+        native._library.moe_block(
+            x.data_ptr(), x.stride(0), num_tokens, hidden, w.gate.data_ptr(), w.gate.stride(0),
+            0 if w.bias is None else w.bias.data_ptr(), num_experts, w.softmax,
+            w.n_group, w.topk_group, w.top_k, w.norm_topk_prob, w.routed_scaling_factor,
+            w.w13.data_ptr(), w.w13.stride(0), w.w13.stride(1),
+            w.w2.data_ptr(), w.w2.stride(0), w.w2.stride(1),
+            out.data_ptr(), out.stride(0), inter, *_shared_args(w.shared),
+        )  # fmt: skip
+    return out

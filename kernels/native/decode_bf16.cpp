@@ -847,6 +847,52 @@ void route(int64_t scores_ptr, int64_t bias_ptr, int64_t T, int64_t E, int64_t n
   }
 }
 
+
+// One MoE layer for a decode step's few tokens in one call (DeepseekMoE.forward's work):
+//   logits = x . gate^T       the router's product in float32: x's bf16 widened, exact products,
+//                             float32 sums in 16 lanes then added (torch's BLAS adds in its own
+//                             order: the logits can differ in their last bits)
+//   scores = sigmoid(logits), or softmax over the experts (float32, std::exp)
+//   `route` from the scores, then the experts with `moe_topk` (the shared one with them).
+// gate [E, H] float32 (row stride ld_gate), bias [E] float32 or 0. Every token gets the same
+// operations whatever T is, so a verification's tokens are each a one-token decode's bits.
+void moe_block(int64_t x_ptr, int64_t ldx, int64_t T, int64_t H, int64_t gate_ptr, int64_t ld_gate, int64_t bias_ptr,
+               int64_t E, bool softmax, int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob,
+               double routed_scaling_factor, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t I, int64_t s13_ptr,
+               int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* gate = reinterpret_cast<const float*>(gate_ptr);
+  std::vector<float> wide(H), scores(T * E), weights(T * top_k);
+  std::vector<int64_t> ids(T * top_k);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) wide[h] = from_bf16(x[t * ldx + h]);
+    float* st = &scores[t * E];
+    for (int64_t e = 0; e < E; ++e) {
+      const float* g = gate + e * ld_gate;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; h += 16) {
+        const __mmask16 mask = H - h >= 16 ? __mmask16(0xffff) : __mmask16((1u << (H - h)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, &wide[h]), _mm512_maskz_loadu_ps(mask, g + h), acc);
+      }
+      st[e] = _mm512_reduce_add_ps(acc);
+    }
+    if (softmax) {
+      float top = -INFINITY, total = 0.0f;
+      for (int64_t e = 0; e < E; ++e) top = std::max(top, st[e]);
+      for (int64_t e = 0; e < E; ++e) total += (st[e] = std::exp(st[e] - top));
+      for (int64_t e = 0; e < E; ++e) st[e] /= total;
+    } else {
+      for (int64_t e = 0; e < E; ++e) st[e] = 1.0f / (1.0f + std::exp(-st[e]));
+    }
+  }
+  route(reinterpret_cast<int64_t>(scores.data()), bias_ptr, T, E, n_group, topk_group, top_k, norm_topk_prob,
+        routed_scaling_factor, reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()));
+  moe_topk(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo,
+           reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()), T, top_k, E, H, I,
+           s13_ptr, ld_s13, s2_ptr, ld_s2, Is);  // route's ids lie in [0, E): nothing to refuse
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -862,4 +908,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_attention", &mla_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("route", &route);
+  m.def("moe_block", &moe_block, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
