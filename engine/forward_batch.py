@@ -8,8 +8,11 @@ chunked-prefill) requests, after the decode groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from kernels.mla import per_token_tables
 
 
 @dataclass
@@ -34,11 +37,25 @@ class DecodeGroup:
     ) -> DecodeGroup:
         """From each request's block ids and context length."""
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        return cls(start, len(tables), query_len, block_table(tables, device), lens)
+        group = cls(start, len(tables), query_len, block_table(tables, device), lens)
+        if query_len > 1:  # `per_token` from the lists: two tensors, not five ops on them
+            rows = [n - query_len + 1 + i for n in seq_lens for i in range(query_len)]
+            group.per_token = (
+                block_table([t for t in tables for _ in range(query_len)], device),
+                torch.tensor(rows, dtype=torch.int32, device=device),
+            )
+        return group
 
     @property
     def end(self) -> int:
         return self.start + self.num_seqs * self.query_len
+
+    @cached_property
+    def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_table [D*s, max_blocks], seq_lens [D*s]): one row per query token, as
+        kernels.mla.per_token_tables builds them (`of` sets them from its lists); built once
+        for all the layers of a step."""
+        return per_token_tables(self.block_table, self.seq_lens, self.query_len)
 
 
 @dataclass

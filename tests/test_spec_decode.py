@@ -73,6 +73,54 @@ class Oracle:
         monkeypatch.setattr("engine.runner.draft_with_mtp", fake)
 
 
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_decode_group_per_token_tables(query_len):
+    """DecodeGroup.of's per-token tables (one row per query token, built from its lists) are
+    kernels.mla.per_token_tables' over its tensors."""
+    from kernels.mla import per_token_tables
+
+    group = DecodeGroup.of(0, query_len, [[3, 1], [7], [2, 5, 9]], [8, 3, 12], "cpu")
+    tables, lens = group.per_token
+    want_tables, want_lens = per_token_tables(group.block_table, group.seq_lens, query_len)
+    assert torch.equal(tables, want_tables) and torch.equal(lens, want_lens)
+    assert tables.dtype == lens.dtype == torch.int32 and lens.shape == (3 * query_len,)
+
+
+@pytest.mark.parametrize("k, dtype", [(1, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k, dtype):
+    """A decode's accepted rows go through the MTP layer with its first draft, writing their MTP
+    cache rows in that forward: every draft of every step is the one drafted with those rows
+    stored apart first (mtp_store_kv), and the cache rows are the same: bit for bit in bf16 (on an
+    AVX512-BF16 CPU, the native one-call paths and the tile attention's 16-row blocks), up to
+    float32 rounding in torch's float32 path.
+    The trained model, whose drafts are mostly accepted, so that there are rows to fold."""
+    real = drafter_module.draft_with_mtp
+    drafted: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
+    caches, folded = {}, []
+    for fold in (False, True):
+
+        def recording(runner, items, batch, hidden, out, fold=fold):
+            real(runner, items, batch, hidden, out, fold=fold)
+            drafted[fold].append(dict(out.drafts))
+            if fold:  # decodes that verified more than their last token: rows folded this step
+                folded.extend(it for it in items if it.is_decode and it.draft_token_ids)
+
+        monkeypatch.setattr("engine.runner.draft_with_mtp", recording)
+        spec = {"method": "mtp", "num_speculative_tokens": k}
+        engine = {**ENGINE, "dtype": dtype, "block_size": 16 if dtype == "bfloat16" else 4}
+        llm = LLM(TRAINED, speculative_config=spec, **engine)
+        prompts = ["The module provides", "This function returns a", "def main():"]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        caches[fold] = llm.engine.runner.kv_caches[-1]
+        assert llm.engine.spec_stats.acceptance_rate > 0.3
+    assert folded and sum(map(len, drafted[True])) > 0
+    assert drafted[True] == drafted[False]
+    if dtype == "bfloat16":  # each row's products are the same whatever the rows beside it
+        assert torch.equal(caches[True], caches[False])
+    else:  # torch's float32 products round by the number of rows, as with the batch's makeup
+        torch.testing.assert_close(caches[True], caches[False], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("wrong_at", [None, 1])
 def test_accepted_and_rejected_drafts_keep_tokens_and_blocks_exact(
     mtp_model, reference, monkeypatch, wrong_at

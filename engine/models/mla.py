@@ -21,7 +21,7 @@ from engine.models.layers import Linear, RMSNorm
 from kernels import native
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
-from kernels.mla import NATIVE_MAX_BATCH, mla_decode, per_token_tables
+from kernels.mla import NATIVE_MAX_BATCH, mla_decode
 from kernels.rotary import apply_rotary
 
 
@@ -152,8 +152,7 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` when takes_in_one_call; with the decoder layer's input and post-attention norms,
         x is the layer's input before its norm and -> (post-norm output, residual stream)."""
-        group = batch.decodes[0]
-        tables, lens = per_token_tables(group.block_table, group.seq_lens, group.query_len)
+        tables, lens = batch.decodes[0].per_token
         layer_norms = (
             None if norms is None else (norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps)
         )

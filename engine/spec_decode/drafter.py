@@ -5,9 +5,12 @@ step each position whose next token is now known gets its MTP cache row: prompt 
 accepted drafts, the position before the newly sampled token. A position's row depends only on
 its own input (h_i and t_{i+1}), so all of them but the newest of each drafting request are
 written without running the layer's attention and MoE (`mtp_store_kv`). The newest one runs the
-whole layer as a one-token absorbed decode and gives the first draft; further drafts reuse the
-layer one position at a time, the MTP output g standing in for the target hidden state of the
-position after it. Verification rows past the accepted drafts write nothing: their next token is
+whole layer as an absorbed decode and gives the first draft; a decoding request's few other
+known positions (an accepted draft's) go through the layer with it, as a verification's rows do,
+which writes their cache rows in the same forward (one native call for all of them, where the
+few-token path is native) instead of a store pass of their own. Further drafts reuse the layer
+one position at a time, the MTP output g standing in for the target hidden state of the position
+after it. Verification rows past the accepted drafts write nothing: their next token is
 not known yet. The cache rows that drafts beyond the first write lie past the request's valid
 length and are overwritten by the next step before any query can see them (attention is causal
 and every position is stored before it is read).
@@ -17,6 +20,7 @@ Legend: N rows in the step, H hidden size, D drafting requests.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -25,14 +29,29 @@ from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.request import Request
 
 
-def _one_token_batch(ids: list[int], positions: list[int], blocks: list[list[int]], block_size: int, device):
-    """One token per request at the given positions, as a single absorbed decode group."""
-    slots = [b[p // block_size] * block_size + p % block_size for b, p in zip(blocks, positions, strict=True)]
+def _draft_batch(
+    ids: list[list[int]], last_positions: list[int], blocks: list[list[int]], block_size: int, device
+) -> ForwardBatch:
+    """Each request's tokens ids[i] at the positions up to last_positions[i], as absorbed decode
+    groups of equal query length; the requests must come sorted by len(ids[i])."""
+    flat_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    groups: list[tuple[int, int, list[list[int]], list[int]]] = []  # (start, s, tables, seq lens)
+    for tokens, last, b in zip(ids, last_positions, blocks, strict=True):
+        s = len(tokens)
+        if not groups or groups[-1][1] != s:
+            groups.append((len(flat_ids), s, [], []))
+        groups[-1][2].append(b)
+        groups[-1][3].append(last + 1)
+        flat_ids.extend(tokens)
+        positions.extend(range(last - s + 1, last + 1))
+        slots.extend(b[p // block_size] * block_size + p % block_size for p in positions[-s:])
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        input_ids=torch.tensor(flat_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        decodes=[DecodeGroup.of(0, 1, blocks, [p + 1 for p in positions], device)],
+        decodes=[DecodeGroup.of(start, s, tables, lens, device) for start, s, tables, lens in groups],
         prefills=[],
         logits_indices=torch.zeros(0, dtype=torch.long, device=device),
     )
@@ -48,12 +67,18 @@ class _Drafting(NamedTuple):
     """The token sampled this step (that position's next token)."""
     room: int
     """Drafts it may take: fewer near max_tokens or the model length."""
+    known: list[int]
+    """The next tokens of the known positions just before it that go through the layer with the
+    first draft (a decode's accepted drafts; empty for a prefill, whose rows are stored apart)."""
 
 
 @torch.inference_mode()
-def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out) -> None:
+def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out, fold: bool = True) -> None:
     """items: the step's requests in batch order; hidden [N, H]: the target forward's final hidden
-    states. Writes out.drafts."""
+    states. Writes out.drafts. fold: a decode's known rows go through the layer with its first
+    draft (else they are stored apart, as a prefill's: the same drafts and cache rows, bit for bit
+    where the few-token products are native; in torch's float32 path the rows round by the
+    number of rows in the product, as they do by the batch's makeup)."""
     model, k, dev = runner.model, runner.spec.num_speculative_tokens, hidden.device
     limit = runner.spec.disable_by_batch_size
     if limit is not None and len(items) >= limit:
@@ -74,7 +99,11 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
             room = min(k, req.params.max_tokens - generated - 1, runner.max_model_len - total - 1)
             if emitted and room > 0:  # its newest valid row runs the whole layer
                 valid -= 1
-                drafting.append(_Drafting(req, row + valid, start + valid, next_ids.pop(), room))
+                sampled = next_ids.pop()
+                known = next_ids if fold and it.is_decode else []  # a decode's few rows run with it
+                drafting.append(_Drafting(req, row + valid, start + valid, sampled, room, known))
+                if known:
+                    valid, next_ids = 0, []
             kv_rows.extend(range(row, row + valid))
             kv_ids.extend(next_ids)
         row += n
@@ -86,27 +115,33 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         return
 
     # Reuse j runs at the newest valid position + j, from (the sampled token, the target's hidden
-    # state) for j = 0 and (the previous draft, the previous g) after that.
+    # state) for j = 0, with the known rows before it, and (the previous draft, the previous g)
+    # after that.
+    drafting.sort(key=lambda d: len(d.known))  # decode groups of equal query length
     live = list(range(len(drafting)))
-    inputs = [d.sampled for d in drafting]
-    h = hidden[torch.tensor([d.row for d in drafting], dtype=torch.long, device=dev)]  # [D, H]
+    inputs = [[*d.known, d.sampled] for d in drafting]
+    rows = [r for d in drafting for r in range(d.row - len(d.known), d.row + 1)]
+    h = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [rows, H]
+    newest = torch.tensor(list(accumulate(len(i) for i in inputs)), dtype=torch.long, device=dev) - 1
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
-        step = _one_token_batch(
+        step = _draft_batch(
             inputs,
             [drafting[i].position + j for i in live],
             [drafting[i].request.block_ids for i in live],
             runner.block_size,
             dev,
         )
-        g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [len(live), H]
+        g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [rows, H]
+        if j == 0 and len(rows) > len(drafting):
+            g = g[newest]  # [D, H]: each request's newest row
         tokens = model.compute_logits(g).argmax(dim=-1).tolist()
         for i, token in zip(live, tokens, strict=True):
             drafts[i].append(token)
         keep = [m for m, i in enumerate(live) if drafting[i].room > j + 1]
         if not keep:
             break
-        live, inputs = [live[m] for m in keep], [tokens[m] for m in keep]
+        live, inputs = [live[m] for m in keep], [[tokens[m]] for m in keep]
         h = g if len(keep) == len(g) else g[torch.tensor(keep, dtype=torch.long, device=dev)]
     for d, tokens in zip(drafting, drafts, strict=True):
         out.drafts[d.request.request_id] = tokens
