@@ -415,71 +415,37 @@ def test_moe_pairs_refuses_ids_out_of_range(loaded):
 
 
 @pytest.mark.parametrize(
-    "block_size, lens, s_q",
+    "block_size, lens, s_q, heads, lat, rope",
     [
-        (4, [1, 7, 16, 0], 1),
-        (16, [33], 1),
-        (3, [5, 2, 11], 1),
-        (16, [33], 3),
-        (4, [7, 16], 2),
-        (3, [2, 5], 2),
+        (4, [1, 7, 16, 0], 1, 3, 40, 8),
+        (16, [33], 1, 3, 40, 8),
+        (3, [5, 2, 11], 1, 3, 40, 8),
+        (16, [33], 3, 3, 40, 8),
+        (4, [7, 16], 2, 3, 40, 8),
+        (3, [2, 5], 2, 3, 40, 8),
+        # Tile-shaped latents (L a multiple of 64, L + R of 32, as the bench model's 512 + 64):
+        (16, [1, 15, 16, 17, 0, 33, 100, 64], 1, 8, 64, 32),  # more sequences than NATIVE_MAX_BATCH
+        (32, [31, 33, 64], 2, 3, 64, 32),
+        (16, [40, 7], 1, 20, 64, 32),  # two groups of heads on the tiles: 16 and 4
+        (8, [9, 20, 3, 30, 5], 1, 4, 64, 32),  # blocks of half a tile: VDPBF16PS
     ],
     ids=str,
 )
-def test_mla_decode_equals_the_torch_path(loaded, monkeypatch, block_size, lens, s_q):
+def test_mla_decode_equals_the_torch_path(
+    loaded, products, monkeypatch, block_size, lens, s_q, heads, lat, rope
+):
     """s_q query tokens per sequence (a decode, or a verification of drafts, each query seeing the
     keys up to its own position) over a paged cache with shuffled blocks, odd lengths and an empty
-    sequence: the torch path's value, up to float32 summation order."""
-    from kernels.mla import NATIVE_MAX_BATCH, mla_decode, mla_decode_ref
-
-    gen = torch.Generator().manual_seed(block_size)
-    heads, lat, rope = 3, 40, 8
-    per_seq = max(1, -(-max(lens) // block_size))
-    num_blocks = len(lens) * per_seq + 2
-    cache = torch.randn(num_blocks, block_size, lat + rope, generator=gen).bfloat16()
-    table = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), s_q, heads, lat + rope, generator=gen).bfloat16()
-    calls = []
-    if loaded:
-        real = native.mla_decode
-        monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    got, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
-    assert calls == ([len(lens) * s_q] if loaded and len(lens) * s_q <= NATIVE_MAX_BATCH else [])
-    monkeypatch.setattr(native, "_library", None)
-    want, _ = mla_decode(q, cache, table, seq_lens, 0.3, lat, return_lse=False)
-    exact, _ = mla_decode_ref(q.float(), cache.float(), table, seq_lens, 0.3, lat)  # no bf16 roundings
-    assert got.shape == want.shape == (len(lens), s_q, heads, lat) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
-    # Each side's error against the unrounded attention is of the same size.
-    err = lambda o: float((o.float() - exact).abs().max())  # noqa: E731
-    assert err(got) <= 1.5 * err(want) + 1e-3
-
-
-@pytest.mark.parametrize(
-    "block_size, lens, s_q, heads",
-    [
-        (16, [1, 15, 16, 17, 0, 33, 100, 64], 1, 8),  # more sequences than NATIVE_MAX_BATCH
-        (32, [31, 33, 64], 2, 3),
-        (16, [40, 7], 1, 20),  # two groups of heads: 16 and 4
-        (8, [9, 20, 3, 30, 5], 1, 4),  # blocks of half a tile: the VDPBF16PS path
-    ],
-    ids=str,
-)
-def test_mla_decode_on_tiles_equals_the_torch_path(
-    loaded, products, monkeypatch, block_size, lens, s_q, heads
-):
-    """Latents of 64 and rope of 32 (tile-shaped, as the bench model's 512 + 64): with AMX, every
-    batch's attention goes native, and gives the torch path's value up to float32 summation order
-    and the VDPBF16PS path's within one bf16 rounding. Where it goes native, the rows past a
-    sequence's length in its last block hold NaN: the tiles load them, and nothing of them reaches
-    the output (the torch path multiplies them by zero, so it gets zeros there)."""
+    sequence: the torch path's value, up to float32 summation order. On the AMX tile unit (tile-
+    shaped latents, blocks of whole tiles) every batch goes native, within one bf16 rounding of
+    VDPBF16PS; elsewhere up to NATIVE_MAX_BATCH query tokens do. Where it goes native, the rows
+    past a sequence's length in its last block hold NaN: the tiles load them, and nothing of them
+    reaches the output (the torch path multiplies them by zero, so it gets zeros there)."""
     from kernels.mla import NATIVE_MAX_BATCH, mla_decode, mla_decode_ref, per_token_tables
 
-    tiles = products == "amx" and block_size % 16 == 0
+    tiles = products == "amx" and block_size % 16 == 0 and lat % 64 == 0 and (lat + rope) % 32 == 0
     native_call = loaded and (tiles or len(lens) * s_q <= NATIVE_MAX_BATCH)
     gen = torch.Generator().manual_seed(len(lens) * block_size + heads)
-    lat, rope = 64, 32
     per_seq = max(1, -(-max(lens) // block_size))
     num_blocks = len(lens) * per_seq + 3
     cache = torch.randn(num_blocks, block_size, lat + rope, generator=gen).bfloat16()
@@ -497,13 +463,13 @@ def test_mla_decode_on_tiles_equals_the_torch_path(
         monkeypatch.setattr(native, "mla_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     got, _ = mla_decode(q, cache, table, seq_lens, 0.2, lat, return_lse=False)
     assert calls == ([len(lens) * s_q] if native_call else [])
+    assert got.shape == (len(lens), s_q, heads, lat) and got.dtype == torch.bfloat16
     assert not got.isnan().any()
     if tiles and loaded:  # the same attention through VDPBF16PS
         native.use_amx(False)
         try:
-            vdp = real(
-                q.view(-1, heads, lat + rope), cache, *per_token_tables(table, seq_lens, s_q), 0.2, lat
-            )
+            tables = per_token_tables(table, seq_lens, s_q)
+            vdp = real(q.view(-1, heads, lat + rope), cache, *tables, 0.2, lat)
         finally:
             native.use_amx(True)
         torch.testing.assert_close(got.view_as(vdp).float(), vdp.float(), rtol=2**-7, atol=1e-3)
@@ -512,6 +478,7 @@ def test_mla_decode_on_tiles_equals_the_torch_path(
     want, _ = mla_decode(q, cache, table, seq_lens, 0.2, lat, return_lse=False)
     exact, _ = mla_decode_ref(q.float(), cache.float(), table, seq_lens, 0.2, lat)  # no bf16 roundings
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+    # Each side's error against the unrounded attention is of the same size.
     err = lambda o: float((o.float() - exact).abs().max())  # noqa: E731
     assert err(got) <= 1.5 * err(want) + 1e-3
 
