@@ -211,7 +211,7 @@ class ModelRunner:
         runs all its work in the native kernels (attention, products, experts, LM head): they
         share it over their own pool, whose caller never waits on a helper that is not running.
         Other steps leave it to torch's OpenMP threads: the two pools spinning at once on the same
-        cores starve each other (kernels/native/decode_bf16.cpp has the figures). Process-wide,
+        cores starve each other (kernels/native/common.h has the figures). Process-wide,
         like torch's thread count; set every step, so engines sharing a process each get theirs."""
         if self.native_kernels:
             few = not batch.prefills and batch.input_ids.numel() <= NATIVE_MAX_BATCH

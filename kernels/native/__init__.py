@@ -28,7 +28,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_bf16.cpp")
-HEADERS = (Path(__file__).with_name("pool.h"),)  # included by SOURCE: part of the build key
+HEADERS = tuple(  # included by SOURCE: part of the build key
+    Path(__file__).with_name(name)
+    for name in ("pool.h", "common.h", "products.h", "experts.h", "attention.h", "layer.h")
+)
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 """/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
@@ -131,7 +134,7 @@ def use_pool(threads: int) -> int:
 def pool_min_bytes(bytes_: int | None) -> int:
     """Calls reading at least this many bytes (of weight, or of cache for attention) are shared
     over the pool; None restores the default. -> the threshold it replaces. For tests and
-    benchmarks: the default is measured (see decode_bf16.cpp). Requires `loaded()`."""
+    benchmarks: the default is measured (see common.h). Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
     return int(_library.set_pool_min_bytes(-1 if bytes_ is None else bytes_))
 

@@ -1,0 +1,117 @@
+// What every kernel here shares: the includes, how a call's work is shared over threads
+// (maybe_parallel), the K lanes of a 32-wide step, and bf16 <-> float32.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <pthread.h>
+#include <immintrin.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "pool.h"
+
+namespace {
+
+// How a call's work is shared, set by use_pool:
+// - over torch's OpenMP threads (at::parallel_for), only from OMP_MIN_BYTES of weight (or of
+//   cache, for attention). A parallel region ends in a barrier that waits for every thread, and on
+//   a shared or busy CPU a descheduled thread holds it for a scheduler tick: a batch-1 step of the
+//   bench model took 570 ms instead of 28 with every product split that way. One thread reads a
+//   layer's 0.25-1 MB weights at 7-8 GB/s; the LM head (32 MB) still gains 1.3x from two.
+// - over the kernels' own pool (pool.h), from POOL_MIN_BYTES: its caller never waits on a helper
+//   that is not running, so even a layer's small products are split safely: 1.2-1.8x on one
+//   row through 0.5-2 MB weights.
+//   But its helpers spin between calls, as OpenMP's do after a region: the two pools spinning
+//   at once on two cores starve each other (a batch-8 step, whose attention is torch's, 19 ->
+//   32 ms). So the engine turns it on only for steps whose work is all native (use_pool).
+constexpr int64_t OMP_MIN_BYTES = int64_t(4) << 20;
+constexpr int64_t POOL_MIN_BYTES = int64_t(128) << 10;
+// The tile attention is bound by reading the cache: from 1 MB of it two OpenMP threads pay (a
+// batch-8 step's attention, bench model, ~250 cached tokens: 2.0 -> 1.4 ms).
+constexpr int64_t TILE_ATTENTION_OMP_MIN_BYTES = int64_t(1) << 20;
+constexpr int64_t CHUNK_BYTES = int64_t(64) << 10;  // about this much weight per chunk
+
+int64_t g_pool_min_bytes = POOL_MIN_BYTES;  // set_pool_min_bytes: tests and benchmarks
+std::mutex g_pool_lock;
+std::atomic<pool::Pool*> g_pool{nullptr};
+std::atomic<int> g_pool_threads{0};  // the pool's threads, the caller's included; 0: OpenMP's instead
+
+// Sets the pool's threshold (negative: POOL_MIN_BYTES); -> the one it replaces.
+int64_t set_pool_min_bytes(int64_t bytes) {
+  const int64_t before = g_pool_min_bytes;
+  g_pool_min_bytes = bytes < 0 ? POOL_MIN_BYTES : bytes;
+  return before;
+}
+
+// threads >= 1: calls share their work over the pool, with that many threads (the caller's
+// included); 0: over torch's OpenMP threads. -> the setting it replaces.
+int64_t use_pool(int64_t threads) { return g_pool_threads.exchange(int(std::max<int64_t>(0, threads))); }
+
+// The pool with `want` threads (helpers = want - 1). Rebuilt when the count changes, and in a
+// forked child (whose helpers did not survive the fork); a pool replaced is left to its sleeping
+// helpers, never freed, as a call may still be using it.
+pool::Pool& pool_of(int want) {
+  pool::Pool* p = g_pool.load();
+  if (p != nullptr && p->threads() == want) return *p;
+  std::lock_guard<std::mutex> hold(g_pool_lock);
+  p = g_pool.load();
+  if (p == nullptr || p->threads() != want) g_pool.store(p = new pool::Pool(want - 1));
+  return *p;
+}
+
+// Threads a parallel call may use now.
+int threads_now() {
+  const int pooled = g_pool_threads.load();
+  return pooled > 0 ? pooled : std::max(1, at::get_num_threads());
+}
+
+// f(begin, end) over [0, n), in chunks of `chunk`, shared when `bytes` of memory are read (see above).
+// omp_min_bytes: where OpenMP's threads start (the tile attention, bound by reading the cache,
+// gains from two threads from less).
+template <typename F>
+inline void maybe_parallel(int64_t n, int64_t chunk, int64_t bytes, const F& f, int64_t omp_min_bytes = OMP_MIN_BYTES) {
+  const int pooled = g_pool_threads.load();
+  chunk = std::max<int64_t>(1, chunk);
+  if (pooled > 0 && bytes >= g_pool_min_bytes) {
+    pool_of(pooled).run(n, chunk, f);
+  } else if (pooled == 0 && bytes >= omp_min_bytes) {
+    at::parallel_for(0, n, chunk, f);
+  } else if (n > 0) {
+    f(0, n);
+  }
+}
+
+// The K-dimension lanes of one 32-element step: every lane, or the tail's first `left`.
+inline __mmask32 lanes(int64_t left) {
+  return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+}
+
+
+// bf16 <-> float32, rounding to nearest even (as torch does; NaN stays NaN).
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+}  // namespace

@@ -1,0 +1,98 @@
+// The routed and shared experts of a few decode tokens (moe_pairs, moe_topk).
+
+#pragma once
+
+#include "products.h"
+
+namespace {
+
+// The experts of a few decode tokens, given as (expert, token, weight) pairs grouped by expert
+// (kernels/moe.py _fused_moe_few passes them in ascending expert order, then the shared expert's),
+// with the torch loop's arithmetic and roundings:
+//   gate_up = bf16(x[t] @ w13[e]^T)                       [2I]
+//   act     = bf16(bf16(silu(gate)) * up)                  [I]
+//   out[t]  = bf16(out[t] + bf16(bf16(act @ w2[e]^T) * weight))
+// Expert -1 is the shared expert (its own weights s13 [2Is, H], s2 [H, Is]; weight 1, added after
+// a token's routed experts, as `out + shared(x)` rounds). An expert's pairs (a run of equal
+// experts) are one product of their rows, so its weights are read once. Experts are shared over
+// the threads whole (one thread streams an expert's weights end to end: 35 GB/s on two threads
+// at batch 1, where splitting every expert's products by columns, in two rounds, reached 25);
+// each pair's scaled output lands in its own row, and the additions into out then run in pair
+// order on one thread, so the sums round exactly as the loop's.
+void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
+               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I,
+               int64_t s13_ptr, int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* w13 = reinterpret_cast<const uint16_t*>(w13_ptr);
+  const auto* w2 = reinterpret_cast<const uint16_t*>(w2_ptr);
+  const auto* s13 = reinterpret_cast<const uint16_t*>(s13_ptr);
+  const auto* s2 = reinterpret_cast<const uint16_t*>(s2_ptr);
+  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t P = int64_t(experts.size());
+  std::vector<int64_t> runs;  // [runs[r], runs[r + 1]): the pairs of one expert
+  for (int64_t p = 0; p < P; ++p)
+    if (p == 0 || experts[p] != experts[p - 1]) runs.push_back(p);
+  runs.push_back(P);
+  const int64_t R = int64_t(runs.size()) - 1;
+  std::vector<uint16_t> scaled(P * H);  // [P, H]: bf16(bf16(down) * weight) of each pair
+  maybe_parallel(R, 1, R * 3 * I * H * 2, [&](int64_t r0, int64_t r1) {
+    std::vector<uint16_t> xs, gate_up, act, down;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t p0 = runs[r], m = runs[r + 1] - p0, e = experts[p0];
+      const bool shared = e < 0;
+      const int64_t inter = shared ? Is : I;
+      const uint16_t* we13 = shared ? s13 : w13 + e * w13_expert;
+      const uint16_t* we2 = shared ? s2 : w2 + e * w2_expert;
+      xs.resize(m * H), gate_up.resize(m * 2 * inter), act.resize(m * inter), down.resize(m * H);
+      for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
+      product(xs.data(), H, we13, shared ? ld_s13 : ld13, gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < inter; ++j) {
+          const float g = from_bf16(gate_up[i * 2 * inter + j]);
+          const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
+          act[i * inter + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * inter + inter + j]));
+        }
+      product(act.data(), inter, we2, shared ? ld_s2 : ld2, down.data(), H, m, inter, 0, H);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t h = 0; h < H; ++h)
+          scaled[(p0 + i) * H + h] = to_bf16(from_bf16(down[i * H + h]) * weights[p0 + i]);
+    }
+  });
+  for (int64_t p = 0; p < P; ++p) {
+    uint16_t* ot = out + tokens[p] * ldo;
+    const uint16_t* sp = &scaled[p * H];
+    for (int64_t h = 0; h < H; ++h) ot[h] = to_bf16(from_bf16(ot[h]) + from_bf16(sp[h]));
+  }
+}
+
+
+// The experts of T tokens from their top-k ids [T, K] (int64; -1: an expert on another rank) and
+// weights [T, K] (float32): moe_pairs over their pairs grouped by expert in ascending order, an
+// expert's pairs in (token, k) order (kernels/moe.py _fused_moe_few's order), then the shared
+// expert's when s13_ptr is given. Returns the count of ids >= E (0: fine; the caller raises).
+int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+                 int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t ids_ptr, int64_t weights_ptr,
+                 int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t s13_ptr, int64_t ld_s13,
+                 int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
+  const auto* topk_weights = reinterpret_cast<const float*>(weights_ptr);
+  std::vector<int64_t> pairs;  // flat (token, k) indices of the local experts' pairs
+  int64_t bad = 0;
+  for (int64_t p = 0; p < T * K; ++p) {
+    if (ids[p] >= E) ++bad;
+    if (ids[p] >= 0) pairs.push_back(p);
+  }
+  if (bad != 0) return bad;
+  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  std::vector<int64_t> experts, tokens;
+  std::vector<float> weights;
+  for (const int64_t p : pairs) experts.push_back(ids[p]), tokens.push_back(p / K), weights.push_back(topk_weights[p]);
+  if (s13_ptr != 0)
+    for (int64_t t = 0; t < T; ++t) experts.push_back(-1), tokens.push_back(t), weights.push_back(1.0f);
+  moe_pairs(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo, experts, tokens, weights, H,
+            I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is);
+  return 0;
+}
+
+}  // namespace

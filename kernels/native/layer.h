@@ -1,0 +1,256 @@
+// A layer's parts for a decode step's few tokens: RMSNorm, rotary, the whole attention
+// (mla_attention), routing (route) and the whole MoE block (moe_block).
+
+#pragma once
+
+#include "attention.h"
+#include "experts.h"
+
+namespace {
+
+// RMSNorm of bf16 rows, with the residual add fused, in kernels/norm.py's roundings (HF's):
+//   h = bf16(x + residual)  (the new residual stream, written to sum; or h = x without one)
+//   y = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps)))
+// Rows are few (a decode step's tokens) and short: one thread, no parallel region.
+void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t w_ptr, int64_t y_ptr, int64_t ldy,
+              int64_t sum_ptr, int64_t lds, int64_t M, int64_t D, double eps) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* res = reinterpret_cast<const uint16_t*>(res_ptr);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  auto* sum = reinterpret_cast<uint16_t*>(sum_ptr);
+  std::vector<float> h(D);
+  for (int64_t m = 0; m < M; ++m) {
+    float squares = 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = from_bf16(x[m * ldx + d]);
+      if (res != nullptr) {
+        const uint16_t rounded = to_bf16(v + from_bf16(res[m * ldr + d]));
+        sum[m * lds + d] = rounded;
+        v = from_bf16(rounded);
+      }
+      h[d] = v;
+      squares += v * v;
+    }
+    const float scale = 1.0f / std::sqrt(squares / float(D) + float(eps));
+    for (int64_t d = 0; d < D; ++d)
+      y[m * ldy + d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(h[d] * scale)));
+  }
+}
+
+
+// Rotary embedding of bf16 rows x [N, G, R] (G heads, or 1) at each token's cos/sin [N, R/2]
+// (float32), in kernels/rotary.py's reference roundings: cos and sin rounded to bf16, every
+// product and sum rounded to bf16; pairs taken interleaved (x[2i], x[2i+1]) or as halves, and
+// written as halves, out [N, G, R] contiguous.
+void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t sin_ptr, int64_t ld_cs,
+            int64_t out_ptr, int64_t N, int64_t G, int64_t R, bool interleaved) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* cos = reinterpret_cast<const float*>(cos_ptr);
+  const auto* sin = reinterpret_cast<const float*>(sin_ptr);
+  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+  const int64_t half = R / 2;
+  auto round = [](float v) { return from_bf16(to_bf16(v)); };
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xr = x + n * x_n + g * x_g;
+      uint16_t* o = out + (n * G + g) * R;
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round(cos[n * ld_cs + i]), s = round(sin[n * ld_cs + i]);
+        const float x1 = from_bf16(xr[interleaved ? 2 * i : i]);
+        const float x2 = from_bf16(xr[interleaved ? 2 * i + 1 : half + i]);
+        o[i] = to_bf16(round(x1 * c) - round(x2 * s));
+        o[half + i] = to_bf16(round(x2 * c) + round(x1 * s));
+      }
+    }
+}
+
+
+// One MLA layer's attention for M decode tokens (a batch-1 decode, a verification's tokens) in
+// one call: MLAttention.forward's native calls (with store_latents and _decode), in its order
+// and through the same functions here, so the bits are the Python path's; what it saves is the
+// ~15 Python calls between them (~0.15 ms a layer). Weights contiguous, no biases:
+//   q      = q_b(norm(q_a(x)))  (or q_proj(x) when qa_ptr is 0)    [M, H, nope + R]
+//   q_pe   = rotary(q[..., nope:])                                   [M, H, R]
+//   kv_a   = kv_a(x); c = norm(kv_a[:, :L]); k_pe = rotary(kv_a[:, L:]); cache[slot] = (c, k_pe)
+//   q_lat  = q_nope @ w_uk[h] per head (w_uk_t [H, L, nope])         [M, H, L]
+//   o_lat  = mla_decode([q_lat, q_pe]) over the paged cache           [M, H, L]
+//   out    = o_proj(o_lat @ w_uv[h]^T per head)  (w_uv [H, v, L], heads wuv_h apart)   [M, hidden]
+// Token i is sequence i of table [M, max_blocks] / lens [M] (a verification's tokens come
+// expanded, as kernels/mla.py passes them); slots [M] int64, -1 to skip. With the decoder
+// layer's norms (pre_norm_ptr, post_norm_ptr), x is the layer's input before its norm, res the
+// residual stream it is added to (0 in the first layer: x is the stream), and out gets the
+// post-attention norm of (attention + stream), res_out the new stream: DecoderLayer's rms_norm
+// calls around the attention. Returns the count of block ids and slots outside the cache (0:
+// fine; the caller raises).
+int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, int64_t qa_norm_ptr, int64_t q_lora,
+                      double q_eps, int64_t qb_ptr, int64_t kva_ptr, int64_t kva_norm_ptr, double kv_eps,
+                      int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h, int64_t o_ptr, int64_t cos_ptr,
+                      int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks, int64_t block_size,
+                      int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t out_ptr,
+                      int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
+                      double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
+  const int64_t qk = nope + R, W = L + R;
+  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), kv_a(M * W), c(M * L), k_pe(M * R), q_lat(H * M * L),
+      q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v), normed, attended;
+  auto at = [](std::vector<uint16_t>& b, int64_t offset = 0) { return int64_t(b.data() + offset); };
+  if (pre_norm_ptr != 0) {  // x is the residual stream before the layer's input norm (added to res when given)
+    normed.resize(M * hidden);
+    const int64_t sum_ptr = res_ptr != 0 ? res_out_ptr : 0;  // without a residual, x itself is the stream
+    rms_norm(x_ptr, hidden, res_ptr, hidden, pre_norm_ptr, at(normed), hidden, sum_ptr, hidden, M, hidden, pre_eps);
+    if (res_ptr == 0)
+      std::memcpy(reinterpret_cast<uint16_t*>(res_out_ptr), reinterpret_cast<const uint16_t*>(x_ptr), M * hidden * 2);
+    x_ptr = at(normed);
+  }
+  const int64_t final_out = out_ptr;
+  if (post_norm_ptr != 0) attended.resize(M * hidden), out_ptr = at(attended);
+  if (qa_ptr != 0) {
+    std::vector<uint16_t> q_a(M * q_lora), q_an(M * q_lora);
+    linear_bf16(x_ptr, 0, hidden, qa_ptr, 0, hidden, at(q_a), 0, q_lora, 1, M, q_lora, hidden);
+    rms_norm(at(q_a), q_lora, 0, 0, qa_norm_ptr, at(q_an), q_lora, 0, q_lora, M, q_lora, q_eps);
+    linear_bf16(at(q_an), 0, q_lora, qb_ptr, 0, q_lora, at(q), 0, H * qk, 1, M, H * qk, q_lora);
+  } else {
+    linear_bf16(x_ptr, 0, hidden, qb_ptr, 0, hidden, at(q), 0, H * qk, 1, M, H * qk, hidden);
+  }
+  rotary(at(q, nope), H * qk, qk, cos_ptr, sin_ptr, R / 2, at(q_pe), M, H, R, interleaved);
+
+  linear_bf16(x_ptr, 0, hidden, kva_ptr, 0, hidden, at(kv_a), 0, W, 1, M, W, hidden);
+  rms_norm(at(kv_a), W, 0, 0, kva_norm_ptr, at(c), L, 0, L, M, L, kv_eps);
+  rotary(at(kv_a, L), W, R, cos_ptr, sin_ptr, R / 2, at(k_pe), M, 1, R, interleaved);
+  auto* kv = reinterpret_cast<uint16_t*>(kv_ptr);
+  const auto* slots = reinterpret_cast<const int64_t*>(slots_ptr);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (slots[i] < 0) continue;
+    if (slots[i] >= num_blocks * block_size) {
+      ++bad;
+      continue;
+    }
+    std::memcpy(kv + slots[i] * W, &c[i * L], L * 2);
+    std::memcpy(kv + slots[i] * W + L, &k_pe[i * R], R * 2);
+  }
+
+  linear_bf16(at(q), qk, H * qk, wuk_ptr, L * nope, nope, at(q_lat), M * L, L, H, M, L, nope);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(&q_full[(i * H + h) * W], &q_lat[(h * M + i) * L], L * 2);
+      std::memcpy(&q_full[(i * H + h) * W + L], &q_pe[(i * H + h) * R], R * 2);
+    }
+  if (bad == 0)
+    bad = mla_decode(at(q_full), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size, table_ptr, max_blocks,
+                     max_blocks, lens_ptr, at(o_lat), H * L, L, M, H, W, L, scale);
+  if (bad != 0) return bad;
+  linear_bf16(at(o_lat), L, H * L, wuv_ptr, wuv_h, L, at(o_v), M * v, v, H, M, v, L);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t h = 0; h < H; ++h) std::memcpy(&o_heads[(i * H + h) * v], &o_v[(h * M + i) * v], v * 2);
+  linear_bf16(at(o_heads), 0, H * v, o_ptr, 0, H * v, out_ptr, 0, hidden, 1, M, hidden, H * v);
+  if (post_norm_ptr != 0)  // the post-attention norm over attended + the stream, which it then replaces
+    rms_norm(out_ptr, hidden, res_out_ptr, hidden, post_norm_ptr, final_out, hidden, res_out_ptr, hidden, M, hidden,
+             post_eps);
+  return 0;
+}
+
+
+// Expert routing of a few tokens after their scores (kernels/gate.py grouped_topk_ref from the
+// sigmoid or softmax on), with its float32 operations in its order, so ids and weights are its
+// bits: choice = score + bias; with groups (n_group > topk_group) a group's score is the sum of
+// its two best choices (with a bias) or its best (without), the topk_group best groups are kept
+// and the other experts' choices become `masked`; the top_k choices win, ties to the lowest index
+// (as the reference's stable sort); weights = their scores, over their sum + 1e-20 when
+// norm_topk_prob, times routed_scaling_factor.
+void route(int64_t scores_ptr, int64_t bias_ptr, int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
+           int64_t top_k, bool norm_topk_prob, double routed_scaling_factor, int64_t ids_ptr, int64_t weights_ptr) {
+  const auto* scores = reinterpret_cast<const float*>(scores_ptr);
+  const auto* bias = reinterpret_cast<const float*>(bias_ptr);
+  auto* ids = reinterpret_cast<int64_t*>(ids_ptr);
+  auto* weights = reinterpret_cast<float*>(weights_ptr);
+  const bool grouped = n_group > 1 && topk_group < n_group;
+  const int64_t size = E / n_group;
+  const float masked = bias != nullptr ? -INFINITY : 0.0f;
+  std::vector<float> choice(E), group_score(n_group);
+  std::vector<int64_t> order(std::max(E, n_group));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* st = scores + t * E;
+    for (int64_t e = 0; e < E; ++e) choice[e] = bias != nullptr ? st[e] + bias[e] : st[e];
+    if (grouped) {
+      for (int64_t g = 0; g < n_group; ++g) {
+        const float* cg = &choice[g * size];
+        int64_t first = 0;  // the best, ties to the lowest index (as torch.topk's first is its max)
+        for (int64_t i = 1; i < size; ++i)
+          if (cg[i] > cg[first]) first = i;
+        float second = -INFINITY;
+        for (int64_t i = 0; i < size; ++i)
+          if (i != first && cg[i] > second) second = cg[i];
+        group_score[g] = bias != nullptr ? cg[first] + second : cg[first];
+      }
+      for (int64_t g = 0; g < n_group; ++g) order[g] = g;
+      std::stable_sort(order.begin(), order.begin() + n_group,
+                       [&](int64_t a, int64_t b) { return group_score[a] > group_score[b]; });
+      std::vector<bool> kept(n_group, false);
+      for (int64_t g = 0; g < topk_group; ++g) kept[order[g]] = true;
+      for (int64_t e = 0; e < E; ++e)
+        if (!kept[e / size]) choice[e] = masked;
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.begin() + E, [&](int64_t a, int64_t b) { return choice[a] > choice[b]; });
+    float total = 0.0f;
+    for (int64_t k = 0; k < top_k; ++k) {
+      ids[t * top_k + k] = order[k];
+      weights[t * top_k + k] = st[order[k]];
+      total += st[order[k]];
+    }
+    for (int64_t k = 0; k < top_k; ++k) {
+      float w = weights[t * top_k + k];
+      if (norm_topk_prob) w = w / (total + 1e-20f);
+      weights[t * top_k + k] = w * float(routed_scaling_factor);
+    }
+  }
+}
+
+
+// One MoE layer for a decode step's few tokens in one call (DeepseekMoE.forward's work):
+//   logits = x . gate^T       the router's product in float32: x's bf16 widened, exact products,
+//                             float32 sums in 16 lanes then added (torch's BLAS adds in its own
+//                             order: the logits can differ in their last bits)
+//   scores = sigmoid(logits), or softmax over the experts (float32, std::exp)
+//   `route` from the scores, then the experts with `moe_topk` (the shared one with them).
+// gate [E, H] float32 (row stride ld_gate), bias [E] float32 or 0. Every token gets the same
+// operations whatever T is, so a verification's tokens are each a one-token decode's bits.
+void moe_block(int64_t x_ptr, int64_t ldx, int64_t T, int64_t H, int64_t gate_ptr, int64_t ld_gate, int64_t bias_ptr,
+               int64_t E, bool softmax, int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob,
+               double routed_scaling_factor, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t I, int64_t s13_ptr,
+               int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* gate = reinterpret_cast<const float*>(gate_ptr);
+  std::vector<float> wide(H), scores(T * E), weights(T * top_k);
+  std::vector<int64_t> ids(T * top_k);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) wide[h] = from_bf16(x[t * ldx + h]);
+    float* st = &scores[t * E];
+    for (int64_t e = 0; e < E; ++e) {
+      const float* g = gate + e * ld_gate;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; h += 16) {
+        const __mmask16 mask = H - h >= 16 ? __mmask16(0xffff) : __mmask16((1u << (H - h)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, &wide[h]), _mm512_maskz_loadu_ps(mask, g + h), acc);
+      }
+      st[e] = _mm512_reduce_add_ps(acc);
+    }
+    if (softmax) {
+      float top = -INFINITY, total = 0.0f;
+      for (int64_t e = 0; e < E; ++e) top = std::max(top, st[e]);
+      for (int64_t e = 0; e < E; ++e) total += (st[e] = std::exp(st[e] - top));
+      for (int64_t e = 0; e < E; ++e) st[e] /= total;
+    } else {
+      for (int64_t e = 0; e < E; ++e) st[e] = 1.0f / (1.0f + std::exp(-st[e]));
+    }
+  }
+  route(reinterpret_cast<int64_t>(scores.data()), bias_ptr, T, E, n_group, topk_group, top_k, norm_topk_prob,
+        routed_scaling_factor, reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()));
+  moe_topk(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo,
+           reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()), T, top_k, E, H, I,
+           s13_ptr, ld_s13, s2_ptr, ld_s2, Is);  // route's ids lie in [0, E): nothing to refuse
+}
+
+}  // namespace

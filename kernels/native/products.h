@@ -1,0 +1,229 @@
+// The few-row product, on the AMX tile unit where the CPU has it, with VDPBF16PS elsewhere:
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K], y [M, N]; bf16 in and out
+//
+// With a handful of rows the product is bound by reading w, and the BLAS behind torch spends
+// more on each call than on the bytes: a 512 x 512 bf16 weight (0.5 MB) took ~125 us at one row
+// through torch, 4 GB/s, where the memory gives ~20. This kernel reads each weight row once for
+// all rows of x, multiplies bf16 pairs with VDPBF16PS (exact products, float32 sums, as the BLAS
+// does), and rounds each sum to bf16 to nearest-even (as torch's bf16 matmul does).
+//
+// Layout: the N output columns are shared over threads (torch's, or the kernels' own pool: see
+// use_pool) when the weight is large enough to pay for it, in chunks of whole column steps;
+// within a chunk, columns go in tiles of TILE_N, and each tile for every row of x in blocks of ROWS_PER_PASS, COLS columns at a time
+// (ROWS_PER_PASS x COLS accumulators, each x vector loaded once per COLS columns), so a weight row
+// is read from memory once and from L1 for the following blocks. x is small (M rows of K) and
+// stays in L1.
+
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
+constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
+constexpr int COLS = 4;               // weight rows (output columns) accumulated at once
+
+// out[r][c] = x[m0 + r] . w[n0 + c] for ROWS rows and COLS columns at once: each k step loads
+// the COLS weight vectors and the ROWS x vectors once and issues ROWS x COLS VDPBF16PS. A tail of
+// fewer than COLS columns repeats its last column (computed, not stored).
+template <int ROWS>
+inline void dot_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                      int64_t cols, float out[][COLS]) {
+  const uint16_t* w_rows[COLS];
+  for (int c = 0; c < COLS; ++c) w_rows[c] = w + (c < cols ? c : cols - 1) * ldw;
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = lanes(K - k);
+    __m512bh wv[COLS];
+    for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w_rows[c] + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * ldx + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// Rows m0 .. m0 + rows (rows <= ROWS_PER_PASS) of columns t0 .. t0 + width into tile.
+inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                     int64_t rows, int64_t width, float tile[][TILE_N]) {
+  for (int64_t j = 0; j < width; j += COLS) {
+    const int64_t cols = width - j < COLS ? width - j : COLS;
+    float out[ROWS_PER_PASS][COLS];
+    const uint16_t* wj = w + j * ldw;
+    switch (rows) {
+      case 1: dot_block<1>(x, ldx, wj, ldw, K, cols, out); break;
+      case 2: dot_block<2>(x, ldx, wj, ldw, K, cols, out); break;
+      case 3: dot_block<3>(x, ldx, wj, ldw, K, cols, out); break;
+      default: dot_block<4>(x, ldx, wj, ldw, K, cols, out); break;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) tile[r][j + c] = out[r][c];
+  }
+}
+
+// Columns n0 .. n1 of y, all M rows.
+void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy,
+             int64_t M, int64_t K, int64_t n0, int64_t n1) {
+  alignas(64) float tile[ROWS_PER_PASS][TILE_N];
+  for (int64_t t0 = n0; t0 < n1; t0 += TILE_N) {
+    const int64_t width = n1 - t0 < TILE_N ? n1 - t0 : TILE_N;
+    const __mmask16 out_mask = width == TILE_N ? __mmask16(0xFFFF) : (__mmask16(1) << width) - 1;
+    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+      const int64_t rows = M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS;
+      dot_tile(x + m0 * ldx, ldx, w + t0 * ldw, ldw, K, rows, width, tile);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh packed = _mm512_cvtneps_pbh(_mm512_load_ps(tile[r]));
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, out_mask, (__m256i)packed);
+      }
+    }
+  }
+}
+
+// ---- AMX: the same product on the tile unit, where the CPU has it (AMX-BF16) ----------------
+//
+// VDPBF16PS does 32 multiply-adds per instruction and each output still ends in a horizontal
+// sum, so from 2 rows on `columns` is bound by arithmetic (about 20 G multiply-adds/s on one
+// core here). A TDPBF16PS does 16 x 16 x 32 at once: a product of up to 32 rows then costs what
+// reading its weight costs. The weight is the tile product's A operand as it lies in memory (16
+// weight rows of 32 values, a row stride apart), so nothing is repacked; x, small, is the B
+// operand, transposed into pairs (VNNI layout) once per call: C^T[n, m] = sum_k w[n, k] x[m, k].
+// Every row of x gets the same operations whatever M is, so a row's result does not depend on
+// the rows beside it (a speculative verification computes each token as a one-token decode).
+
+bool g_amx_granted = false;  // Linux granted this process the tile state (the CPU has the unit)
+bool g_amx = false;          // the products use it
+
+// Asks for the tile state once; then turns the AMX products on or off (on only where granted).
+bool use_amx(bool on) {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  if (on && !g_amx_granted) g_amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  g_amx = on && g_amx_granted;
+  return g_amx;
+}
+
+constexpr int64_t AMX_N = 32;  // weight rows per step: two C tiles of 16
+constexpr int64_t AMX_M = 32;  // rows of x per pass: two B tiles of 16
+constexpr int64_t AMX_K = 32;  // K per tile product (16 pairs)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 C (n half x m half), 4-5 A (the two weight halves), 6-7 B (the two x halves).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // Not _tile_loadconfig: GCC 12's declares a read of 8 bytes only, and the stores above were dropped.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// Columns [n0, n1) (n1 - n0 a multiple of AMX_N) of rows [0, M) (M <= AMX_M) from xt, x packed as
+// xt[k / 2][m][2] for 32 rows (rows past M zero). K a multiple of AMX_K.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt, const uint16_t* w, int64_t ldw,
+                                                                uint16_t* y, int64_t ldy, int64_t M, int64_t K,
+                                                                int64_t n0, int64_t n1) {
+  alignas(64) float c[16 * 16];
+  const bool two = M > 16;
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t n = n0; n < n1; n += AMX_N) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += AMX_K) {
+      const uint32_t* b = xt + (k / 2) * AMX_M;  // 16 pair rows of 32 m (64 + 64 bytes)
+      _tile_loadd(6, b, AMX_M * 4);
+      if (two) _tile_loadd(7, b + 16, AMX_M * 4);
+      _tile_loadd(4, w + n * ldw + k, ldw * 2);
+      _tile_loadd(5, w + (n + 16) * ldw + k, ldw * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    for (int t = 0; t < (two ? 4 : 2); ++t) {  // C tile t: c[n' * 16 + m'] -> y[m_base + m'][n + ...]
+      switch (t) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      const int64_t n_base = n + (t % 2) * 16, m_base = (t / 2) * 16;
+      for (int64_t m = m_base; m < std::min(M, m_base + 16); ++m) {
+        const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int(m - m_base))), c, 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n_base), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+// x rows [m0, m0 + rows) (rows <= AMX_M) as xt[k / 2][m][2], rows past `rows` zero.
+inline void pack_pairs(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, std::vector<uint32_t>& xt) {
+  xt.assign((K / 2) * AMX_M, 0u);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < K / 2; ++i) std::memcpy(&xt[i * AMX_M + m], x + m * ldx + 2 * i, 4);  // (x[2i], x[2i+1])
+}
+
+// Whether columns of a product with inner dimension K run on the tile unit (whole AMX_N steps).
+inline bool amx_takes(int64_t K) { return g_amx && K % AMX_K == 0; }
+
+// Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (amx_takes, whole
+// 32-column steps), `columns` for the rest. xt: x already packed by pack_pairs (M <= AMX_M), or
+// null to pack here.
+void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy, int64_t M,
+             int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr) {
+  const int64_t n_amx = amx_takes(K) ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
+  if (n_amx > n0) {
+    amx_configure();
+    if (xt != nullptr && M <= AMX_M) {
+      amx_columns(xt, w, ldw, y, ldy, M, K, n0, n_amx);
+    } else {
+      std::vector<uint32_t> packed;
+      for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
+        const int64_t rows = std::min(AMX_M, M - m0);
+        pack_pairs(x + m0 * ldx, ldx, rows, K, packed);
+        amx_columns(packed.data(), w, ldw, y + m0 * ldy, ldy, rows, K, n0, n_amx);
+      }
+    }
+  }
+  if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
+}
+
+// Pointers as integers (torch.Tensor.data_ptr()): the Python wrapper checks shapes, dtypes and
+// strides, so this file needs neither torch's tensor headers nor their build time. B products
+// y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
+// otherwise), their columns shared over the threads together in chunks of whole AMX steps; on
+// the tile unit, each x[b] is packed once before.
+void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
+                 int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  const int64_t steps = (N + AMX_N - 1) / AMX_N;  // a chunk is whole 32-column steps
+  std::vector<std::vector<uint32_t>> packed(amx_takes(K) && M <= AMX_M && N >= AMX_N ? B : 0);
+  for (int64_t b = 0; b < int64_t(packed.size()); ++b) pack_pairs(x + b * x_batch, ldx, M, K, packed[b]);
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (AMX_N * K * 2));  // steps per chunk
+  maybe_parallel(B * steps, chunk, B * N * K * 2, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
+      const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
+      product(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, s0 * AMX_N,
+              std::min(N, s1 * AMX_N), packed.empty() ? nullptr : packed[b].data());
+      i += s1 - s0;
+    }
+  });
+}
+
+}  // namespace
