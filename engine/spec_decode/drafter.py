@@ -122,7 +122,6 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     inputs = [[*d.known, d.sampled] for d in drafting]
     rows = [r for d in drafting for r in range(d.row - len(d.known), d.row + 1)]
     h = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [rows, H]
-    newest = torch.tensor(list(accumulate(len(i) for i in inputs)), dtype=torch.long, device=dev) - 1
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
         step = _draft_batch(
@@ -133,8 +132,9 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
             dev,
         )
         g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [rows, H]
-        if j == 0 and len(rows) > len(drafting):
-            g = g[newest]  # [D, H]: each request's newest row
+        if j == 0 and len(rows) > len(drafting):  # rows were folded: each request's newest row
+            newest = [end - 1 for end in accumulate(len(i) for i in inputs)]
+            g = g[torch.tensor(newest, dtype=torch.long, device=dev)]  # [D, H]
         tokens = model.compute_logits(g).argmax(dim=-1).tolist()
         for i, token in zip(live, tokens, strict=True):
             drafts[i].append(token)
