@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
+from engine.hugepages import WeightArena, place_parameters
 from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
@@ -108,7 +109,9 @@ class ModelRunner:
         load_weights(
             self.model, model_cfg, cfg.model, expert_map=ep.local_experts if ep is not None else None
         )
-        self.model.process_weights()
+        arena = WeightArena()  # the weights on huge pages, a layer's together (engine/hugepages.py)
+        place_parameters(self.model, arena)
+        self.model.process_weights(arena.place)
         self.model.eval()
         self.kv_spec = kv_spec
         self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device)  # the MTP layer's group last

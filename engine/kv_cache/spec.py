@@ -31,12 +31,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 import torch
 
+from engine.hugepages import huge_empty
 from kernels.rotary import OUTPUT_LAYOUT
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -240,16 +242,15 @@ class KVCacheSpec:
         """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
         g.block_size, g.width] per layer of group g, in layer order.
 
-        Written in full up front (not lazily zero-mapped) so the kernel can back them with huge
-        pages: decode gathers blocks from all over the cache, and 4 KiB pages made every block a
-        string of TLB misses (a 5x slower gather measured in a VM)."""
-        return [
-            torch.empty(
-                num_blocks * self.sub_blocks(g), g.block_size, g.width, dtype=g.dtype, device=device
-            ).zero_()
-            for g in self.groups
-            for _ in g.layers
-        ]
+        On huge pages (engine/hugepages.py), written in full up front: decode gathers blocks from
+        all over the cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower
+        gather measured in a VM)."""
+        caches = []
+        for g in self.groups:
+            shape = (num_blocks * self.sub_blocks(g), g.block_size, g.width)
+            nbytes = math.prod(shape) * torch.empty(0, dtype=g.dtype).element_size()
+            caches += [huge_empty(nbytes, device).view(g.dtype).view(shape).zero_() for _ in g.layers]
+        return caches
 
     def check_caches(self, caches: list[torch.Tensor]) -> None:
         """The tensors are this spec's (after allocate, or caches handed in from outside)."""

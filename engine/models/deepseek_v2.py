@@ -7,6 +7,8 @@ flat batch (see engine/forward_batch.py), never on padded [B, T] tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -82,9 +84,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def process_weights(self) -> None:
+    def process_weights(
+        self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+    ) -> None:
+        """Derive the kernels' forms of the loaded weights; place(t): a contiguous copy of t where
+        derived weights live (WeightArena.place)."""
         for layer in [*self.layers, *self.mtp]:
-            layer.self_attn.process_weights()
+            layer.self_attn.process_weights(place)
             if isinstance(layer.mlp, DeepseekMoE):
                 layer.mlp.process_weights()
 

@@ -12,6 +12,8 @@ transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,13 +57,16 @@ class MLAttention(nn.Module):
         self.w_uv: torch.Tensor | None = None  # [H, v, L], a view of kv_b_proj's weight
         self.native_weights: native.MLAWeights | None = None  # the one-call decode's, set by process_weights
 
-    def process_weights(self) -> None:
-        """Split kv_b_proj into the absorbed-form matrices once the weights are loaded."""
+    def process_weights(
+        self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+    ) -> None:
+        """Split kv_b_proj into the absorbed-form matrices once the weights are loaded. place(t):
+        a contiguous copy of t where the derived matrices should live (the model's arena)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = w[:, : self.nope_dim].contiguous()
-        self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
+        self.w_uk = place(w[:, : self.nope_dim])
+        self.w_uv_t = place(w[:, self.nope_dim :].transpose(1, 2))
         if native.loaded() and native.takes(w):  # one decode token: per-head products as GEMVs
-            self.w_uk_t = w[:, : self.nope_dim].transpose(1, 2).contiguous()
+            self.w_uk_t = place(w[:, : self.nope_dim].transpose(1, 2))
             self.w_uv = w[:, self.nope_dim :]
             self.native_weights = self._native_weights()
 

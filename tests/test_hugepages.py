@@ -1,0 +1,116 @@
+"""engine/hugepages.py: the weights and the KV cache sit in regions that asked the kernel for huge
+pages before their first touch, packed in placement order, with their values unchanged."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from engine import LLM, SamplingParams
+from engine.hugepages import ALIGN, HUGE_PAGE, WeightArena, huge_empty, place_parameters
+
+LINUX = sys.platform.startswith("linux")
+
+
+def advised_ranges() -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings that carry the huge-page advice (VmFlags "hg")."""
+    ranges, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                current = (start, end)
+            elif line.startswith("VmFlags:") and "hg" in line.split()[1:]:
+                ranges.append(current)
+    return ranges
+
+
+def advised(t: torch.Tensor) -> bool:
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(start <= lo and hi <= end for start, end in advised_ranges())
+
+
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+def test_huge_empty_is_aligned_sized_and_advised_before_use():
+    t = huge_empty(3 * HUGE_PAGE + 100)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * HUGE_PAGE + 100
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert advised(t)
+    t.fill_(7)  # the whole span is usable
+    assert int(t[-1]) == 7 and int(t[0]) == 7
+    small = huge_empty(1000)  # under one huge page: a plain allocation
+    assert small.numel() == 1000 and not advised(small)
+
+
+def test_arena_packs_tensors_in_order_with_their_values():
+    arena = WeightArena(region_bytes=HUGE_PAGE)
+    a = torch.randn(3, 5, dtype=torch.bfloat16)
+    b = torch.arange(7, dtype=torch.float32)
+    c = torch.randn(64, 33).t()  # not contiguous: placed contiguous
+    pa, pb, pc = arena.place(a), arena.place(b), arena.place(c)
+    assert torch.equal(pa, a) and torch.equal(pb, b) and torch.equal(pc, c)
+    assert pc.is_contiguous() and all(t.data_ptr() % ALIGN == 0 for t in (pa, pb, pc))
+    assert pa.data_ptr() < pb.data_ptr() < pc.data_ptr()  # one region, in placement order
+    assert pb.data_ptr() - pa.data_ptr() == -(-a.numel() * 2 // ALIGN) * ALIGN
+    assert pa.untyped_storage().data_ptr() == pc.untyped_storage().data_ptr()
+    pa.zero_()
+    assert a.abs().sum() > 0  # a copy, not the original
+    big = arena.place(torch.ones(HUGE_PAGE // 2 + 1))  # over the region's room: a region of its own
+    assert (
+        arena.reserved_bytes >= 2 * HUGE_PAGE
+        and big.untyped_storage().data_ptr() != pa.untyped_storage().data_ptr()
+    )
+    assert arena.placed_bytes == a.numel() * 2 + b.numel() * 4 + c.numel() * 4 + big.numel() * 4
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 8, bias=False)
+        self.again = self.first  # the same module (and parameters) twice
+        self.register_buffer("table", torch.arange(10.0))
+
+
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+def test_place_parameters_keeps_values_and_parameter_objects():
+    model = _Tied()
+    params = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    arena = WeightArena()
+    place_parameters(model, arena)
+    for name, (p, value) in params.items():
+        now = dict(model.named_parameters())[name]
+        assert now is p and isinstance(now, nn.Parameter) and torch.equal(now.data, value)
+        assert advised(now)
+    assert torch.equal(model.table, torch.arange(10.0)) and advised(model.table)
+    expected = sum(v.numel() * v.element_size() for _, v in params.values()) + 40
+    assert arena.placed_bytes == expected  # the shared Linear placed once
+
+
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model):
+    llm = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
+    runner = llm.engine.runner
+    model = runner.model
+    assert all(advised(p) for p in model.parameters())
+    attn = model.layers[0].self_attn
+    assert advised(attn.w_uk) and advised(attn.w_uv_t)  # derived at load, placed too
+    assert all(c.numel() * 2 >= HUGE_PAGE and advised(c) for c in runner.kv_caches)  # 2.5 MiB a layer
+    assert all(int(c.abs().sum()) == 0 for c in runner.kv_caches)  # zeroed
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    placed = llm.generate(["The module provides"], params)[0].token_ids
+    # The same model on plain allocations: the same tokens.
+    import engine.runner as runner_module
+
+    original = runner_module.place_parameters
+    runner_module.place_parameters = lambda model, arena: None
+    try:
+        plain = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
+    finally:
+        runner_module.place_parameters = original
+    assert not advised(next(plain.engine.runner.model.parameters()))
+    assert plain.generate(["The module provides"], params)[0].token_ids == placed
