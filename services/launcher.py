@@ -29,10 +29,15 @@ from engine import env as env_vars
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port free on host now and not in `taken` (ports handed out but not bound yet: the
+    system may offer a port again until its process binds it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def wait_ready(
@@ -104,14 +109,22 @@ class Stack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
         self.procs: list[Proc] = []
-        self.grpc_port = cfg.grpc_port or free_port(cfg.host)
-        self.http_port = None if cfg.http_port is None else (cfg.http_port or free_port(cfg.host))
+        self._ports: set[int] = set()  # every port this stack handed out
+        self.grpc_port = cfg.grpc_port or self._free_port()
+        self.http_port = None if cfg.http_port is None else (cfg.http_port or self._free_port())
         self.token: str = (
             cfg.env.get(env_vars.INTERNAL_TOKEN_VAR) or env_vars.internal_token() or secrets.token_urlsafe(32)
         )
         """The internal token every process of this stack requires and presents."""
         self.api_key: str | None = cfg.api_key or cfg.env.get(env_vars.API_KEY_VAR) or env_vars.api_key()
         """The key the router's public API requires (None: open); its readiness probe sends it."""
+
+    def _free_port(self) -> int:
+        """A free port no process of this stack was given (the router's is bound only once its
+        process is up, so the system could offer it to a worker started before)."""
+        port = free_port(self.cfg.host, self._ports)
+        self._ports.add(port)
+        return port
 
     @property
     def grpc_endpoint(self) -> str:
@@ -146,7 +159,7 @@ class Stack:
 
     def start_worker(self, role: str, index: int, port: int | None = None) -> Proc:
         cfg = self.cfg
-        port = port or free_port(cfg.host)
+        port = port or self._free_port()
         args = [
             "worker",
             "--role",
@@ -168,7 +181,7 @@ class Stack:
             env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)
         metrics_url = None
         if cfg.worker_metrics:
-            metrics_port = free_port(cfg.host)
+            metrics_port = self._free_port()
             args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{cfg.host}:{metrics_port}/metrics"
         args += cfg.engine_args + cfg.worker_args.get(role, [])

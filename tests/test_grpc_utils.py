@@ -71,3 +71,30 @@ def test_a_write_style_stream_error_is_mapped_to_its_status():
     assert status == SERVING
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "service must be known, got 'nope'"
+
+
+def test_free_port_skips_ports_already_handed_out(monkeypatch):
+    """The system may offer a port again until its process binds it (a stack's router port, picked
+    first and bound last, was once offered to its decode worker): a stack never hands one out twice."""
+    import services.launcher as launcher
+
+    offered = iter([5000, 5000, 5000, 5001, 5001, 5002])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", FakeSocket)
+    assert free_port() == 5000
+    stack = launcher.Stack(launcher.StackConfig(model="unused", http_port=None))
+    assert stack.grpc_port == 5000
+    assert [stack._free_port(), stack._free_port()] == [5001, 5002]
