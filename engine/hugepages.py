@@ -5,8 +5,8 @@ pages every page of that is a TLB miss, and the hardware prefetchers stop at eac
 Linux backs anonymous memory with transparent huge pages only where the region asks for them
 (madvise(MADV_HUGEPAGE)) when /sys/kernel/mm/transparent_hugepage/enabled is "madvise", the
 common default; so the weights, each its own malloc (most under 2 MiB), and the cache sat on 4 KiB
-pages. Measured on the bench model in bf16 (2-core Xeon, THP "madvise"), with the weights and cache
-on huge pages: batch-1 steps 4.2-4.3 ms against 4.6-5.5.
+pages. Measured on the bench model in bf16 (2-core Xeon, THP "madvise"), six interleaved rounds
+each: batch-1 engine steps a median 5.01 ms with the weights and cache on huge pages, 5.59 without.
 
 `huge_empty` asks for huge pages before a region is first touched (the kernel then faults it in
 2 MiB at a time); `WeightArena` packs many tensors into such regions, in the order they are
@@ -80,7 +80,7 @@ class WeightArena:
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor in the arena."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self._used // ALIGN) * ALIGN
         if self._region is None or start + nbytes > self._region.numel():
             self._region = huge_empty(max(nbytes, self.region_bytes))

@@ -248,7 +248,7 @@ class KVCacheSpec:
         caches = []
         for g in self.groups:
             shape = (num_blocks * self.sub_blocks(g), g.block_size, g.width)
-            nbytes = math.prod(shape) * torch.empty(0, dtype=g.dtype).element_size()
+            nbytes = math.prod(shape) * g.dtype.itemsize
             caches += [huge_empty(nbytes, device).view(g.dtype).view(shape).zero_() for _ in g.layers]
         return caches
 
