@@ -100,16 +100,13 @@ class WeightArena:
 
 
 def place_parameters(model: nn.Module, arena: WeightArena) -> None:
-    """Moves every parameter and buffer of model into the arena, in the order the modules
-    register them (a layer's together), keeping their values and their Parameter objects (a
-    parameter shared by two modules is moved once)."""
-    seen: set[int] = set()
+    """Moves every parameter and buffer of model into the arena, parameters in the order the
+    modules register them (a layer's together), keeping their values and their Parameter objects
+    (a parameter or buffer shared by two modules is moved once)."""
+    for p in model.parameters():  # each once
+        p.data = arena.place(p.data)
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the buffer, its copy)
     for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                p.data = arena.place(p.data)
         for name, b in module.named_buffers(recurse=False):
             if b is not None:
                 if id(b) not in buffers:

@@ -95,7 +95,7 @@ def test_place_parameters_keeps_values_and_parameter_objects():
 
 
 @pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
-def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model):
+def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model, monkeypatch):
     llm = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
     runner = llm.engine.runner
     model = runner.model
@@ -109,14 +109,8 @@ def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     placed = llm.generate(["The module provides"], params)[0].token_ids
     # The same model on plain allocations: the same tokens.
-    import engine.runner as runner_module
-
-    original = runner_module.place_parameters
-    runner_module.place_parameters = lambda model, arena: None
-    try:
-        plain = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
-    finally:
-        runner_module.place_parameters = original
+    monkeypatch.setattr("engine.runner.place_parameters", lambda model, arena: None)
+    plain = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
     plain_params = list(plain.engine.runner.model.parameters())
     assert len({p.untyped_storage().data_ptr() for p in plain_params}) == len(plain_params)  # each its own
     assert plain.generate(["The module provides"], params)[0].token_ids == placed
