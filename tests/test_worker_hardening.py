@@ -302,6 +302,8 @@ def test_prefills_sharing_a_request_id_do_not_touch_each_others_kv(workers):
         kv_pb.ReleaseRequest(transfer_id=firsts[0].kv_handle.transfer_id, reason=kv_pb.RELEASE_REASON_DONE),
         timeout=5,
     )
+    # Release ends the export at once; its blocks are freed on the engine thread just after.
+    assert wait_until(lambda: load(w.prefill.endpoint, TOKEN).num_free_blocks == PREFILL_BLOCKS - 6, 10)
     got = load(w.prefill.endpoint, TOKEN)
     assert got.num_pinned_transfers == 2 and got.num_free_blocks == PREFILL_BLOCKS - 6
     # The others' KV is intact: a pull of each continues exactly as a colocated run would.
