@@ -205,8 +205,16 @@ class AsyncEngine:
                 self._run_command(fn, fut, True)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one hand-over: one wake-up of the loop per step, not one per request
+        (each wake-up writes to the loop's self-pipe and takes a core from the next step)."""
+        if outputs:
+            self._loop.call_soon_threadsafe(self._put_all, outputs)
+
+    def _put_all(self, outputs: list[RequestOutput]) -> None:  # on the loop
         for out in outputs:
-            self._deliver(out.request_id, out)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         q = self._streams.get(request_id)
