@@ -716,3 +716,46 @@ def test_route_is_the_bits_of_the_reference(
             want = grouped_topk_ref(logits, bias, *args, scoring=scoring)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), trial
     assert len(calls) == (300 if loaded else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=lambda v: f"rows{v}")
+def test_mtp_input_in_one_call_is_the_bits_of_the_separate_calls(loaded, products, rows):
+    """The MTP layer's input (embedding, both norms, eh_proj) in one native call against the same
+    calls one by one, bitwise, the hidden states a strided slice as the drafter passes them."""
+    from kernels.linear import linear
+    from kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    vocab, dim = 50, 64
+    embed = torch.randn(vocab, dim, generator=gen).bfloat16()
+    hidden = torch.randn(2 * rows, dim, generator=gen).bfloat16()[::2]  # rows 2 * dim apart
+    enorm, hnorm = torch.randn(dim, generator=gen).bfloat16(), torch.randn(dim, generator=gen).bfloat16()
+    eh_proj = torch.randn(dim, 2 * dim, generator=gen).bfloat16() / 8
+    ids = torch.tensor([7, 0, vocab - 1][:rows])
+    norms = (enorm, 1e-6, hnorm, 0.25)  # eps far apart: each must reach its own norm
+    got = native.mtp_input(ids, embed, hidden, norms, eh_proj)
+    want = linear(
+        torch.cat((rms_norm(embed[ids], enorm, 1e-6), rms_norm(hidden, hnorm, 0.25)), dim=-1), eh_proj
+    )
+    if not loaded:
+        assert got is None  # the caller runs the separate calls
+        return
+    assert got is not None and got.shape == (rows, dim) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(loaded):
+    embed, hidden = torch.zeros(10, 32, dtype=torch.bfloat16), torch.zeros(2, 32, dtype=torch.bfloat16)
+    norms = (torch.ones(32, dtype=torch.bfloat16), 1e-6, torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    eh_proj = torch.zeros(32, 64, dtype=torch.bfloat16)
+    if not loaded:  # nothing checked here: the separate calls take any operands
+        assert native.mtp_input(torch.tensor([3, 10]), embed, hidden, norms, eh_proj) is None
+        return
+    for bad in ([3, 10], [-1, 0]):
+        with pytest.raises(ValueError, match=r"1 token ids lie outside \[0, 10\)"):
+            native.mtp_input(torch.tensor(bad), embed, hidden, norms, eh_proj)
+    with pytest.raises(ValueError, match="eh_proj"):
+        native.mtp_input(torch.tensor([1, 2]), embed, hidden, norms, eh_proj[:, :32])
+    many = native.max_rows() + 1
+    rows = torch.zeros(many, 32, dtype=torch.bfloat16)
+    assert native.mtp_input(torch.zeros(many, dtype=torch.long), embed, rows, norms, eh_proj) is None

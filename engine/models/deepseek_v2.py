@@ -100,7 +100,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer over the batch: next_ids [N] (t_{i+1}), hidden [N, H] (h_i, after
         the final norm) -> g [N, H]; compute_logits(g) predicts t_{i+2}."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        return self.mtp[0].draft(self.embed_tokens(next_ids), hidden, cos, sin, batch, kv_cache)
+        return self.mtp[0].draft(next_ids, hidden, self.embed_tokens, cos, sin, batch, kv_cache)
 
     def mtp_store_kv(
         self,
@@ -113,7 +113,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer's cache rows at positions (cache slots `slots`), from next_ids [N]
         and hidden [N, H] as in mtp_forward, without computing its output."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        self.mtp[0].store_kv(self.embed_tokens(next_ids), hidden, cos, sin, slots, kv_cache)
+        self.mtp[0].store_kv(next_ids, hidden, self.embed_tokens, cos, sin, slots, kv_cache)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""

@@ -20,7 +20,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.models.layers import Linear, RMSNorm
+from engine.models.layers import Embedding, Linear, RMSNorm
+from kernels import native
 
 
 def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
@@ -34,27 +35,34 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             self.shared_head = nn.Module()
             self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-        def _input(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-            """next_embeds [N, H] (embedding of t_{i+1}), hidden [N, H] (h_i) -> u [N, H]."""
-            return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
+        def _input(self, next_ids: torch.Tensor, hidden: torch.Tensor, embed: Embedding) -> torch.Tensor:
+            """next_ids [N] (t_{i+1}), hidden [N, H] (h_i) -> u [N, H]; a few rows in one native call."""
+            norms = (self.enorm.weight, self.enorm.eps, self.hnorm.weight, self.hnorm.eps)
+            if (
+                u := native.mtp_input(next_ids, embed.weight, hidden, norms, self.eh_proj.weight)
+            ) is not None:
+                return u
+            return self.eh_proj(torch.cat((self.enorm(embed(next_ids)), self.hnorm(hidden)), dim=-1))
 
         def draft(
             self,
-            next_embeds: torch.Tensor,
+            next_ids: torch.Tensor,
             hidden: torch.Tensor,
+            embed: Embedding,
             cos: torch.Tensor,
             sin: torch.Tensor,
             batch: ForwardBatch,
             kv_cache: torch.Tensor,
         ) -> torch.Tensor:
             """-> g [N, H], the layer's output at each position (writing its cache rows)."""
-            x, residual = self(self._input(next_embeds, hidden), None, cos, sin, batch, kv_cache)
+            x, residual = self(self._input(next_ids, hidden, embed), None, cos, sin, batch, kv_cache)
             return self.shared_head.norm(x, residual)[0]
 
         def store_kv(
             self,
-            next_embeds: torch.Tensor,
+            next_ids: torch.Tensor,
             hidden: torch.Tensor,
+            embed: Embedding,
             cos: torch.Tensor,
             sin: torch.Tensor,
             slots: torch.Tensor,
@@ -62,7 +70,7 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
         ) -> None:
             """Only the layer's cache rows for these positions: a position's KV depends on its
             input alone, so positions no draft is read from skip the attention and the MoE."""
-            x = self.input_layernorm(self._input(next_embeds, hidden))
+            x = self.input_layernorm(self._input(next_ids, hidden, embed))
             self.self_attn.store_latents(x, cos, sin, slots, kv_cache)
 
     return MTPLayer()

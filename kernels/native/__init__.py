@@ -348,6 +348,56 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return out.view(x.shape)
 
 
+def mtp_input(
+    ids: torch.Tensor,
+    embed: torch.Tensor,
+    hidden: torch.Tensor,
+    norms: tuple[torch.Tensor, float, torch.Tensor, float],
+    eh_proj: torch.Tensor,
+) -> torch.Tensor | None:
+    """The MTP layer's input in one call: ids [M] int64 (t_{i+1}), embed [V, H], hidden [M, H] (h_i),
+    norms (enorm's weight [H] and eps, hnorm's) and eh_proj [H, 2H] (bf16) -> eh_proj([enorm(embed[ids]);
+    hnorm(hidden)]) [M, H] bf16, the bits of those calls one by one (engine/models/mtp.py). None
+    (the caller runs them) unless loaded and the product is few rows through eh_proj (`takes_rows`)."""
+    rows, dim = hidden.shape
+    enorm, e_eps, hnorm, h_eps = norms
+    if (
+        _library is None
+        or not _few_enough(rows, eh_proj.numel() * 2)
+        or not takes(embed, hidden, enorm, hnorm, eh_proj)
+        or ids.dtype != torch.int64
+    ):
+        return None
+    if (
+        ids.shape != (rows,)
+        or embed.shape[1] != dim
+        or enorm.shape != (dim,)
+        or hnorm.shape != (dim,)
+        or eh_proj.shape != (dim, 2 * dim)
+    ):
+        raise ValueError(
+            f"ids [M={rows}], embed [V, H={dim}], the norms [H] and eh_proj [H, 2H] must match hidden "
+            f"[M, H], got {tuple(ids.shape)}, {tuple(embed.shape)}, {tuple(enorm.shape)}, "
+            f"{tuple(hnorm.shape)} and {tuple(eh_proj.shape)}"
+        )
+    ids, enorm, hnorm, eh_proj = (
+        ids.contiguous(),
+        enorm.contiguous(),
+        hnorm.contiguous(),
+        eh_proj.contiguous(),
+    )
+    y = torch.empty(rows, dim, dtype=_BF16)
+    if rows:
+        bad = _library.mtp_input(
+            ids.data_ptr(), embed.data_ptr(), embed.stride(0), embed.shape[0],
+            hidden.data_ptr(), hidden.stride(0), enorm.data_ptr(), e_eps, hnorm.data_ptr(), h_eps,
+            eh_proj.data_ptr(), y.data_ptr(), rows, dim,
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"{bad} token ids lie outside [0, {embed.shape[0]})")
+    return y
+
+
 # The calls that take a whole block of a layer (its attention, its routing, its experts).
 from kernels.native.blocks import (  # noqa: E402, F401
     MLAWeights,

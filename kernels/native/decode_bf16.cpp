@@ -1,13 +1,14 @@
 // Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
 // the routed experts of a few tokens (moe_pairs, moe_topk), MLA decode attention over the paged
 // cache (mla_decode; on the AMX tile unit, for any batch, where it can), RMSNorm with its residual
-// add (rms_norm), rotary embedding (rotary), and a layer's attention and MoE block in one call
-// each (mla_attention, moe_block). Pointers arrive as integers (torch.Tensor.data_ptr()); the
-// Python wrappers in __init__.py and blocks.py check shapes, dtypes and strides.
+// add (rms_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
+// attention and MoE block in one call each (mla_attention, moe_block). Pointers arrive as integers
+// (torch.Tensor.data_ptr()); the Python wrappers in __init__.py and blocks.py check shapes, dtypes
+// and strides.
 //
 // One file per concern, included in this order: common.h (threads, bf16), products.h (the few-row
 // product), experts.h (moe_pairs, moe_topk), attention.h (mla_decode), layer.h (norms, rotary,
-// mla_attention, route, moe_block). This file binds them.
+// mtp_input, mla_attention, route, moe_block). This file binds them.
 
 #include "layer.h"
 
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mtp_input", &mtp_input, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_attention", &mla_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("route", &route);
   m.def("moe_block", &moe_block, pybind11::call_guard<pybind11::gil_scoped_release>());
