@@ -36,14 +36,22 @@ class DecodeGroup:
         cls, start: int, query_len: int, tables: list[list[int]], seq_lens: list[int], device
     ) -> DecodeGroup:
         """From each request's block ids and context length."""
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        group = cls(start, len(tables), query_len, block_table(tables, device), lens)
-        if query_len > 1:  # `per_token` from the lists: two tensors, not five ops on them
-            rows = [n - query_len + 1 + i for n in seq_lens for i in range(query_len)]
-            group.per_token = (
-                block_table([t for t in tables for _ in range(query_len)], device),
-                torch.tensor(rows, dtype=torch.int32, device=device),
+        d = len(tables)
+        if query_len == 1:
+            return cls(
+                start,
+                d,
+                1,
+                block_table(tables, device),
+                torch.tensor(seq_lens, dtype=torch.int32, device=device),
             )
+        # `per_token` from the lists, each table and length tensor made together with the group's
+        # own (views of one tensor): two tensors, not five ops on them.
+        rows = [n - query_len + 1 + i for n in seq_lens for i in range(query_len)]
+        tables_both = block_table(tables + [t for t in tables for _ in range(query_len)], device)
+        lens_both = torch.tensor(seq_lens + rows, dtype=torch.int32, device=device)
+        group = cls(start, d, query_len, tables_both[:d], lens_both[:d])
+        group.per_token = (tables_both[d:], lens_both[d:])
         return group
 
     @property
@@ -93,3 +101,10 @@ def block_table(tables: list[list[int]], device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     out = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     return out.view(len(tables), width).to(device)  # keeps the shape when there are none
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows]: a view when the rows are consecutive (batch 1's, or every row), else a gather."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return t[rows[0] : rows[-1] + 1]
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]

@@ -167,10 +167,11 @@ class ModelRunner:
             else:
                 sample_rows.append(-1)
         dev = self.device
+        ids_positions_slots = torch.tensor((input_ids, positions, slots), dtype=torch.long, device=dev)
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            input_ids=ids_positions_slots[0],
+            positions=ids_positions_slots[1],
+            slot_mapping=ids_positions_slots[2],
             decodes=[DecodeGroup.of(start, s_q, tables, lens, dev) for start, s_q, tables, lens in groups],
             prefills=prefills,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.forward_batch import DecodeGroup, ForwardBatch
+from engine.forward_batch import DecodeGroup, ForwardBatch, take_rows
 from engine.request import Request
 
 
@@ -47,10 +47,13 @@ def _draft_batch(
         flat_ids.extend(tokens)
         positions.extend(range(last - s + 1, last + 1))
         slots.extend(b[p // block_size] * block_size + p % block_size for p in positions[-s:])
+    ids_positions_slots = torch.tensor(
+        (flat_ids, positions, slots), dtype=torch.long, device=device
+    )  # one tensor
     return ForwardBatch(
-        input_ids=torch.tensor(flat_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        input_ids=ids_positions_slots[0],
+        positions=ids_positions_slots[1],
+        slot_mapping=ids_positions_slots[2],
         decodes=[DecodeGroup.of(start, s, tables, lens, device) for start, s, tables, lens in groups],
         prefills=[],
         logits_indices=torch.zeros(0, dtype=torch.long, device=device),
@@ -121,7 +124,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     live = list(range(len(drafting)))
     inputs = [[*d.known, d.sampled] for d in drafting]
     rows = [r for d in drafting for r in range(d.row - len(d.known), d.row + 1)]
-    h = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [rows, H]
+    h = take_rows(hidden, rows)  # [rows, H]
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
         step = _draft_batch(
@@ -134,7 +137,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [rows, H]
         if j == 0 and len(rows) > len(drafting):  # rows were folded: each request's newest row
             newest = [end - 1 for end in accumulate(len(i) for i in inputs)]
-            g = g[torch.tensor(newest, dtype=torch.long, device=dev)]  # [D, H]
+            g = take_rows(g, newest)  # [D, H]
         tokens = model.compute_logits(g).argmax(dim=-1).tolist()
         for i, token in zip(live, tokens, strict=True):
             drafts[i].append(token)
@@ -142,6 +145,6 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         if not keep:
             break
         live, inputs = [live[m] for m in keep], [[tokens[m]] for m in keep]
-        h = g if len(keep) == len(g) else g[torch.tensor(keep, dtype=torch.long, device=dev)]
+        h = take_rows(g, keep)
     for d, tokens in zip(drafting, drafts, strict=True):
         out.drafts[d.request.request_id] = tokens
