@@ -47,9 +47,7 @@ def _draft_batch(
         flat_ids.extend(tokens)
         positions.extend(range(last - s + 1, last + 1))
         slots.extend(b[p // block_size] * block_size + p % block_size for p in positions[-s:])
-    ids_positions_slots = torch.tensor(
-        (flat_ids, positions, slots), dtype=torch.long, device=device
-    )  # one tensor
+    ids_positions_slots = torch.tensor((flat_ids, positions, slots), dtype=torch.long, device=device)
     return ForwardBatch(
         input_ids=ids_positions_slots[0],
         positions=ids_positions_slots[1],

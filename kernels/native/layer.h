@@ -72,15 +72,15 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 // separate calls run them (the same bits). -> how many ids lie outside [0, V) (nothing is
 // computed then).
 int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t V, int64_t h_ptr, int64_t ldh,
-                  int64_t enorm_ptr, double e_eps, int64_t hnorm_ptr, double h_eps, int64_t eh_ptr, int64_t y_ptr, int64_t M,
-                  int64_t H) {
+                  int64_t enorm_ptr, double e_eps, int64_t hnorm_ptr, double h_eps, int64_t eh_ptr, int64_t y_ptr,
+                  int64_t M, int64_t H) {
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   int64_t bad = 0;
   for (int64_t m = 0; m < M; ++m) bad += ids[m] < 0 || ids[m] >= V;
   if (bad) return bad;
   std::vector<uint16_t> x(M * 2 * H);  // [enorm(e) | hnorm(h)] per row
   const auto xp = reinterpret_cast<int64_t>(x.data());
-  for (int64_t m = 0; m < M; ++m)  // row by row: the embeddings are rows of the table, not a strided tensor
+  for (int64_t m = 0; m < M; ++m)  // row by row: each embedding is a row of the table
     rms_norm(embed_ptr + ids[m] * ld_embed * 2, 0, 0, 0, enorm_ptr, xp + m * 4 * H, 0, 0, 0, 1, H, e_eps);
   rms_norm(h_ptr, ldh, 0, 0, hnorm_ptr, xp + H * 2, 2 * H, 0, 0, M, H, h_eps);
   linear_bf16(xp, 0, 2 * H, eh_ptr, 0, 2 * H, y_ptr, 0, H, 1, M, H, 2 * H);

@@ -205,8 +205,8 @@ class AsyncEngine:
                 self._run_command(fn, fut, True)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one hand-over: one wake-up of the loop per step, not one per request
-        (each wake-up writes to the loop's self-pipe and takes a core from the next step)."""
+        """A step's outputs in one hand-over: one write to the loop's self-pipe a step, not one per
+        request."""
         if outputs:
             self._loop.call_soon_threadsafe(self._put_all, outputs)
 
