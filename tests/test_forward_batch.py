@@ -1,27 +1,10 @@
-"""The flat batch's helpers: decode groups built from lists, rows taken without a gather."""
+"""engine.forward_batch.take_rows: a batch's rows without a gather where it can."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from engine.forward_batch import DecodeGroup, take_rows
-from kernels.mla import per_token_tables
-
-
-@pytest.mark.parametrize("query_len", [1, 2, 3])
-def test_a_decode_group_from_lists_is_what_per_token_tables_builds(query_len):
-    tables = [[4, 9, 2], [7], [1, 3]]  # ragged: zero-padded to the widest
-    lens = [40, 9, 30]
-    group = DecodeGroup.of(5, query_len, tables, lens, "cpu")
-    assert (group.start, group.num_seqs, group.query_len, group.end) == (5, 3, query_len, 5 + 3 * query_len)
-    assert group.block_table.tolist() == [[4, 9, 2], [7, 0, 0], [1, 3, 0]]
-    assert group.seq_lens.tolist() == lens
-    assert group.block_table.dtype == group.seq_lens.dtype == torch.int32
-    want_tables, want_lens = per_token_tables(group.block_table, group.seq_lens, query_len)
-    got_tables, got_lens = group.per_token
-    assert torch.equal(got_tables, want_tables) and torch.equal(got_lens, want_lens)
-    assert got_tables.is_contiguous() and got_lens.is_contiguous()  # the native calls read them in place
+from engine.forward_batch import take_rows
 
 
 def test_take_rows_is_a_view_for_consecutive_rows_and_a_gather_otherwise():

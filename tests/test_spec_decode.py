@@ -73,7 +73,7 @@ class Oracle:
         monkeypatch.setattr("engine.runner.draft_with_mtp", fake)
 
 
-@pytest.mark.parametrize("query_len", [1, 3])
+@pytest.mark.parametrize("query_len", [1, 2, 3])
 def test_decode_group_per_token_tables(query_len):
     """DecodeGroup.of's per-token tables (one row per query token, built from its lists) are
     kernels.mla.per_token_tables' over its tensors."""
@@ -84,6 +84,12 @@ def test_decode_group_per_token_tables(query_len):
     want_tables, want_lens = per_token_tables(group.block_table, group.seq_lens, query_len)
     assert torch.equal(tables, want_tables) and torch.equal(lens, want_lens)
     assert tables.dtype == lens.dtype == torch.int32 and lens.shape == (3 * query_len,)
+    assert group.block_table.tolist() == [[3, 1, 0], [7, 0, 0], [2, 5, 9]] and group.seq_lens.tolist() == [
+        8,
+        3,
+        12,
+    ]
+    assert all(t.is_contiguous() for t in (tables, lens, group.block_table, group.seq_lens))  # read in place
 
 
 @pytest.mark.parametrize("k, dtype", [(1, "float32"), (3, "float32"), (2, "bfloat16")])
@@ -119,6 +125,40 @@ def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k
         assert torch.equal(caches[True], caches[False])
     else:  # torch's float32 products round by the number of rows, as with the batch's makeup
         torch.testing.assert_close(caches[True], caches[False], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, prompts", [(1, 1), (2, 3)], ids=["k1-batch1", "k2-batch3"])
+def test_the_first_draft_on_the_target_batch_keeps_the_drafts(monkeypatch, k, prompts):
+    """Where every row of a step drafts (decodes whose drafts were all accepted), the first reuse
+    runs on the target's own batch with the ids one on: the same drafts every step and the same
+    MTP cache, bit for bit, as with its batch built again (bf16: the native one-call paths)."""
+    taken = []
+    real, real_draft = drafter_module._every_row_drafts, drafter_module.draft_with_mtp
+    drafted: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
+    caches = {}
+    for reuse in (False, True):
+
+        def every_row_drafts(batch, rows, reuse=reuse):
+            if not (reuse and real(batch, rows)):
+                return False
+            taken.append(1)
+            return True
+
+        monkeypatch.setattr(drafter_module, "_every_row_drafts", every_row_drafts)
+
+        def recording(runner, items, batch, hidden, out, reuse=reuse):
+            real_draft(runner, items, batch, hidden, out)
+            drafted[reuse].append(dict(out.drafts))
+
+        monkeypatch.setattr("engine.runner.draft_with_mtp", recording)
+        engine = {**ENGINE, "dtype": "bfloat16", "block_size": 16}
+        llm = LLM(TRAINED, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
+        texts = ["The module provides", "This function returns a", "def main():"][:prompts]
+        llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        caches[reuse] = llm.engine.runner.kv_caches[-1]
+    assert taken and sum(map(len, drafted[True])) > 0
+    assert drafted[True] == drafted[False]
+    assert torch.equal(caches[True], caches[False])
 
 
 @pytest.mark.parametrize("wrong_at", [None, 1])

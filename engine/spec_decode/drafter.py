@@ -8,7 +8,9 @@ written without running the layer's attention and MoE (`mtp_store_kv`). The newe
 whole layer as an absorbed decode and gives the first draft; a decoding request's few other
 known positions (an accepted draft's) go through the layer with it, as a verification's rows do,
 which writes their cache rows in the same forward (one native call for all of them, where the
-few-token path is native) instead of a store pass of their own. Further drafts reuse the layer
+few-token path is native) instead of a store pass of their own. When every row of the step
+is such a row (decodes whose drafts were all accepted: most steps at batch 1), that forward runs
+on the target's own batch with the ids one token on. Further drafts reuse the layer
 one position at a time, the MTP output g standing in for the target hidden state of the position
 after it. Verification rows past the accepted drafts write nothing: their next token is
 not known yet. The cache rows that drafts beyond the first write lie past the request's valid
@@ -20,6 +22,7 @@ Legend: N rows in the step, H hidden size, D drafting requests.
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -56,6 +59,14 @@ def _draft_batch(
         prefills=[],
         logits_indices=torch.zeros(0, dtype=torch.long, device=device),
     )
+
+
+def _every_row_drafts(batch: ForwardBatch, rows: list[int]) -> bool:
+    """Whether the first reuse runs on exactly the target's rows: decodes only, each with every
+    verified draft accepted, in batch order (the usual step at batch 1). Its batch is then the
+    target's (positions, slots, groups and their per-token tables) with the ids one token on,
+    what `_draft_batch` would build again."""
+    return not batch.prefills and rows == list(range(batch.input_ids.shape[0]))
 
 
 class _Drafting(NamedTuple):
@@ -125,13 +136,17 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     h = take_rows(hidden, rows)  # [rows, H]
     drafts: list[list[int]] = [[] for _ in drafting]
     for j in range(k):
-        step = _draft_batch(
-            inputs,
-            [drafting[i].position + j for i in live],
-            [drafting[i].request.block_ids for i in live],
-            runner.block_size,
-            dev,
-        )
+        if j == 0 and _every_row_drafts(batch, rows):  # the target's batch, each row's next token in
+            ids = torch.tensor([t for i in inputs for t in i], dtype=torch.long, device=dev)
+            step = dataclasses.replace(batch, input_ids=ids)
+        else:
+            step = _draft_batch(
+                inputs,
+                [drafting[i].position + j for i in live],
+                [drafting[i].request.block_ids for i in live],
+                runner.block_size,
+                dev,
+            )
         g = model.mtp_forward(step.input_ids, h, step, mtp_cache)  # [rows, H]
         if j == 0 and len(rows) > len(drafting):  # rows were folded: each request's newest row
             newest = [end - 1 for end in accumulate(len(i) for i in inputs)]
