@@ -213,6 +213,27 @@ def test_fused_moe_triton_follows_strides():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("route", ["random", "minus1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+def test_a_long_step_runs_the_torch_path_in_passes(monkeypatch, route, dtype):
+    """More tokens than MOE_PASS_TOKENS (a prefill chunk) go through the experts a pass at a time:
+    each pass's rows are that pass's own result, bit for bit (the shared expert's too), and the
+    whole is the naive reference's."""
+    import kernels.moe as moe
+
+    monkeypatch.setattr(moe, "MOE_PASS_TOKENS", 8)
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(21, 6, 3, route, dtype)  # two whole passes and a part
+    shared = (w13[0], w2[0])
+    got = moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
+    passes = [
+        moe.fused_moe_ref(x[s : s + 8], w13, w2, topk_weights[s : s + 8], topk_ids[s : s + 8], shared)
+        for s in (0, 8, 16)
+    ]
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(got, torch.cat(passes))
+    assert_close(got, moe_naive(x, w13, w2, topk_weights, topk_ids) + moe.swiglu(x, *shared), dtype)
+
+
 def test_fused_moe_auto_is_torch_on_cpu():
     x, w13, w2, topk_weights, topk_ids = moe_inputs(5, 6, 3, "random", torch.float32)
     auto = fused_moe(x, w13, w2, topk_weights, topk_ids)
