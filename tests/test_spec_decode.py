@@ -84,11 +84,8 @@ def test_decode_group_per_token_tables(query_len):
     want_tables, want_lens = per_token_tables(group.block_table, group.seq_lens, query_len)
     assert torch.equal(tables, want_tables) and torch.equal(lens, want_lens)
     assert tables.dtype == lens.dtype == torch.int32 and lens.shape == (3 * query_len,)
-    assert group.block_table.tolist() == [[3, 1, 0], [7, 0, 0], [2, 5, 9]] and group.seq_lens.tolist() == [
-        8,
-        3,
-        12,
-    ]
+    assert group.block_table.tolist() == [[3, 1, 0], [7, 0, 0], [2, 5, 9]]  # zero-padded
+    assert group.seq_lens.tolist() == [8, 3, 12]
     assert all(t.is_contiguous() for t in (tables, lens, group.block_table, group.seq_lens))  # read in place
 
 
