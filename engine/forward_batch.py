@@ -108,3 +108,11 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
         return t[rows[0] : rows[-1] + 1]
     return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
+
+
+def token_tensors(
+    input_ids: list[int], positions: list[int], slots: list[int], device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's ids, positions and cache slots ([N] int64 each): the rows of one tensor, made once."""
+    rows = torch.tensor((input_ids, positions, slots), dtype=torch.long, device=device)
+    return rows[0], rows[1], rows[2]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
+from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq, token_tensors
 from engine.hugepages import WeightArena, place_parameters
 from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
@@ -167,11 +167,11 @@ class ModelRunner:
             else:
                 sample_rows.append(-1)
         dev = self.device
-        ids_positions_slots = torch.tensor((input_ids, positions, slots), dtype=torch.long, device=dev)
+        ids, pos, slot_mapping = token_tensors(input_ids, positions, slots, dev)
         batch = ForwardBatch(
-            input_ids=ids_positions_slots[0],
-            positions=ids_positions_slots[1],
-            slot_mapping=ids_positions_slots[2],
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slot_mapping,
             decodes=[DecodeGroup.of(start, s_q, tables, lens, dev) for start, s_q, tables, lens in groups],
             prefills=prefills,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),

@@ -267,14 +267,13 @@ def fused_moe(
 
 
 MOE_PASS_TOKENS = 256
-"""Tokens the torch path's experts take at a time: a longer step (a 4096-token prefill chunk) runs in
-passes of this many. The padded path's temporaries are [E, most pairs of an expert, 2I], so a
+"""Tokens the torch path's experts take at a time: a longer step (a 4096-token prefill chunk) runs
+in passes of this many. The padded path's temporaries are [E, most pairs of an expert, 2I], so a
 whole chunk at once held ~100 MB a layer and left the heap fragmented; in a pass of 256 tokens the
 bench model's experts (top-4 of 32) get ~32 rows each, under WX_ROWS, where w @ x^T reads each
-weight once. Bench model in bf16 (2 GiB
-cache, 256 prompts of 256 tokens in 4096-token steps, then 64 tokens at batch 256; 2 cores): peak
-RSS 2,050 / 2,154 / 2,199 / 2,177 MiB with passes of 256 / 512 / 1024 / 2048 tokens against
-2,411-2,454 in one pass, in 22.2-23.4 s against 25.6-25.9."""
+weight once. Bench model in bf16 (2 GiB cache, 256 prompts of 256 tokens in 4096-token steps,
+then 64 tokens at batch 256; 2 cores): peak RSS 2,050 / 2,154 / 2,199 / 2,177 MiB with passes of
+256 / 512 / 1024 / 2048 tokens against 2,411-2,454 in one pass, in 22.2-23.4 s against 25.6-25.9."""
 
 
 def fused_moe_ref(

@@ -38,9 +38,8 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
         def _input(self, next_ids: torch.Tensor, hidden: torch.Tensor, embed: Embedding) -> torch.Tensor:
             """next_ids [N] (t_{i+1}), hidden [N, H] (h_i) -> u [N, H]; a few rows in one native call."""
             norms = (self.enorm.weight, self.enorm.eps, self.hnorm.weight, self.hnorm.eps)
-            if (
-                u := native.mtp_input(next_ids, embed.weight, hidden, norms, self.eh_proj.weight)
-            ) is not None:
+            u = native.mtp_input(next_ids, embed.weight, hidden, norms, self.eh_proj.weight)
+            if u is not None:
                 return u
             return self.eh_proj(torch.cat((self.enorm(embed(next_ids)), self.hnorm(hidden)), dim=-1))
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.forward_batch import DecodeGroup, ForwardBatch, take_rows
+from engine.forward_batch import DecodeGroup, ForwardBatch, take_rows, token_tensors
 from engine.request import Request
 
 
@@ -50,11 +50,11 @@ def _draft_batch(
         flat_ids.extend(tokens)
         positions.extend(range(last - s + 1, last + 1))
         slots.extend(b[p // block_size] * block_size + p % block_size for p in positions[-s:])
-    ids_positions_slots = torch.tensor((flat_ids, positions, slots), dtype=torch.long, device=device)
+    ids, pos, slot_mapping = token_tensors(flat_ids, positions, slots, device)
     return ForwardBatch(
-        input_ids=ids_positions_slots[0],
-        positions=ids_positions_slots[1],
-        slot_mapping=ids_positions_slots[2],
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slot_mapping,
         decodes=[DecodeGroup.of(start, s, tables, lens, device) for start, s, tables, lens in groups],
         prefills=[],
         logits_indices=torch.zeros(0, dtype=torch.long, device=device),

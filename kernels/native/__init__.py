@@ -380,12 +380,7 @@ def mtp_input(
             f"[M, H], got {tuple(ids.shape)}, {tuple(embed.shape)}, {tuple(enorm.shape)}, "
             f"{tuple(hnorm.shape)} and {tuple(eh_proj.shape)}"
         )
-    ids, enorm, hnorm, eh_proj = (
-        ids.contiguous(),
-        enorm.contiguous(),
-        hnorm.contiguous(),
-        eh_proj.contiguous(),
-    )
+    ids, enorm, hnorm, eh_proj = (t.contiguous() for t in (ids, enorm, hnorm, eh_proj))
     y = torch.empty(rows, dim, dtype=_BF16)
     if rows:
         bad = _library.mtp_input(
