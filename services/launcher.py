@@ -10,6 +10,7 @@ SIGKILL to whatever outlives the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -29,14 +30,21 @@ from engine import env as env_vars
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset()) -> int:
+def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset(), count: int = 1) -> int:
     """A port free on host now and not in `taken` (ports handed out but not bound yet: the
-    system may offer a port again until its process binds it)."""
+    system may offer a port again until its process binds it). With count > 1, the first of
+    `count` consecutive ports all free now (a worker group binds `--port + i` for each rank)."""
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in taken:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            try:
+                for i in range(1, count):
+                    held.enter_context(socket.socket()).bind((host, port + i))
+            except (OSError, OverflowError):  # held, or past 65535
+                continue
+        if not taken.intersection(range(port, port + count)):
             return port
 
 

@@ -148,7 +148,9 @@ def test_placement_round_robin_and_file_validation(tmp_path):
 # ---- the services: `pdserve worker --dp 2 --ep 2` ------------------------------------------------
 
 
-def _start_group(tiny_model, port: int, *extra: str):
+def _start_group(tiny_model, port: int, log_path, *extra: str):
+    """`pdserve worker --dp 2 --ep 2` on ports port, port + 1, its output in log_path (shown when a
+    rank exits before it is ready)."""
     import subprocess
     import sys
 
@@ -156,14 +158,19 @@ def _start_group(tiny_model, port: int, *extra: str):
 
     cmd = [sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--model", tiny_model]
     cmd += ["--port", str(port), "--dp", "2", "--ep", "2", "--num-threads", "1", "--dtype", "float32"]
-    cmd += ["--num-kv-blocks", "128", "--dist-timeout-s", "20", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for i in range(2):
-        wait_ready(f"127.0.0.1:{port + i}", 90, proc)
+    cmd += ["--num-kv-blocks", "128", "--dist-timeout-s", "60", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for i in range(2):
+            wait_ready(f"127.0.0.1:{port + i}", 90, proc)
+    except RuntimeError as e:
+        proc.kill()
+        raise RuntimeError(f"{e}; the group's output ends:\n{log_path.read_text()[-4000:]}") from None
     return proc
 
 
-def test_worker_group_serves_each_rank_as_its_own_endpoint(tiny_model, reference):
+def test_worker_group_serves_each_rank_as_its_own_endpoint(tiny_model, reference, tmp_path):
     import urllib.request
 
     import grpc
@@ -173,8 +180,11 @@ def test_worker_group_serves_each_rank_as_its_own_endpoint(tiny_model, reference
     from services.launcher import free_port
     from tests.service_testing import metric, worker
 
-    port, metrics_port = free_port(), free_port()
-    proc = _start_group(tiny_model, port, "--metrics-port", str(metrics_port), "--eplb-interval", "3")
+    port = free_port(count=2)
+    metrics_port = free_port(taken={port, port + 1}, count=2)
+    proc = _start_group(
+        tiny_model, port, tmp_path / "group.log", "--metrics-port", str(metrics_port), "--eplb-interval", "3"
+    )
     try:
         for rank in range(2):
             info = worker(f"127.0.0.1:{port + rank}").GetEngineInfo(wpb.GetEngineInfoRequest(), timeout=5)
@@ -203,15 +213,14 @@ def test_worker_group_serves_each_rank_as_its_own_endpoint(tiny_model, reference
     del grpc
 
 
-def test_a_killed_rank_takes_the_worker_group_down_instead_of_hanging_it(tiny_model):
+def test_a_killed_rank_takes_the_worker_group_down_instead_of_hanging_it(tiny_model, tmp_path):
     import subprocess
 
     import psutil
 
     from services.launcher import free_port
 
-    port = free_port()
-    proc = _start_group(tiny_model, port)
+    proc = _start_group(tiny_model, free_port(count=2), tmp_path / "group.log")
     try:
         ranks = psutil.Process(proc.pid).children()
         assert len(ranks) == 2

@@ -5,6 +5,7 @@ handler that writes with `context.write` gets its errors mapped like any other."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -98,3 +99,37 @@ def test_free_port_skips_ports_already_handed_out(monkeypatch):
     stack = launcher.Stack(launcher.StackConfig(model="unused", http_port=None))
     assert stack.grpc_port == 5000
     assert [stack._free_port(), stack._free_port()] == [5001, 5002]
+
+
+def test_free_port_count_gives_a_run_of_free_ports(monkeypatch):
+    """A worker group binds `--port + i` for each rank: count=2 skips a port whose neighbour is
+    held, and the run it returns can be bound at once."""
+    import socket
+
+    import services.launcher as launcher
+
+    port = free_port(count=3)
+    with contextlib.ExitStack() as held:
+        for i in range(3):
+            held.enter_context(socket.socket()).bind(("127.0.0.1", port + i))
+
+    offered, busy = iter([6000, 6010]), {6001}
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            if address[1] == 0:
+                self.port = next(offered)
+            elif address[1] in busy:
+                raise OSError("address in use")
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher.socket, "socket", FakeSocket)
+    assert free_port(count=2) == 6010
