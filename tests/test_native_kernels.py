@@ -759,3 +759,139 @@ def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(l
     many = native.max_rows() + 1
     rows = torch.zeros(many, 32, dtype=torch.bfloat16)
     assert native.mtp_input(torch.zeros(many, dtype=torch.long), embed, rows, norms, eh_proj) is None
+
+
+def _small_model(v2: bool, seed: int):
+    """A three-layer model with random bf16 weights: a dense first layer, then two MoE layers; V3's
+    routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without."""
+    from engine.config import ModelConfig
+    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 80,
+        "hidden_size": 96, "intermediate_size": 80, "num_hidden_layers": 3, "num_attention_heads": 3,
+        "kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "max_position_embeddings": 256, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    }  # fmt: skip
+    if v2:
+        raw.update(
+            architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+            topk_method="greedy", scoring_func="softmax", n_shared_experts=2, routed_scaling_factor=1.0,
+        )  # fmt: skip
+    cfg = ModelConfig.from_dict(raw)
+    model = DeepseekV2ForCausalLM(cfg, dtype=torch.bfloat16, max_positions=256)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    model.process_weights()
+    return cfg, model
+
+
+def _decode_batch(seqs: int, s_q: int, block_size: int, blocks: int, vocab: int, gen):
+    """One decode group of `seqs` sequences of s_q new tokens each, at scattered cache blocks."""
+    from engine.forward_batch import DecodeGroup, ForwardBatch
+
+    lens = [9 + 6 * i for i in range(seqs)]
+    per_seq = -(-max(lens) // block_size)
+    tables = torch.randperm(blocks, generator=gen)[: seqs * per_seq].view(seqs, per_seq)
+    positions = [lens[b] - s_q + i for b in range(seqs) for i in range(s_q)]
+    owners = [b for b in range(seqs) for _ in range(s_q)]
+    slots = [
+        int(tables[b, p // block_size]) * block_size + p % block_size
+        for b, p in zip(owners, positions, strict=True)
+    ]
+    return ForwardBatch(
+        input_ids=torch.randint(0, vocab, (seqs * s_q,), generator=gen),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        decodes=[DecodeGroup.of(0, s_q, tables.tolist(), lens, "cpu")],
+        prefills=[],
+        logits_indices=torch.arange(seqs * s_q),
+    )
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v3", "v2"])
+@pytest.mark.parametrize("seqs, s_q", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 3), (2, 2)], ids=str)
+@torch.inference_mode()
+def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, products, v2, seqs, s_q):
+    """native.decode_stack, a decode step's embedding, layers and final norm in one call, against the
+    model's layer by layer calls: the same hidden states and the same cache rows written in every
+    layer, bit for bit, for batch 1, a few sequences and a verification's tokens."""
+    from kernels.mla import NATIVE_MAX_BATCH
+
+    cfg, model = _small_model(v2, seqs * 10 + s_q)
+    if not loaded:
+        assert model.native_stack is None
+        return
+    assert model.native_stack is not None
+    gen = torch.Generator().manual_seed(seqs + s_q)
+    caches = [torch.randn(seqs * 8 + 3, 4, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)]
+    batch = _decode_batch(seqs, s_q, 4, caches[0].shape[0], cfg.vocab_size, gen)
+    tokens = seqs * s_q
+    calls = []
+    real = native.decode_stack
+    try:
+        native.decode_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+        one_call = [c.clone() for c in caches]
+        got = model(batch, one_call)
+    finally:
+        native.decode_stack = real
+    assert calls == ([tokens] if tokens <= NATIVE_MAX_BATCH and model.native_stack.takes_rows(tokens) else [])
+    stack, model.native_stack = model.native_stack, None
+    layer_calls = [c.clone() for c in caches]
+    want = model(batch, layer_calls)
+    model.native_stack = stack
+    assert torch.equal(got, want)
+    for a, b, before in zip(one_call, layer_calls, caches, strict=True):
+        assert torch.equal(a, b) and not torch.equal(a, before)
+
+
+@torch.inference_mode()
+def test_the_stack_leaves_rows_its_layers_would_not_take_to_them(loaded, products):
+    """Without AMX, a product of 2 rows or more through a weight over FEW_ROWS_MAX_BYTES is torch's:
+    a stack with such a dense MLP takes 1 row, and more only where the products run on the tiles."""
+    if not loaded:
+        return
+    _, model = _small_model(False, 1)
+    layers = list(model.native_stack.layers)
+    inter = native.FEW_ROWS_MAX_BYTES // (2 * 2 * 96) + 1  # gate_up [2I, 96] just over the limit
+    big = (torch.zeros(2 * inter, 96, dtype=torch.bfloat16), torch.zeros(96, inter, dtype=torch.bfloat16))
+    layers[0] = native.StackLayer(
+        layers[0].attention, layers[0].input_norm, layers[0].post_attention_norm, big
+    )
+    stack = native.DecodeStack(layers, model.embed_tokens.weight, (model.norm.weight, model.norm.eps))
+    assert stack.takes_rows(1) and model.native_stack.takes_rows(2)
+    assert stack.takes_rows(2) == (products == "amx")
+
+
+@torch.inference_mode()
+def test_decode_stack_refuses_bad_operands(loaded):
+    if not loaded:
+        return
+    cfg, model = _small_model(False, 2)
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.zeros(4, 4, cfg.kv_cache_width, dtype=torch.bfloat16) for _ in range(3)]
+    batch = _decode_batch(1, 1, 4, 4, cfg.vocab_size, gen)
+    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
+    tables, lens = batch.decodes[0].per_token
+    stack = model.native_stack
+
+    def run(ids=batch.input_ids, slots=batch.slot_mapping, kv=caches):
+        return native.decode_stack(stack, ids, cos, sin, kv, slots, tables, lens)
+
+    with pytest.raises(ValueError, match=r"1 token ids lie outside \[0, 80\)"):
+        run(ids=torch.tensor([80]))
+    with pytest.raises(ValueError, match="outside the cache's 4 blocks of 4"):
+        run(slots=torch.tensor([16]))
+    with pytest.raises(ValueError, match="kv_caches must be 3 contiguous"):
+        run(kv=caches[:2])
+    with pytest.raises(ValueError, match=r"ids must be int64 \[M\]"):
+        run(ids=batch.input_ids.int())
+    assert run().shape == (1, cfg.hidden_size)

@@ -19,7 +19,9 @@ from engine.models.mla import MLAttention
 from engine.models.moe import DeepseekMoE
 from engine.models.mtp import make_mtp_layer
 from engine.models.registry import register_model
+from kernels import native
 from kernels.linear import FEW_ROWS
+from kernels.mla import NATIVE_MAX_BATCH
 from kernels.rotary import rope_cos_sin_cache
 
 
@@ -83,6 +85,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         cos, sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.native_stack: native.DecodeStack | None = None  # the one-call decode's, set by process_weights
 
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
@@ -93,6 +96,38 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.self_attn.process_weights(place)
             if isinstance(layer.mlp, DeepseekMoE):
                 layer.mlp.process_weights()
+        self.native_stack = self._native_stack()
+
+    def _native_stack(self) -> native.DecodeStack | None:
+        """The whole stack of layers as one native call (native.decode_stack) for a decode step's
+        few tokens, where every layer's attention and MLP take the native kernels as they are."""
+        layers = []
+        for layer in self.layers:
+            mlp = layer.mlp
+            if isinstance(mlp, DeepseekMoE):
+                mlp_weights = mlp.native_weights
+            else:
+                mlp_weights = (mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                if not (native.takes(*mlp_weights) and all(w.is_contiguous() for w in mlp_weights)):
+                    mlp_weights = None
+            if layer.self_attn.native_weights is None or mlp_weights is None:
+                return None
+            norms = [(n.weight, n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            layers.append(native.StackLayer(layer.self_attn.native_weights, *norms, mlp_weights))
+        if not native.takes(self.embed_tokens.weight, self.norm.weight):
+            return None
+        return native.DecodeStack(layers, self.embed_tokens.weight, (self.norm.weight, self.norm.eps))
+
+    def _in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step runs the whole stack as one native call: a few decode tokens (batch 1,
+        a verification) that every layer would take in its own one-call attention and MoE."""
+        n = batch.input_ids.shape[0]
+        return (
+            self.native_stack is not None
+            and n <= NATIVE_MAX_BATCH
+            and self.layers[0].self_attn.takes_in_one_call(batch, n, kv_caches[0])
+            and self.native_stack.takes_rows(n)
+        )
 
     def mtp_forward(
         self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
@@ -117,9 +152,14 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
-        x, residual = self.embed_tokens(batch.input_ids), None
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        for layer, kv_cache in zip(self.layers, kv_caches[: len(self.layers)], strict=True):
+        layer_caches = kv_caches[: len(self.layers)]
+        if self._in_one_call(batch, layer_caches):
+            tables, lens = batch.decodes[0].per_token
+            ids, slots = batch.input_ids, batch.slot_mapping
+            return native.decode_stack(self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens)
+        x, residual = self.embed_tokens(batch.input_ids), None
+        for layer, kv_cache in zip(self.layers, layer_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, batch, kv_cache)
         return self.norm(x, residual)[0]
 

@@ -395,8 +395,11 @@ def mtp_input(
 
 # The calls that take a whole block of a layer (its attention, its routing, its experts).
 from kernels.native.blocks import (  # noqa: E402, F401
+    DecodeStack,
     MLAWeights,
     MoEWeights,
+    StackLayer,
+    decode_stack,
     mla_attention,
     moe_block,
     moe_pairs,

@@ -1,10 +1,11 @@
 """The native kernels' calls that take a whole block of a layer for a decode step's few tokens:
 a layer's MLA attention (mla_attention, with the weights it takes in MLAWeights), its expert
 routing (route) and its routed and shared experts (moe_pairs, moe_topk), or its whole MoE block
-(moe_block, with MoEWeights). Each is one call where the Python path makes a dozen, with the
-Python path's bits (the tests hold them to it), but for moe_block's router product (its float32
-sums in another order than torch's BLAS). Re-exported by
-kernels/native, whose `load` builds them; each requires `native.loaded()`.
+(moe_block, with MoEWeights); and a decode step's whole stack of layers (decode_stack, with
+DecodeStack). Each is one call where the Python path makes a dozen, with the Python path's bits
+(the tests hold them to it), but for moe_block's router product (its float32 sums in another order
+than torch's BLAS). Re-exported by kernels/native, whose `load` builds them; each requires
+`native.loaded()`.
 """
 
 from __future__ import annotations
@@ -161,6 +162,23 @@ def moe_topk(
         raise ValueError(f"{bad} expert ids lie at or past E={num_experts}")
 
 
+def _check_step(rows: int, cos, sin, slots, block_table, seq_lens) -> None:
+    """A decode step's per-token operands, as mla_attention and decode_stack take them."""
+    if slots.shape != (rows,) or block_table.shape[0] != rows or seq_lens.shape != (rows,):
+        raise ValueError(
+            f"slots, block_table and seq_lens must have a row per token (M={rows}), got {tuple(slots.shape)}, "
+            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if (
+        slots.dtype != torch.int64
+        or block_table.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+    ):
+        raise ValueError("slots must be int64, block_table and seq_lens int32, cos and sin float32")
+
+
 def mla_attention(
     x: torch.Tensor,
     weights: MLAWeights,
@@ -197,19 +215,7 @@ def mla_attention(
             f"cos/sin [M={rows}, R/2], got {tuple(x.shape)}, {tuple(kv_cache.shape)}, {tuple(cos.shape)} "
             f"and {tuple(sin.shape)}"
         )
-    if slots.shape != (rows,) or block_table.shape[0] != rows or seq_lens.shape != (rows,):
-        raise ValueError(
-            f"slots, block_table and seq_lens must have a row per token (M={rows}), got {tuple(slots.shape)}, "
-            f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}"
-        )
-    if (
-        slots.dtype != torch.int64
-        or block_table.dtype != torch.int32
-        or seq_lens.dtype != torch.int32
-        or cos.dtype != torch.float32
-        or sin.dtype != torch.float32
-    ):
-        raise ValueError("slots must be int64, block_table and seq_lens int32, cos and sin float32")
+    _check_step(rows, cos, sin, slots, block_table, seq_lens)
     if not (native.takes(x, kv_cache) and x.is_contiguous() and kv_cache.is_contiguous()):
         raise ValueError("x and kv_cache must be contiguous CPU bfloat16")
     if norms is not None and not (
@@ -341,4 +347,177 @@ def moe_block(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
             w.w2.data_ptr(), w.w2.stride(0), w.w2.stride(1),
             out.data_ptr(), out.stride(0), inter, *_shared_args(w.shared),
         )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as decode_stack takes it: its attention, its two norms (weight [hidden]
+    bf16, eps) and its MLP: the MoE block, or a dense SwiGLU MLP's (gate_up [2I, hidden], down
+    [hidden, I]) in bf16 with unit stride along their last dimension."""
+
+    attention: MLAWeights
+    input_norm: tuple[torch.Tensor, float]
+    post_attention_norm: tuple[torch.Tensor, float]
+    mlp: MoEWeights | tuple[torch.Tensor, torch.Tensor]
+
+
+_ROUTED_FIELDS = (
+    "moe gate ld_gate bias experts softmax n_group topk_group top_k norm_topk_prob w13 w13_expert ld13 w2 "
+    "w2_expert ld2 inter"
+).split()  # a LayerPlan's MoE fields, 0 in a dense layer's
+
+
+class DecodeStack:
+    """A model's decoder layers, its embedding [V, hidden] and its final norm as decode_stack takes
+    them: one row of pointers and sizes per layer (the native LayerPlan, filled by its field names),
+    checked and filled once; built by engine/models/deepseek_v2.py once the weights are loaded.
+    Holds the tensors it points into."""
+
+    def __init__(self, layers: list[StackLayer], embed: torch.Tensor, norm: tuple[torch.Tensor, float]):
+        assert native._library is not None, "kernels.native.load() first"
+        vocab, hidden = embed.shape
+        if not (layers and native.takes(embed) and embed.is_contiguous() and norm[0].shape == (hidden,)):
+            raise ValueError(
+                f"a stack needs layers, a contiguous CPU bf16 embedding and a final norm [hidden={hidden}]"
+            )
+        first = layers[0].attention
+        self.width = first.kv_lora_rank + first.rope_dim
+        self.rope_dim, self.hidden, self.vocab = first.rope_dim, hidden, vocab
+        self.embed, self.norm = embed, norm
+        self.layers = layers
+        fields = native._library.layer_plan_fields()
+        self.plan = torch.zeros(len(layers), len(fields), dtype=torch.int64)
+        for row, layer in zip(self.plan, layers, strict=True):
+            values = self._fields(layer)
+            reals = row.view(torch.float64)
+            for i, (name, real) in enumerate(fields):
+                if real:
+                    reals[i] = values.pop(name)
+                else:
+                    row[i] = values.pop(name)
+            assert not values, f"fields the native LayerPlan lacks: {sorted(values)}"
+        self._taken: dict[tuple[int, int], bool] = {}
+        self._kv: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.int64))
+
+    def _fields(self, layer: StackLayer) -> dict[str, int | float]:
+        w, hidden = layer.attention, self.hidden
+        (pre, pre_eps), (post, post_eps) = layer.input_norm, layer.post_attention_norm
+        if (
+            w.kv_a.shape[1] != hidden
+            or w.kv_lora_rank + w.rope_dim != self.width
+            or w.rope_dim != self.rope_dim
+        ):
+            raise ValueError(
+                f"every layer must take hidden={hidden} and cache rows {self.width} wide, "
+                f"got {w.kv_a.shape[1]} and {w.kv_lora_rank + w.rope_dim}"
+            )
+        if not (pre.shape == post.shape == (hidden,) and native.takes(pre, post)):
+            raise ValueError(f"the norms' weights must be [hidden={hidden}] CPU bfloat16")
+        fields: dict[str, int | float] = dict(
+            qa=0 if w.q_a is None else w.q_a.data_ptr(),
+            qa_norm=0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
+            q_lora=w.q_lora_rank, qb=w.q_b.data_ptr(), kva=w.kv_a.data_ptr(), kva_norm=w.kv_a_norm.data_ptr(),
+            wuk=w.w_uk_t.data_ptr(), wuv=w.w_uv.data_ptr(), wuv_h=w.w_uv.stride(0), o=w.o_proj.data_ptr(),
+            heads=w.heads, nope=w.nope_dim, rope=w.rope_dim, latent=w.kv_lora_rank, v=w.v_dim,
+            interleaved=int(w.interleaved), pre_norm=pre.data_ptr(), post_norm=post.data_ptr(),
+            q_eps=w.q_eps, kv_eps=w.kv_eps, scale=w.scale, pre_eps=pre_eps, post_eps=post_eps,
+        )  # fmt: skip
+        routed = dict.fromkeys(_ROUTED_FIELDS, 0)
+        if isinstance(layer.mlp, MoEWeights):
+            m = layer.mlp
+            none = torch.empty(0, hidden, dtype=torch.bfloat16)
+            num_experts, inter = _check_experts(none, m.w13, m.w2, none, m.shared)[2:]
+            routed.update(
+                moe=1, gate=m.gate.data_ptr(), ld_gate=m.gate.stride(0),
+                bias=0 if m.bias is None else m.bias.data_ptr(), experts=num_experts, softmax=int(m.softmax),
+                n_group=m.n_group, topk_group=m.topk_group, top_k=m.top_k, norm_topk_prob=int(m.norm_topk_prob),
+                w13=m.w13.data_ptr(), w13_expert=m.w13.stride(0), ld13=m.w13.stride(1),
+                w2=m.w2.data_ptr(), w2_expert=m.w2.stride(0), ld2=m.w2.stride(1), inter=inter,
+            )  # fmt: skip
+            shared, fields["routed_scaling_factor"] = m.shared, m.routed_scaling_factor
+        else:
+            w13, w2 = shared = layer.mlp
+            inter = w2.shape[-1]
+            if w13.shape != (2 * inter, hidden) or w2.shape[0] != hidden or not native.takes(w13, w2):
+                raise ValueError(
+                    f"a dense MLP must be gate_up [2I, H={hidden}] and down [H, I], CPU bfloat16 with unit "
+                    f"stride along the last dimension, got {tuple(w13.shape)} and {tuple(w2.shape)}"
+                )
+            fields["routed_scaling_factor"] = 0.0
+        s13, ld_s13, s2, ld_s2, shared_inter = _shared_args(shared)
+        fields.update(routed, s13=s13, ld_s13=ld_s13, s2=s2, ld_s2=ld_s2, shared_inter=shared_inter)
+        return fields
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether M = rows tokens take every product natively, in every layer (as the layers' own
+        calls would). Remembered per (rows, max_rows())."""
+        key = (rows, native.max_rows())
+        if (taken := self._taken.get(key)) is None:
+            dense = [w for layer in self.layers if isinstance(layer.mlp, tuple) for w in layer.mlp]
+            taken = self._taken[key] = all(layer.attention.takes_rows(rows) for layer in self.layers) and all(
+                native._few_enough(rows, w.numel() * 2) for w in dense
+            )
+        return taken
+
+    def kv_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The layers' caches' addresses, int64 [layers] (the last step's, when they are the same)."""
+        pointers = tuple(c.data_ptr() for c in kv_caches)
+        if pointers != self._kv[0]:
+            self._kv = (pointers, torch.tensor(pointers, dtype=torch.int64))
+        return self._kv[1]
+
+
+def decode_stack(
+    stack: DecodeStack,
+    ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """The model's forward for M decode tokens in one call: embedding, every layer (mla_attention
+    with the layer's norms, then moe_block or the dense MLP), the final norm -> hidden states [M,
+    hidden] bf16, the layer by layer calls' bits. ids [M] int64; cos, sin, slots, block_table and
+    seq_lens as mla_attention takes them; kv_caches: a cache per layer, each contiguous bf16 [blocks,
+    block_size, L+R] and all alike. Requires `loaded()`."""
+    assert native._library is not None, "kernels.native.load() first"
+    rows = ids.shape[0]
+    if ids.shape != (rows,) or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be int64 [M], got {ids.dtype} {tuple(ids.shape)}")
+    if cos.shape != (rows, stack.rope_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(
+            f"cos and sin must be [M={rows}, R/2={stack.rope_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    _check_step(rows, cos, sin, slots, block_table, seq_lens)
+    shape = kv_caches[0].shape if kv_caches else None
+    if (
+        len(kv_caches) != len(stack.layers)
+        or shape is None
+        or len(shape) != 3
+        or shape[2] != stack.width
+        or not all(c.shape == shape and native.takes(c) and c.is_contiguous() for c in kv_caches)
+    ):
+        raise ValueError(
+            f"kv_caches must be {len(stack.layers)} contiguous CPU bfloat16 caches [blocks, block_size, "
+            f"{stack.width}], all alike"
+        )
+    ids, slots, block_table, seq_lens = (t.contiguous() for t in (ids, slots, block_table, seq_lens))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, stack.hidden, dtype=torch.bfloat16)
+    if rows == 0:
+        return out
+    norm, norm_eps = stack.norm
+    bad = native._library.decode_stack(
+        stack.plan.data_ptr(), len(stack.layers), ids.data_ptr(), stack.embed.data_ptr(), stack.vocab, rows,
+        stack.hidden, cos.data_ptr(), sin.data_ptr(), stack.kv_pointers(kv_caches).data_ptr(), shape[0], shape[1],
+        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(),
+        norm_eps, out.data_ptr(),
+    )  # fmt: skip
+    if bad < 0:
+        raise ValueError(f"{-bad} token ids lie outside [0, {stack.vocab})")
+    if bad:
+        raise ValueError(f"{bad} block ids or slots lie outside the cache's {shape[0]} blocks of {shape[1]}")
     return out

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "pool.h"

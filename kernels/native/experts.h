@@ -6,6 +6,18 @@
 
 namespace {
 
+// SwiGLU's activation of m rows of gate_up [m, 2I] (gate columns, then up) into act [m, I], in
+// the torch loop's roundings: act = bf16(bf16(silu(gate)) * up).
+inline void swiglu_act(const uint16_t* gate_up, uint16_t* act, int64_t m, int64_t inter) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < inter; ++j) {
+      const float g = from_bf16(gate_up[i * 2 * inter + j]);
+      const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
+      act[i * inter + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * inter + inter + j]));
+    }
+}
+
+
 // The experts of a few decode tokens, given as (expert, token, weight) pairs grouped by expert
 // (kernels/moe.py _fused_moe_few passes them in ascending expert order, then the shared expert's),
 // with the torch loop's arithmetic and roundings:
@@ -47,12 +59,7 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
       xs.resize(m * H), gate_up.resize(m * 2 * inter), act.resize(m * inter), down.resize(m * H);
       for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
       product(xs.data(), H, we13, shared ? ld_s13 : ld13, gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < inter; ++j) {
-          const float g = from_bf16(gate_up[i * 2 * inter + j]);
-          const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
-          act[i * inter + j] = to_bf16(silu * from_bf16(gate_up[i * 2 * inter + inter + j]));
-        }
+      swiglu_act(gate_up.data(), act.data(), m, inter);
       product(act.data(), inter, we2, shared ? ld_s2 : ld2, down.data(), H, m, inter, 0, H);
       for (int64_t i = 0; i < m; ++i)
         for (int64_t h = 0; h < H; ++h)

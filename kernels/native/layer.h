@@ -276,4 +276,78 @@ int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t 
   return 0;
 }
 
+
+// A decode step's whole stack of decoder layers in one call (DeepseekV2ForCausalLM.forward for a
+// few decode tokens, without its Python between the layers: at batch 1 that Python ran ~35 µs a
+// layer on caches the weights had just swept). Each layer is one LayerPlan, the pointers and sizes
+// its mla_attention and moe_block calls take, filled once by kernels/native/blocks.py DecodeStack
+// by the field names layer_plan_fields() gives. A layer's MLP is its MoE block (moe != 0) or a
+// dense SwiGLU MLP (gate_up s13 [2Is, H], down s2 [H, Is]; swiglu's products and roundings).
+#define PDSERVE_LAYER_PLAN(INT, REAL)                                                                      \
+  INT(qa) INT(qa_norm) INT(q_lora) INT(qb) INT(kva) INT(kva_norm) INT(wuk) INT(wuv) INT(wuv_h) INT(o)    \
+  INT(heads) INT(nope) INT(rope) INT(latent) INT(v) INT(interleaved) INT(pre_norm) INT(post_norm)          \
+  INT(moe) INT(gate) INT(ld_gate) INT(bias) INT(experts) INT(softmax) INT(n_group) INT(topk_group)        \
+  INT(top_k) INT(norm_topk_prob) INT(w13) INT(w13_expert) INT(ld13) INT(w2) INT(w2_expert) INT(ld2)       \
+  INT(inter) INT(s13) INT(ld_s13) INT(s2) INT(ld_s2) INT(shared_inter)                                    \
+  REAL(q_eps) REAL(kv_eps) REAL(scale) REAL(pre_eps) REAL(post_eps) REAL(routed_scaling_factor)
+
+struct LayerPlan {  // every field 8 bytes, in the macro's order: a row of an int64 tensor
+#define PDSERVE_INT_FIELD(name) int64_t name;
+#define PDSERVE_REAL_FIELD(name) double name;
+  PDSERVE_LAYER_PLAN(PDSERVE_INT_FIELD, PDSERVE_REAL_FIELD)
+};
+
+// LayerPlan's fields in order, each (name, whether it is a double).
+std::vector<std::pair<std::string, bool>> layer_plan_fields() {
+#define PDSERVE_INT_NAME(name) {#name, false},
+#define PDSERVE_REAL_NAME(name) {#name, true},
+  return {PDSERVE_LAYER_PLAN(PDSERVE_INT_NAME, PDSERVE_REAL_NAME)};
+}
+
+// The stack for M decode tokens ids [M] (int64): embedding rows (embed [V, H] contiguous), then
+// each layer over its own cache (kv_ptrs [layers] int64, every cache [num_blocks, block_size,
+// L+R]), then the final norm into out [M, H]: the hidden states compute_logits takes. Slots,
+// table, lens, cos and sin as mla_attention takes them. -> 0; the count of block ids and slots
+// outside the cache (the first layer's: nothing after it ran); or minus the count of ids outside
+// [0, V) (nothing ran).
+int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t embed_ptr, int64_t V, int64_t M,
+                     int64_t hidden, int64_t cos_ptr, int64_t sin_ptr, int64_t kv_ptrs_ptr, int64_t num_blocks,
+                     int64_t block_size, int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr,
+                     int64_t norm_ptr, double norm_eps, int64_t out_ptr) {
+  const auto* plans = reinterpret_cast<const LayerPlan*>(plan_ptr);
+  const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
+  const auto* kv_ptrs = reinterpret_cast<const int64_t*>(kv_ptrs_ptr);
+  int64_t bad = 0;
+  for (int64_t m = 0; m < M; ++m) bad += ids[m] < 0 || ids[m] >= V;
+  if (bad) return -bad;
+  const int64_t H = hidden;
+  std::vector<uint16_t> x(M * H), residual(M * H), normed(M * H), gate_up, act;
+  const auto at = [](std::vector<uint16_t>& b) { return int64_t(b.data()); };
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(&x[m * H], reinterpret_cast<const uint16_t*>(embed_ptr) + ids[m] * H, H * 2);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const LayerPlan& p = plans[l];
+    bad = mla_attention(at(x), M, H, p.qa, p.qa_norm, p.q_lora, p.q_eps, p.qb, p.kva, p.kva_norm, p.kv_eps, p.wuk,
+                        p.wuv, p.wuv_h, p.o, cos_ptr, sin_ptr, p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
+                        slots_ptr, table_ptr, max_blocks, lens_ptr, at(normed), p.heads, p.nope, p.rope, p.latent, p.v,
+                        p.scale, p.pre_norm, p.pre_eps, l == 0 ? 0 : at(residual), p.post_norm, p.post_eps,
+                        at(residual));
+    if (bad) return bad;
+    if (p.moe) {
+      std::fill(x.begin(), x.end(), uint16_t(0));
+      moe_block(at(normed), H, M, H, p.gate, p.ld_gate, p.bias, p.experts, p.softmax != 0, p.n_group, p.topk_group,
+                p.top_k, p.norm_topk_prob != 0, p.routed_scaling_factor, p.w13, p.w13_expert, p.ld13, p.w2,
+                p.w2_expert, p.ld2, at(x), H, p.inter, p.s13, p.ld_s13, p.s2, p.ld_s2, p.shared_inter);
+    } else {
+      const int64_t I = p.shared_inter;
+      gate_up.resize(M * 2 * I), act.resize(M * I);
+      linear_bf16(at(normed), 0, H, p.s13, 0, p.ld_s13, at(gate_up), 0, 2 * I, 1, M, 2 * I, H);
+      swiglu_act(gate_up.data(), act.data(), M, I);
+      linear_bf16(at(act), 0, I, p.s2, 0, p.ld_s2, at(x), 0, H, 1, M, H, I);
+    }
+  }
+  rms_norm(at(x), H, at(residual), H, norm_ptr, out_ptr, H, at(residual), H, M, H, norm_eps);
+  return 0;
+}
+
 }  // namespace
