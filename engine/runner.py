@@ -20,7 +20,7 @@ from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, use_native_kernels
-from engine.sampler import Sampler, prompt_logprobs
+from engine.sampler import Sampler, argmax, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.drafter import draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
@@ -258,13 +258,13 @@ class ModelRunner:
                 out.sampled[it.request.request_id] = [token]
                 if lps is not None:
                     out.logprobs[it.request.request_id] = lps
-        argmax = None  # the target's greedy token at every logits row, fetched once for the step
+        greedy = None  # the target's greedy token at every logits row, fetched once for the step
         for it, row in zip(items, sample_rows, strict=True):
             if it.draft_token_ids:
                 req, end = it.request, row + len(it.draft_token_ids) + 1
                 if req.params.greedy:
-                    argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
-                    out.sampled[req.request_id] = verify_greedy(argmax[row:end], it.draft_token_ids)
+                    greedy = argmax(logits).tolist() if greedy is None else greedy
+                    out.sampled[req.request_id] = verify_greedy(greedy[row:end], it.draft_token_ids)
                 else:
                     out.sampled[req.request_id] = verify_sampled(
                         logits[row:end], it.draft_token_ids, req.params, req.generator

