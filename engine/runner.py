@@ -213,13 +213,17 @@ class ModelRunner:
     def _share_native_work(self, batch: ForwardBatch) -> None:
         """A decode step of at most NATIVE_MAX_BATCH tokens (batch 1, a speculative verification)
         runs all its work in the native kernels (attention, products, experts, LM head): they
-        share it over their own pool, whose caller never waits on a helper that is not running.
+        share it over their own pool, whose caller never waits on a helper that is not running,
+        and torch's few small ops in it (the logits' argmax, an index) stay on one thread.
         Other steps leave it to torch's OpenMP threads: the two pools spinning at once on the same
-        cores starve each other (kernels/native/common.h has the figures). Process-wide,
-        like torch's thread count; set every step, so engines sharing a process each get theirs."""
+        cores starve each other (kernels/native/common.h has the figures; an MTP step's argmax
+        over 2 rows of logits woke OpenMP's threads and cost the native calls after it 160 µs).
+        Process-wide, like torch's thread count; set every step, so engines sharing a process
+        each get theirs."""
         if self.native_kernels:
             few = not batch.prefills and batch.input_ids.numel() <= NATIVE_MAX_BATCH
             native.use_pool(self.threads if few else 0)
+            torch.set_num_threads(1 if few else self.threads)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

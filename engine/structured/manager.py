@@ -60,6 +60,8 @@ class StructuredOutputManager:
         """Admitted requests that cannot run, for the next poll."""
         self._executor: llguidance.LLExecutor | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_threads = max(1, min(8, torch.get_num_threads()))
+        """The engine's threads, taken when built: a few-token step runs torch on one (runner.py)."""
 
     def check(self, params: StructuredOutputsParams | None) -> None:
         """Compile the constraint (through the cache) and raise its ValueError if it has one.
@@ -153,7 +155,7 @@ class StructuredOutputManager:
         entries: (request with a matcher, its logits row, its drafts). Its matchers are the mask
         thread's until the future resolves."""
         if self._mask_thread is None:
-            self._executor = llguidance.LLExecutor(max(1, min(8, torch.get_num_threads())))
+            self._executor = llguidance.LLExecutor(self._mask_threads)
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         jobs = [(req.grammar, row, list(drafts)) for req, row, drafts in entries]
         return self._mask_thread.submit(
