@@ -211,8 +211,10 @@ class ModelRunner:
         return self.structured.bitmask(entries)
 
     def _share_native_work(self, batch: ForwardBatch) -> None:
-        """A decode step of at most NATIVE_MAX_BATCH tokens (batch 1, a speculative verification)
-        runs all its work in the native kernels (attention, products, experts, LM head): they
+        """A decode step that runs all its work in the native kernels (attention, products,
+        experts, LM head): up to NATIVE_MAX_BATCH tokens (batch 1, a speculative verification),
+        each layer in its one-call kernels, or a step the model runs as one native call
+        (runs_in_one_call: up to 32 tokens where the attention runs on the AMX tile unit). They
         share it over their own pool, whose caller never waits on a helper that is not running,
         and torch's few small ops in it (the logits' argmax, an index) stay on one thread.
         Other steps leave it to torch's OpenMP threads: the two pools spinning at once on the same
@@ -222,8 +224,9 @@ class ModelRunner:
         each get theirs."""
         if self.native_kernels:
             few = not batch.prefills and batch.input_ids.numel() <= NATIVE_MAX_BATCH
-            native.use_pool(self.threads if few else 0)
-            torch.set_num_threads(1 if few else self.threads)
+            native_step = few or self.model.runs_in_one_call(batch, self.kv_caches)
+            native.use_pool(self.threads if native_step else 0)
+            torch.set_num_threads(1 if native_step else self.threads)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -761,16 +761,17 @@ def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(l
     assert native.mtp_input(torch.zeros(many, dtype=torch.long), embed, rows, norms, eh_proj) is None
 
 
-def _small_model(v2: bool, seed: int):
+def _small_model(v2: bool, seed: int, rope: int = 16):
     """A three-layer model with random bf16 weights: a dense first layer, then two MoE layers; V3's
-    routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without."""
+    routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without. rope 32 makes
+    the cache rows 96 wide, which the AMX tile attention takes."""
     from engine.config import ModelConfig
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 
     raw = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 80,
         "hidden_size": 96, "intermediate_size": 80, "num_hidden_layers": 3, "num_attention_heads": 3,
-        "kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "kv_lora_rank": 64, "q_lora_rank": 48, "qk_nope_head_dim": 32, "qk_rope_head_dim": rope,
         "v_head_dim": 32, "max_position_embeddings": 256, "n_routed_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
@@ -851,6 +852,51 @@ def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, pro
     assert torch.equal(got, want)
     for a, b, before in zip(one_call, layer_calls, caches, strict=True):
         assert torch.equal(a, b) and not torch.equal(a, before)
+
+
+@torch.inference_mode()
+def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
+    """Where the attention runs on the AMX tile unit, a decode step of up to max_rows() sequences
+    runs as one call, and each sequence gets the hidden state and cache rows it gets alone (every
+    product, the attention and the MoE block treat each token apart); elsewhere such a step stays
+    per layer. Against the layer-by-layer path (torch's router product above NATIVE_MAX_BATCH
+    tokens) it agrees to bf16 rounding."""
+    from engine.forward_batch import DecodeGroup, ForwardBatch
+    from kernels.mla import NATIVE_MAX_BATCH
+
+    cfg, model = _small_model(False, 7, rope=32)
+    if not loaded:
+        return
+    seqs, block_size = 12, 16
+    gen = torch.Generator().manual_seed(3)
+    caches = [
+        torch.randn(seqs * 5 + 2, block_size, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
+    ]
+    batch = _decode_batch(seqs, 1, block_size, caches[0].shape[0], cfg.vocab_size, gen)
+    one_call = model.runs_in_one_call(batch, caches)
+    assert one_call == (products == "amx" and native.attends_on_tiles(caches[0], cfg.kv_lora_rank))
+    if not one_call:
+        return
+    together = [c.clone() for c in caches]
+    got = model(batch, together)
+    tables, lens = batch.decodes[0].per_token
+    apart = [c.clone() for c in caches]
+    for i in range(seqs):
+        alone = ForwardBatch(
+            input_ids=batch.input_ids[i : i + 1],
+            positions=batch.positions[i : i + 1],
+            slot_mapping=batch.slot_mapping[i : i + 1],
+            decodes=[DecodeGroup.of(0, 1, [tables[i].tolist()], [int(lens[i])], "cpu")],
+            prefills=[],
+            logits_indices=torch.arange(1),
+        )
+        assert torch.equal(model(alone, apart)[0], got[i])
+    assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+    stack, model.native_stack = model.native_stack, None
+    per_layer = model(batch, [c.clone() for c in caches])
+    model.native_stack = stack
+    assert seqs > NATIVE_MAX_BATCH
+    torch.testing.assert_close(got.float(), per_layer.float(), rtol=2**-7, atol=2**-6)
 
 
 @torch.inference_mode()

@@ -118,14 +118,19 @@ class DeepseekV2ForCausalLM(nn.Module):
             return None
         return native.DecodeStack(layers, self.embed_tokens.weight, (self.norm.weight, self.norm.eps))
 
-    def _in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step runs the whole stack as one native call: a few decode tokens (batch 1,
-        a verification) that every layer would take in its own one-call attention and MoE."""
+    def runs_in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step runs the whole stack as one native call: decode tokens of one query
+        length, up to NATIVE_MAX_BATCH of them (batch 1, a verification) or, where the attention
+        runs on the AMX tile unit, as many as its products take (max_rows()), whose every product
+        the native kernels take."""
         n = batch.input_ids.shape[0]
+        if self.native_stack is None or batch.prefills or len(batch.decodes) != 1 or not n:
+            return False
+        cache = kv_caches[0]
+        tiles = native.attends_on_tiles(cache, self.cfg.kv_lora_rank)
         return (
-            self.native_stack is not None
-            and n <= NATIVE_MAX_BATCH
-            and self.layers[0].self_attn.takes_in_one_call(batch, n, kv_caches[0])
+            n <= (native.max_rows() if tiles else NATIVE_MAX_BATCH)
+            and native.takes(cache)
             and self.native_stack.takes_rows(n)
         )
 
@@ -154,7 +159,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         """-> hidden states [N, hidden] after the final norm."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         layer_caches = kv_caches[: len(self.layers)]
-        if self._in_one_call(batch, layer_caches):
+        if self.runs_in_one_call(batch, layer_caches):
             tables, lens = batch.decodes[0].per_token
             ids, slots = batch.input_ids, batch.slot_mapping
             return native.decode_stack(self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens)
