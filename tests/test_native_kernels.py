@@ -761,7 +761,7 @@ def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(l
     assert native.mtp_input(torch.zeros(many, dtype=torch.long), embed, rows, norms, eh_proj) is None
 
 
-def _small_model(v2: bool, seed: int, rope: int = 16):
+def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0):
     """A three-layer model with random bf16 weights: a dense first layer, then two MoE layers; V3's
     routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without. rope 32 makes
     the cache rows 96 wide, which the AMX tile attention takes."""
@@ -783,7 +783,7 @@ def _small_model(v2: bool, seed: int, rope: int = 16):
             topk_method="greedy", scoring_func="softmax", n_shared_experts=2, routed_scaling_factor=1.0,
         )  # fmt: skip
     cfg = ModelConfig.from_dict(raw)
-    model = DeepseekV2ForCausalLM(cfg, dtype=torch.bfloat16, max_positions=256)
+    model = DeepseekV2ForCausalLM(cfg, dtype=torch.bfloat16, max_positions=256, num_mtp_layers=mtp)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -852,6 +852,36 @@ def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, pro
     assert torch.equal(got, want)
     for a, b, before in zip(one_call, layer_calls, caches, strict=True):
         assert torch.equal(a, b) and not torch.equal(a, before)
+
+
+@pytest.mark.parametrize("seqs, s_q", [(1, 1), (1, 2), (2, 1), (1, 3)], ids=str)
+@torch.inference_mode()
+def test_the_mtp_layer_in_one_call_is_the_bits_of_its_calls(loaded, products, seqs, s_q):
+    """The MTP layer's draft forward (its input in one call, then the layer and its shared_head norm
+    as a one-layer stack) against the layer's own calls: the same g and cache rows, bit for bit."""
+    cfg, model = _small_model(False, seqs * 10 + s_q, mtp=1)
+    if not loaded:
+        assert model.mtp_stack is None
+        return
+    assert model.mtp_stack is not None and len(model.mtp_stack.layers) == 1
+    gen = torch.Generator().manual_seed(seqs + s_q)
+    cache = torch.randn(seqs * 8 + 3, 4, cfg.kv_cache_width, generator=gen).bfloat16()
+    batch = _decode_batch(seqs, s_q, 4, cache.shape[0], cfg.vocab_size, gen)
+    hidden = torch.randn(seqs * s_q, cfg.hidden_size, generator=gen).bfloat16()
+    calls = []
+    real = native.decode_stack
+    try:
+        native.decode_stack = lambda *a, **k: calls.append(1) or real(*a, **k)
+        one_call = cache.clone()
+        got = model.mtp_forward(batch.input_ids, hidden, batch, one_call)
+    finally:
+        native.decode_stack = real
+    assert calls == [1]
+    stack, model.mtp_stack = model.mtp_stack, None
+    layer_calls = cache.clone()
+    want = model.mtp_forward(batch.input_ids, hidden, batch, layer_calls)
+    model.mtp_stack = stack
+    assert torch.equal(got, want) and torch.equal(one_call, layer_calls) and not torch.equal(one_call, cache)
 
 
 @torch.inference_mode()
@@ -940,4 +970,10 @@ def test_decode_stack_refuses_bad_operands(loaded):
         run(kv=caches[:2])
     with pytest.raises(ValueError, match=r"ids must be int64 \[M\]"):
         run(ids=batch.input_ids.int())
+    with pytest.raises(ValueError, match="give ids or x, not both"):
+        native.decode_stack(stack, None, cos, sin, caches, batch.slot_mapping, tables, lens)
+    with pytest.raises(ValueError, match=r"x must be CPU bfloat16 \[M, hidden=96\]"):
+        native.decode_stack(
+            stack, None, cos, sin, caches, batch.slot_mapping, tables, lens, torch.zeros(1, 95)
+        )
     assert run().shape == (1, cfg.hidden_size)

@@ -86,6 +86,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32
         self.register_buffer("rope_sin", sin, persistent=False)
         self.native_stack: native.DecodeStack | None = None  # the one-call decode's, set by process_weights
+        self.mtp_stack: native.DecodeStack | None = None  # the first MTP layer's, after its input
 
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
@@ -96,13 +97,16 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.self_attn.process_weights(place)
             if isinstance(layer.mlp, DeepseekMoE):
                 layer.mlp.process_weights()
-        self.native_stack = self._native_stack()
+        self.native_stack = self._native_stack(self.layers, self.norm)
+        if self.mtp:
+            self.mtp_stack = self._native_stack(self.mtp[:1], self.mtp[0].shared_head.norm)
 
-    def _native_stack(self) -> native.DecodeStack | None:
-        """The whole stack of layers as one native call (native.decode_stack) for a decode step's
-        few tokens, where every layer's attention and MLP take the native kernels as they are."""
+    def _native_stack(self, decoder_layers, norm: RMSNorm) -> native.DecodeStack | None:
+        """Decoder layers and the norm after them as one native call (native.decode_stack) for a
+        decode step's few tokens, where every layer's attention and MLP take the native kernels as
+        they are."""
         layers = []
-        for layer in self.layers:
+        for layer in decoder_layers:
             mlp = layer.mlp
             if isinstance(mlp, DeepseekMoE):
                 mlp_weights = mlp.native_weights
@@ -114,24 +118,26 @@ class DeepseekV2ForCausalLM(nn.Module):
                 return None
             norms = [(n.weight, n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
             layers.append(native.StackLayer(layer.self_attn.native_weights, *norms, mlp_weights))
-        if not native.takes(self.embed_tokens.weight, self.norm.weight):
+        if not native.takes(self.embed_tokens.weight, norm.weight):
             return None
-        return native.DecodeStack(layers, self.embed_tokens.weight, (self.norm.weight, self.norm.eps))
+        return native.DecodeStack(layers, self.embed_tokens.weight, (norm.weight, norm.eps))
 
     def runs_in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step runs the whole stack as one native call: decode tokens of one query
         length, up to NATIVE_MAX_BATCH of them (batch 1, a verification) or, where the attention
         runs on the AMX tile unit, as many as its products take (max_rows()), whose every product
         the native kernels take."""
+        return self._takes(self.native_stack, batch, kv_caches[0])
+
+    def _takes(self, stack: native.DecodeStack | None, batch: ForwardBatch, cache: torch.Tensor) -> bool:
         n = batch.input_ids.shape[0]
-        if self.native_stack is None or batch.prefills or len(batch.decodes) != 1 or not n:
+        if stack is None or batch.prefills or len(batch.decodes) != 1 or not n:
             return False
-        cache = kv_caches[0]
         tiles = native.attends_on_tiles(cache, self.cfg.kv_lora_rank)
         return (
             n <= (native.max_rows() if tiles else NATIVE_MAX_BATCH)
             and native.takes(cache)
-            and self.native_stack.takes_rows(n)
+            and stack.takes_rows(n)
         )
 
     def mtp_forward(
@@ -140,6 +146,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer over the batch: next_ids [N] (t_{i+1}), hidden [N, H] (h_i, after
         the final norm) -> g [N, H]; compute_logits(g) predicts t_{i+2}."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        if self._takes(self.mtp_stack, batch, kv_cache):  # its input, then the layer and norm in one call
+            u = self.mtp[0].layer_input(next_ids, hidden, self.embed_tokens)
+            tables, lens = batch.decodes[0].per_token
+            return native.decode_stack(
+                self.mtp_stack, None, cos, sin, [kv_cache], batch.slot_mapping, tables, lens, u
+            )
         return self.mtp[0].draft(next_ids, hidden, self.embed_tokens, cos, sin, batch, kv_cache)
 
     def mtp_store_kv(

@@ -35,7 +35,7 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             self.shared_head = nn.Module()
             self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
 
-        def _input(self, next_ids: torch.Tensor, hidden: torch.Tensor, embed: Embedding) -> torch.Tensor:
+        def layer_input(self, next_ids: torch.Tensor, hidden: torch.Tensor, embed: Embedding) -> torch.Tensor:
             """next_ids [N] (t_{i+1}), hidden [N, H] (h_i) -> u [N, H]; a few rows in one native call."""
             norms = (self.enorm.weight, self.enorm.eps, self.hnorm.weight, self.hnorm.eps)
             u = native.mtp_input(next_ids, embed.weight, hidden, norms, self.eh_proj.weight)
@@ -54,7 +54,7 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             kv_cache: torch.Tensor,
         ) -> torch.Tensor:
             """-> g [N, H], the layer's output at each position (writing its cache rows)."""
-            x, residual = self(self._input(next_ids, hidden, embed), None, cos, sin, batch, kv_cache)
+            x, residual = self(self.layer_input(next_ids, hidden, embed), None, cos, sin, batch, kv_cache)
             return self.shared_head.norm(x, residual)[0]
 
         def store_kv(
@@ -69,7 +69,7 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
         ) -> None:
             """Only the layer's cache rows for these positions: a position's KV depends on its
             input alone, so positions no draft is read from skip the attention and the MoE."""
-            x = self.input_layernorm(self._input(next_ids, hidden, embed))
+            x = self.input_layernorm(self.layer_input(next_ids, hidden, embed))
             self.self_attn.store_latents(x, cos, sin, slots, kv_cache)
 
     return MTPLayer()

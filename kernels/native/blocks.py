@@ -470,23 +470,34 @@ class DecodeStack:
 
 def decode_stack(
     stack: DecodeStack,
-    ids: torch.Tensor,
+    ids: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv_caches: list[torch.Tensor],
     slots: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model's forward for M decode tokens in one call: embedding, every layer (mla_attention
     with the layer's norms, then moe_block or the dense MLP), the final norm -> hidden states [M,
-    hidden] bf16, the layer by layer calls' bits. ids [M] int64; cos, sin, slots, block_table and
-    seq_lens as mla_attention takes them; kv_caches: a cache per layer, each contiguous bf16 [blocks,
+    hidden] bf16, the layer by layer calls' bits. ids [M] int64, or None and x [M, hidden] bf16 the
+    first layer's input (an MTP layer's u); cos, sin, slots, block_table and seq_lens as
+    mla_attention takes them; kv_caches: a cache per layer, each contiguous bf16 [blocks,
     block_size, L+R] and all alike. Requires `loaded()`."""
     assert native._library is not None, "kernels.native.load() first"
-    rows = ids.shape[0]
-    if ids.shape != (rows,) or ids.dtype != torch.int64:
-        raise ValueError(f"ids must be int64 [M], got {ids.dtype} {tuple(ids.shape)}")
+    if (ids is None) == (x is None):
+        raise ValueError("give ids or x, not both")
+    if ids is not None:
+        rows = ids.shape[0]
+        if ids.shape != (rows,) or ids.dtype != torch.int64:
+            raise ValueError(f"ids must be int64 [M], got {ids.dtype} {tuple(ids.shape)}")
+    else:
+        rows = x.shape[0]
+        if x.shape != (rows, stack.hidden) or not native.takes(x):
+            raise ValueError(
+                f"x must be CPU bfloat16 [M, hidden={stack.hidden}], got {x.dtype} {tuple(x.shape)}"
+            )
     if cos.shape != (rows, stack.rope_dim // 2) or sin.shape != cos.shape:
         raise ValueError(
             f"cos and sin must be [M={rows}, R/2={stack.rope_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
@@ -504,14 +515,16 @@ def decode_stack(
             f"kv_caches must be {len(stack.layers)} contiguous CPU bfloat16 caches [blocks, block_size, "
             f"{stack.width}], all alike"
         )
-    ids, slots, block_table, seq_lens = (t.contiguous() for t in (ids, slots, block_table, seq_lens))
+    slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
+    ids, x = (None if t is None else t.contiguous() for t in (ids, x))
     out = torch.empty(rows, stack.hidden, dtype=torch.bfloat16)
     if rows == 0:
         return out
     norm, norm_eps = stack.norm
     bad = native._library.decode_stack(
-        stack.plan.data_ptr(), len(stack.layers), ids.data_ptr(), stack.embed.data_ptr(), stack.vocab, rows,
+        stack.plan.data_ptr(), len(stack.layers), 0 if ids is None else ids.data_ptr(),
+        0 if x is None else x.data_ptr(), stack.embed.data_ptr(), stack.vocab, rows,
         stack.hidden, cos.data_ptr(), sin.data_ptr(), stack.kv_pointers(kv_caches).data_ptr(), shape[0], shape[1],
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(),
         norm_eps, out.data_ptr(),

@@ -304,27 +304,31 @@ std::vector<std::pair<std::string, bool>> layer_plan_fields() {
   return {PDSERVE_LAYER_PLAN(PDSERVE_INT_NAME, PDSERVE_REAL_NAME)};
 }
 
-// The stack for M decode tokens ids [M] (int64): embedding rows (embed [V, H] contiguous), then
-// each layer over its own cache (kv_ptrs [layers] int64, every cache [num_blocks, block_size,
-// L+R]), then the final norm into out [M, H]: the hidden states compute_logits takes. Slots,
-// table, lens, cos and sin as mla_attention takes them. -> 0; the count of block ids and slots
-// outside the cache (the first layer's: nothing after it ran); or minus the count of ids outside
-// [0, V) (nothing ran).
-int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t embed_ptr, int64_t V, int64_t M,
-                     int64_t hidden, int64_t cos_ptr, int64_t sin_ptr, int64_t kv_ptrs_ptr, int64_t num_blocks,
-                     int64_t block_size, int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr,
-                     int64_t norm_ptr, double norm_eps, int64_t out_ptr) {
+// The stack for M decode tokens ids [M] (int64): embedding rows (embed [V, H] contiguous), or the
+// rows of input [M, H] (contiguous; ids_ptr 0: an MTP layer's u), then each layer over its own
+// cache (kv_ptrs [layers] int64, every cache [num_blocks, block_size, L+R]), then the final norm
+// into out [M, H]: the hidden states compute_logits takes. Slots, table, lens, cos and sin as
+// mla_attention takes them. -> 0; the count of block ids and slots outside the cache (the first
+// layer's: nothing after it ran); or minus the count of ids outside [0, V) (nothing ran).
+int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t input_ptr, int64_t embed_ptr,
+                     int64_t V, int64_t M, int64_t hidden, int64_t cos_ptr, int64_t sin_ptr, int64_t kv_ptrs_ptr,
+                     int64_t num_blocks, int64_t block_size, int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks,
+                     int64_t lens_ptr, int64_t norm_ptr, double norm_eps, int64_t out_ptr) {
   const auto* plans = reinterpret_cast<const LayerPlan*>(plan_ptr);
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   const auto* kv_ptrs = reinterpret_cast<const int64_t*>(kv_ptrs_ptr);
   int64_t bad = 0;
-  for (int64_t m = 0; m < M; ++m) bad += ids[m] < 0 || ids[m] >= V;
+  if (ids != nullptr)
+    for (int64_t m = 0; m < M; ++m) bad += ids[m] < 0 || ids[m] >= V;
   if (bad) return -bad;
   const int64_t H = hidden;
   std::vector<uint16_t> x(M * H), residual(M * H), normed(M * H), gate_up, act;
   const auto at = [](std::vector<uint16_t>& b) { return int64_t(b.data()); };
-  for (int64_t m = 0; m < M; ++m)
-    std::memcpy(&x[m * H], reinterpret_cast<const uint16_t*>(embed_ptr) + ids[m] * H, H * 2);
+  if (ids == nullptr)
+    std::memcpy(x.data(), reinterpret_cast<const uint16_t*>(input_ptr), M * H * 2);
+  else
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(&x[m * H], reinterpret_cast<const uint16_t*>(embed_ptr) + ids[m] * H, H * 2);
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerPlan& p = plans[l];
     bad = mla_attention(at(x), M, H, p.qa, p.qa_norm, p.q_lora, p.q_eps, p.qb, p.kva, p.kva_norm, p.kv_eps, p.wuk,
