@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import mmap
 import sys
 
 import torch
@@ -60,6 +61,24 @@ def huge_empty(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     offset = -raw.data_ptr() % HUGE_PAGE
     region = raw[offset : offset + span]
     if _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:  # THP compiled out: 4 KiB pages
+        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+    return region[:nbytes]
+
+
+def huge_zeros(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed uint8 tensor of nbytes whose memory becomes resident only where it is written: on
+    CPU an anonymous mapping of its own (zero-filled by the kernel, never a reused heap chunk),
+    from a 2 MiB boundary and advised for huge pages before anything touches it, so each 2 MiB
+    comes in whole at its first write. The KV cache: sized for the most sequences the engine may
+    run, it costs memory for the blocks that have held KV (reads of the others see zeros)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    span = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE
+    raw = torch.frombuffer(mmap.mmap(-1, span + HUGE_PAGE), dtype=torch.uint8)  # holds the mapping
+    offset = -raw.data_ptr() % HUGE_PAGE
+    region = raw[offset : offset + span]
+    if span and _MADVISE is not None and _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
     return region[:nbytes]
 

@@ -427,11 +427,34 @@ def test_prefix_caching_disabled_gives_no_hits_and_registers_nothing():
     b = make_req("b", tokens(0, 9))
     assert bm.get_computed_blocks(b) == ([], 0)
     assert admit(bm, b) == []
-    assert b.block_ids == [3, 4, 5]  # from the head: a's freed blocks sit at the tail
+    assert b.block_ids == [0, 1, 2]  # the blocks a freed, last freed first: nothing cached to keep
     assert bm.pool.cached == {}
     assert all(block.block_hash is None for block in bm.pool.blocks)
     assert bm.pool.num_evictions == 0
     assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+
+
+def test_without_prefix_caching_the_blocks_freed_last_are_taken_first():
+    """No block's contents are worth keeping: the pool reuses the blocks freed last (from block 0
+    at first), so the cache's memory in use stays at the most blocks ever held at once."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a, b = make_req("a", tokens(0, 9)), make_req("b", tokens(100, 5))
+    admit(bm, a)
+    admit(bm, b)
+    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3, 4])
+    bm.free(b)
+    c = make_req("c", tokens(200, 13))
+    admit(bm, c)
+    assert c.block_ids == [3, 4, 5, 6]  # b's two, then the untouched ones from the low end
+    bm.free(a)
+    bm.free(c)
+    seen = set()
+    for i in range(20):  # requests one after another take the same blocks: c's, freed last
+        r = make_req(f"r{i}", tokens(300 + i, 9))
+        admit(bm, r)
+        seen.update(r.block_ids)
+        bm.free(r)
+    assert seen == {3, 4, 5}
 
 
 def test_pool_with_prefix_caching_disabled_registers_nothing():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.hugepages import ALIGN, HUGE_PAGE, WeightArena, huge_empty, place_parameters
+from engine.hugepages import ALIGN, HUGE_PAGE, WeightArena, huge_empty, huge_zeros, place_parameters
 
 LINUX = sys.platform.startswith("linux")
 
@@ -47,6 +47,39 @@ def test_huge_empty_is_aligned_sized_and_advised_before_use():
     assert int(t[-1]) == 7 and int(t[0]) == 7
     small = huge_empty(1000)  # under one huge page: a plain allocation (wherever malloc puts it)
     assert small.numel() == 1000
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Rss of this process's mappings that hold t's bytes (/proc/self/smaps)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < hi and lo < end
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+def test_huge_zeros_is_zero_and_resident_only_where_written():
+    """The KV cache's memory: zero everywhere, aligned and advised, and resident only in the 2 MiB
+    pages written (or 4 KiB ones where the system gives no huge pages); a small one is zero too
+    (its own mapping, never a reused heap chunk)."""
+    t = huge_zeros(32 * HUGE_PAGE + 100)
+    assert t.numel() == 32 * HUGE_PAGE + 100 and t.data_ptr() % HUGE_PAGE == 0 and advised(t)
+    assert resident_bytes(t) < HUGE_PAGE
+    t[5 * HUGE_PAGE + 7] = 1
+    t[-1] = 2
+    assert 2 * 4096 <= resident_bytes(t) <= 2 * HUGE_PAGE + 4096
+    assert int(t[5 * HUGE_PAGE + 7]) == 1 and int(t[-1]) == 2
+    assert not t[5 * HUGE_PAGE : 5 * HUGE_PAGE + 7].any() and not t[-HUGE_PAGE:-1].any()
+    garbage = torch.full((1 << 16,), 7, dtype=torch.uint8)
+    del garbage  # a freed heap chunk a plain allocation could reuse
+    assert not huge_zeros(1 << 16).any() and not huge_zeros(3 * HUGE_PAGE).any()
 
 
 def test_arena_packs_tensors_in_order_with_their_values():

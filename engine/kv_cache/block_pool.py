@@ -2,8 +2,11 @@
 
 A block is owned by the requests that reference it (ref_count > 0). A full block may also carry
 a content hash; it then stays findable in the index after its last owner frees it, until the
-allocator reuses it. The free queue is ordered: blocks are taken from its head, freed blocks go
-to its tail, so the least recently freed cached block is evicted first.
+allocator reuses it. The free queue is ordered: freed blocks go to its tail, and with prefix
+caching blocks are taken from its head, so the least recently freed cached block is evicted
+first. Without it no block's contents are worth keeping, and blocks are taken from the tail:
+the ones freed last, still in the CPU's caches, and the cache's memory stays resident only for
+as many blocks as ever ran at once (engine/kv_cache/spec.py allocates it untouched).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        order = range(num_blocks) if enable_prefix_caching else reversed(range(num_blocks))  # block 0 first
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in order)
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
         self.num_evictions = 0
@@ -58,11 +62,13 @@ class BlockPool:
         return None if block_id is None else self.blocks[block_id]
 
     def allocate(self, n: int) -> list[Block]:
-        """Take n blocks from the head of the free queue, evicting their cached contents."""
+        """Take n blocks from the free queue (its head with prefix caching, else its tail), evicting
+        their cached contents."""
         assert n <= self.num_free_blocks, "caller must check num_free_blocks first"
         out = []
+        newest_first = not self.enable_prefix_caching
         for _ in range(n):
-            block_id, _ = self.free_queue.popitem(last=False)
+            block_id, _ = self.free_queue.popitem(last=newest_first)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 if self.on_evict is not None:

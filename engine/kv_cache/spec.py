@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from engine.hugepages import huge_empty
+from engine.hugepages import huge_zeros
 from kernels.rotary import OUTPUT_LAYOUT
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -242,14 +242,16 @@ class KVCacheSpec:
         """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
         g.block_size, g.width] per layer of group g, in layer order.
 
-        On huge pages (engine/hugepages.py), written in full up front: decode gathers blocks from
-        all over the cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower
-        gather measured in a VM)."""
+        On huge pages (engine/hugepages.py huge_zeros): decode gathers blocks from all over the
+        cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower gather
+        measured in a VM). Resident only where blocks have been written: the engine reuses the
+        blocks freed last first when nothing is prefix-cached (block_pool.py), so a cache sized
+        for 256 sequences of 512 tokens costs what the sequences running hold."""
         caches = []
         for g in self.groups:
             shape = (num_blocks * self.sub_blocks(g), g.block_size, g.width)
             nbytes = math.prod(shape) * g.dtype.itemsize
-            caches += [huge_empty(nbytes, device).view(g.dtype).view(shape).zero_() for _ in g.layers]
+            caches += [huge_zeros(nbytes, device).view(g.dtype).view(shape) for _ in g.layers]
         return caches
 
     def check_caches(self, caches: list[torch.Tensor]) -> None:
