@@ -74,12 +74,10 @@ def test_a_write_style_stream_error_is_mapped_to_its_status():
     assert details == "service must be known, got 'nope'"
 
 
-def test_free_port_skips_ports_already_handed_out(monkeypatch):
-    """The system may offer a port again until its process binds it (a stack's router port, picked
-    first and bound last, was once offered to its decode worker): a stack never hands one out twice."""
-    import services.launcher as launcher
-
-    offered = iter([5000, 5000, 5000, 5001, 5001, 5002])
+def fake_socket(offered: list[int], busy: frozenset[int] = frozenset()) -> type:
+    """A socket class whose bind to port 0 takes the next of `offered`, and whose bind to a port
+    in `busy` fails as a held one does."""
+    ports = iter(offered)
 
     class FakeSocket:
         def __enter__(self):
@@ -89,12 +87,23 @@ def test_free_port_skips_ports_already_handed_out(monkeypatch):
             return False
 
         def bind(self, address):
-            self.port = next(offered)
+            if address[1] == 0:
+                self.port = next(ports)
+            elif address[1] in busy:
+                raise OSError("address in use")
 
         def getsockname(self):
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(launcher.socket, "socket", FakeSocket)
+    return FakeSocket
+
+
+def test_free_port_skips_ports_already_handed_out(monkeypatch):
+    """The system may offer a port again until its process binds it (a stack's router port, picked
+    first and bound last, was once offered to its decode worker): a stack never hands one out twice."""
+    import services.launcher as launcher
+
+    monkeypatch.setattr(launcher.socket, "socket", fake_socket([5000, 5000, 5000, 5001, 5001, 5002]))
     assert free_port() == 5000
     stack = launcher.Stack(launcher.StackConfig(model="unused", http_port=None))
     assert stack.grpc_port == 5000
@@ -113,23 +122,5 @@ def test_free_port_count_gives_a_run_of_free_ports(monkeypatch):
         for i in range(3):
             held.enter_context(socket.socket()).bind(("127.0.0.1", port + i))
 
-    offered, busy = iter([6000, 6010]), {6001}
-
-    class FakeSocket:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def bind(self, address):
-            if address[1] == 0:
-                self.port = next(offered)
-            elif address[1] in busy:
-                raise OSError("address in use")
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-
-    monkeypatch.setattr(launcher.socket, "socket", FakeSocket)
+    monkeypatch.setattr(launcher.socket, "socket", fake_socket([6000, 6010], frozenset({6001})))
     assert free_port(count=2) == 6010
