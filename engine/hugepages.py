@@ -50,19 +50,29 @@ def _madvise():
 _MADVISE = _madvise()
 
 
+def _span(nbytes: int) -> int:
+    return math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE
+
+
+def _advised(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """nbytes of raw (uint8, untouched, at least a huge page longer) from its first 2 MiB boundary,
+    the kernel asked for huge pages over them (where it refuses, THP compiled out: 4 KiB pages)."""
+    span = _span(nbytes)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    region = raw[offset : offset + span]
+    if span and _MADVISE is not None and _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:
+        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+    return region[:nbytes]
+
+
 def huge_empty(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """An uninitialised uint8 tensor of nbytes, on CPU starting on a 2 MiB boundary with the
     kernel asked to back it with huge pages (MADV_HUGEPAGE) before anything touches it."""
     device = torch.device(device)
     if device.type != "cpu" or _MADVISE is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    span = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # large: malloc maps it fresh, untouched
-    offset = -raw.data_ptr() % HUGE_PAGE
-    region = raw[offset : offset + span]
-    if _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:  # THP compiled out: 4 KiB pages
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
-    return region[:nbytes]
+    raw = torch.empty(_span(nbytes) + HUGE_PAGE, dtype=torch.uint8)  # large: malloc maps it fresh, untouched
+    return _advised(raw, nbytes)
 
 
 def huge_zeros(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -74,13 +84,8 @@ def huge_zeros(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cpu":
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    span = math.ceil(nbytes / HUGE_PAGE) * HUGE_PAGE
-    raw = torch.frombuffer(mmap.mmap(-1, span + HUGE_PAGE), dtype=torch.uint8)  # holds the mapping
-    offset = -raw.data_ptr() % HUGE_PAGE
-    region = raw[offset : offset + span]
-    if span and _MADVISE is not None and _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
-    return region[:nbytes]
+    raw = torch.frombuffer(mmap.mmap(-1, _span(nbytes) + HUGE_PAGE), dtype=torch.uint8)  # holds the mapping
+    return _advised(raw, nbytes)
 
 
 class WeightArena:
