@@ -20,3 +20,13 @@ def resolve_impl(impl: str, tensor: torch.Tensor, *, has_triton: bool) -> str:
     if impl == "triton" and not has_triton:
         raise NotImplementedError("no Triton kernel for this op yet; use impl='torch'")
     return impl
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launch grids (triton.cdiv without importing triton)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (>= 1), for the kernels' block sizes (triton.next_power_of_2)."""
+    return 1 << max(0, n - 1).bit_length()

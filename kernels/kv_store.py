@@ -13,42 +13,8 @@ two pieces into the row.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.dispatch import resolve_impl
-
-
-@triton.jit
-def store_kv_kernel(
-    latent_ptr,  # [N, L]
-    k_pe_ptr,  # [N, R]
-    kv_cache_ptr,  # [num_blocks, block_size, L + R]
-    slot_ptr,  # [N] int32 or int64
-    stride_ln,
-    stride_pn,
-    stride_cb,
-    stride_cs,
-    stride_cd,
-    block_size,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    valid = slot >= 0
-    row = kv_cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-    cache_ty = kv_cache_ptr.dtype.element_ty
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_l = (offs_l < L) & valid
-    latent = tl.load(latent_ptr + token * stride_ln + offs_l, mask=mask_l)
-    tl.store(row + offs_l * stride_cd, latent.to(cache_ty), mask=mask_l)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = (offs_r < R) & valid
-    k_pe = tl.load(k_pe_ptr + token * stride_pn + offs_r, mask=mask_r)
-    tl.store(row + (L + offs_r) * stride_cd, k_pe.to(cache_ty), mask=mask_r)
+from kernels.dispatch import next_power_of_2, resolve_impl
 
 
 def _check(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
@@ -68,6 +34,8 @@ def _check(latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slo
 def _store_kv_triton(
     latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    from kernels.jit import kv_store as jit
+
     # (1) check (2) nothing to allocate (3) launch
     _check(latent, k_pe, kv_cache, slot_mapping)
     n, lat, rope = latent.shape[0], latent.shape[1], k_pe.shape[1]
@@ -77,7 +45,7 @@ def _store_kv_triton(
         latent = latent.contiguous()
     if k_pe.stride(1) != 1:
         k_pe = k_pe.contiguous()
-    store_kv_kernel[(n,)](
+    jit.store_kv_kernel[(n,)](
         latent,
         k_pe,
         kv_cache,
@@ -88,8 +56,8 @@ def _store_kv_triton(
         kv_cache.shape[1],
         L=lat,
         R=rope,
-        BLOCK_L=triton.next_power_of_2(lat),
-        BLOCK_R=triton.next_power_of_2(rope),
+        BLOCK_L=next_power_of_2(lat),
+        BLOCK_R=next_power_of_2(rope),
     )
 
 

@@ -15,43 +15,9 @@ of two, masked), so the mean of squares is one reduction.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels import native
-from kernels.dispatch import resolve_impl
-
-
-@triton.jit
-def rms_norm_kernel(
-    x_ptr,  # [M, D]
-    residual_ptr,  # [M, D] or a dummy when HAS_RESIDUAL is false
-    weight_ptr,  # [D]
-    out_ptr,  # [M, D]
-    sum_ptr,  # [M, D] x + residual out, or a dummy
-    stride_xm,
-    stride_rm,
-    stride_om,
-    stride_sm,
-    eps,
-    D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = offs_d < D
-    x = tl.load(x_ptr + row * stride_xm + offs_d, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_rm + offs_d, mask=mask, other=0.0)
-        h = (h + r.to(tl.float32)).to(x.dtype)  # the residual stream is kept in the input dtype
-        tl.store(sum_ptr + row * stride_sm + offs_d, h, mask=mask)
-        h = h.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / D
-    normed = (h * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32)  # HF rounds here
-    w = tl.load(weight_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_d, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+from kernels.dispatch import next_power_of_2, resolve_impl
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -63,6 +29,8 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
 def _rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    from kernels.jit import norm as jit
+
     # (1) check
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -80,7 +48,7 @@ def _rms_norm_triton(
     out2, sum2 = out.view(-1, d), summed.view(-1, d)
     # (3) launch
     if x2.shape[0]:
-        rms_norm_kernel[(x2.shape[0],)](
+        jit.rms_norm_kernel[(x2.shape[0],)](
             x2,
             r2,
             weight,
@@ -93,7 +61,7 @@ def _rms_norm_triton(
             float(eps),
             D=d,
             HAS_RESIDUAL=residual is not None,
-            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_D=next_power_of_2(d),
             num_warps=4 if d <= 4096 else 8,
         )
     return out if residual is None else (out, summed)

@@ -1,0 +1,44 @@
+"""Triton is imported only when a Triton kernel runs (kernels/jit): an engine on the CPU's native
+kernels and torch never maps its compiler into the process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import sys
+import torch
+torch.set_num_threads(1)
+from engine import LLM, SamplingParams
+import services.cli
+llm = LLM(sys.argv[1], dtype="bfloat16", num_threads=1)
+out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=3, temperature=0.0))
+assert len(out[0].token_ids) == 3
+print("triton" in sys.modules, "kernels.jit.norm" in sys.modules)
+"""
+
+
+def test_a_cpu_engine_never_imports_triton(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tiny_model], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["False", "False"]
+
+
+def test_a_triton_launch_imports_its_kernels():
+    import torch
+
+    from kernels.norm import rms_norm
+
+    x, w = torch.randn(3, 32), torch.randn(32)
+    out = rms_norm(x, w, 1e-6, impl="triton")  # under TRITON_INTERPRET (conftest)
+    assert "kernels.jit.norm" in sys.modules
+    torch.testing.assert_close(out, rms_norm(x, w, 1e-6, impl="torch"))
