@@ -321,6 +321,15 @@ Measured on the bench model's MoE (32 experts of 512 x 256, top-4, bf16, 2 cores
 faster from 8 to 512 tokens (up to ~64 per expert), 0.93x at 1024."""
 
 
+PADDED_ROWS_MULTIPLE = 8
+"""The padded path's rows per expert are rounded up to a multiple of this. On CPU every new GEMM
+shape costs oneDNN a primitive: ~1.5 ms to create, and ~170 KB kept in each of its two caches
+(ideep's and oneDNN's, 1024 entries each). Unrounded, a decode batch's largest expert load takes
+almost any value from step to step, so the caches filled with one-off shapes. Bench model bf16,
+256 x 256-token prefill + 64 decode tokens, run twice: 13.3 / 22.4 s against 14.3 / 23.1 s, heap
+in use 297 against 333 MiB, peak RSS 1,598 against 1,674 MiB."""
+
+
 def _padded_pays(counts: list[int], num_pairs: int, device: torch.device) -> bool:
     """Whether every expert, padded to the largest count, should run as two batched GEMMs instead
     of a loop of per-expert ones: when the loads are even (little padded compute), or, on CPU,
@@ -338,7 +347,7 @@ def _fused_moe_padded(x, w13, w2, counts, token_of, weight_of, out) -> torch.Ten
     all experts as two batched GEMMs instead of a loop of small ones. Same per-expert arithmetic as
     the loop; up to WX_ROWS rows per expert are taken as w @ x^T, which reads each weight once
     (see kernels/linear.py)."""
-    num_experts, cap = len(counts), max(counts)
+    num_experts, cap = len(counts), cdiv(max(counts), PADDED_ROWS_MULTIPLE) * PADDED_ROWS_MULTIPLE
     counts_t = torch.tensor(counts, device=x.device)
     starts = torch.cumsum(counts_t, 0) - counts_t
     expert_of = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts_t)
