@@ -387,7 +387,7 @@ class EngineCore:
             raise
         self.step_count += 1
         self._after_forward()
-        self.heap.maybe_trim()
+        self.heap.maybe_trim(prefilled=any(not it.is_decode for it in sched.scheduled))
         now = time.monotonic()
         outputs = []
         for item in sched.scheduled:

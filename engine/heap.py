@@ -69,10 +69,17 @@ CHECK_INTERVAL_S = 1.0
 """Least time between two looks at how much of the heap lies free."""
 
 
+PREFILL_END_LIMIT = 32 << 20
+"""When the prompts stop (a step without one after steps with some), their temporaries are no
+longer needed: free heap above this goes back then, still at most once per min_interval_s. The
+decode steps that follow need little of it, and the cache grows under them to the run's peak."""
+
+
 class HeapTrimmer:
     """After each step, `maybe_trim()` returns the heap's free pages to the system when more
-    than `limit_bytes` of it lie free, at most once per `min_interval_s`, looking at most once per
-    `check_interval_s`. limit_bytes 0 turns it off."""
+    than `limit_bytes` of it lie free, or PREFILL_END_LIMIT after the last of a run of prefill
+    steps, at most once per `min_interval_s`, looking at most once per `check_interval_s` (and
+    when the prefills end). limit_bytes 0 turns it off."""
 
     def __init__(
         self,
@@ -85,6 +92,7 @@ class HeapTrimmer:
         self.check_interval_s = check_interval_s
         self._last = -float("inf")
         self._last_check = -float("inf")
+        self._prefilling = False
         self._libc = _glibc() if limit_bytes > 0 else None
         self.trims = 0
         """How many times free memory was handed back."""
@@ -99,17 +107,19 @@ class HeapTrimmer:
         """Bytes the allocator holds free in its heaps (0 where it cannot tell)."""
         return self._libc.mallinfo2().fordblks if self._libc is not None else 0
 
-    def maybe_trim(self) -> bool:
+    def maybe_trim(self, prefilled: bool = False) -> bool:
+        """After a step; prefilled: it ran prompt tokens. -> whether free heap went back."""
+        prefills_ended, self._prefilling = self._prefilling and not prefilled, prefilled
         now = time.monotonic()
         if (
             self._libc is None
             or now - self._last < self.min_interval_s
-            or now - self._last_check < self.check_interval_s
+            or (now - self._last_check < self.check_interval_s and not prefills_ended)
         ):
             return False
         self._last_check = now
         free = self.free_bytes()
-        if free <= self.limit:
+        if free <= (min(self.limit, PREFILL_END_LIMIT) if prefills_ended else self.limit):
             return False
         self._libc.malloc_trim(0)
         self._last = now

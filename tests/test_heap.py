@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.heap import HeapTrimmer
+from engine.heap import PREFILL_END_LIMIT, HeapTrimmer
 
 # In a fresh interpreter, so the heap and the resident size are this script's alone: freeing one
 # 24 MiB block raises glibc's mmap threshold, so forty 8 MiB blocks then come from the heap; all
@@ -63,6 +63,21 @@ def test_trims_are_spaced_in_time():
     assert trimmer.free_bytes() > 1
     assert not trimmer.maybe_trim(), "a second trim within the interval"
     assert trimmer.trims == 1
+
+
+def test_free_heap_goes_back_when_the_prefills_end():
+    """Below the limit, free heap stays while prompts run; once a step runs none after steps that
+    did, what lies free above PREFILL_END_LIMIT goes back at once (the check interval waived)."""
+    trimmer = HeapTrimmer(1 << 40, min_interval_s=0, check_interval_s=3600)
+    junk = [bytearray(1 << 16) for _ in range(800)]  # 50 MiB in 64 KiB blocks: from the heap
+    last = junk[-1]  # keeps the freed ones below the heap's top
+    del junk
+    assert trimmer.free_bytes() > PREFILL_END_LIMIT
+    assert not trimmer.maybe_trim(prefilled=True), "below the limit while prompts run"
+    assert not trimmer.maybe_trim(prefilled=True)
+    assert trimmer.maybe_trim(prefilled=False), "the prefills ended"
+    assert not trimmer.maybe_trim(prefilled=False), "once per end of prefills"
+    assert trimmer.trims == 1 and len(last) == 1 << 16
 
 
 def test_the_heap_is_looked_at_once_per_check_interval(monkeypatch):
