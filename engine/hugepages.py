@@ -84,7 +84,10 @@ def huge_zeros(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cpu":
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    raw = torch.frombuffer(mmap.mmap(-1, _span(nbytes) + HUGE_PAGE), dtype=torch.uint8)  # holds the mapping
+    # Private: a shared anonymous mapping (mmap's default) is shmem, which gets no huge pages
+    # where /sys/kernel/mm/transparent_hugepage/shmem_enabled is "never", the default.
+    mapping = mmap.mmap(-1, _span(nbytes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
     return _advised(raw, nbytes)
 
 

@@ -32,6 +32,29 @@ def advised_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
+def thp_on() -> bool:
+    """Transparent huge pages for regions that ask (madvise) or for all (always)."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds t, in bytes."""
+    current = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                current = start <= t.data_ptr() < end
+            elif current and line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def advised(t: torch.Tensor) -> bool:
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     return any(start <= lo and hi <= end for start, end in advised_ranges())
@@ -77,6 +100,8 @@ def test_huge_zeros_is_zero_and_resident_only_where_written():
     assert 2 * 4096 <= resident_bytes(t) <= 2 * HUGE_PAGE + 4096
     assert int(t[5 * HUGE_PAGE + 7]) == 1 and int(t[-1]) == 2
     assert not t[5 * HUGE_PAGE : 5 * HUGE_PAGE + 7].any() and not t[-HUGE_PAGE:-1].any()
+    if thp_on():  # on huge pages (a shared mapping, shmem, gets none by default)
+        assert huge_page_bytes(t) >= HUGE_PAGE
     garbage = torch.full((1 << 16,), 7, dtype=torch.uint8)
     del garbage  # a freed heap chunk a plain allocation could reuse
     assert not huge_zeros(1 << 16).any() and not huge_zeros(3 * HUGE_PAGE).any()
