@@ -7,12 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import llguidance
+    import torch
 
     from engine.kv_cache.export import ExportOptions
 
@@ -99,6 +98,8 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
+            import torch  # here: the router builds its outputs from this module without torch
+
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [None]  # the first prompt token has no prediction

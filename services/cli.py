@@ -50,6 +50,11 @@ SAMPLING_FLAGS: dict[str, dict] = {
 }
 
 
+def model_name(path: str) -> str:
+    """The served model name: the model folder's name."""
+    return Path(path).resolve().name
+
+
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative", default=None, choices=["mtp"], help="speculative decoding with the MTP layer"
@@ -214,7 +219,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.parallel.groups import GroupConfig
-    from services.worker.server import WorkerServerConfig, model_name, serve
+    from services.worker.server import WorkerServerConfig, serve
     from services.worker.settings import WorkerSettings
 
     if args.dp < 1 or (args.ep is not None and args.ep < 1):
@@ -278,7 +283,6 @@ def cmd_router(args: argparse.Namespace) -> int:
     from services.router.core import RouterSettings
     from services.router.policy import RoutingConfig
     from services.router.server import RouterServerConfig, serve
-    from services.worker.server import model_name
 
     if not args.registry and not args.workers:
         raise ValueError("give --registry redis://... or --workers host:port,...")

@@ -308,7 +308,3 @@ async def _watch_engine(engine: AsyncEngine, stall_timeout_s: float) -> None:
             return
         await asyncio.sleep(min(0.5, stall_timeout_s / 4))
     logger.error("engine thread stopped: %s", engine.error)
-
-
-def model_name(path: str) -> str:
-    return Path(path).resolve().name

@@ -1,5 +1,6 @@
-"""Triton is imported only when a Triton kernel runs (kernels/jit): an engine on the CPU's native
-kernels and torch never maps its compiler into the process."""
+"""Heavy imports only where they run: triton only when a Triton kernel runs (kernels/jit), so an
+engine on the CPU's native kernels and torch never maps its compiler; torch never in the router,
+which moves token ids and text (~190 MiB less resident per router)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ def test_a_cpu_engine_never_imports_triton(tiny_model):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tiny_model], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SCRIPT, tiny_model],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["False", "False"]
@@ -42,3 +48,18 @@ def test_a_triton_launch_imports_its_kernels():
     out = rms_norm(x, w, 1e-6, impl="triton")  # under TRITON_INTERPRET (conftest)
     assert "kernels.jit.norm" in sys.modules
     torch.testing.assert_close(out, rms_norm(x, w, 1e-6, impl="torch"))
+
+
+def test_the_router_never_imports_torch(serving_stack):
+    """After start-up and a streamed completion, the router process has not mapped libtorch."""
+    from pdserve.v1 import inference_pb2 as pb
+    from tests.service_testing import inference
+
+    stub = inference(serving_stack)
+    request = pb.GenerateRequest(
+        text="hello there", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+    )
+    assert sum(len(m.token_ids) for m in stub.Generate(request, timeout=60)) == 3
+    router = next(p for p in serving_stack.procs if p.name == "router")
+    with open(f"/proc/{router.popen.pid}/maps") as f:
+        assert not any("libtorch" in line for line in f)
