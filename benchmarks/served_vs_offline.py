@@ -157,8 +157,8 @@ def served_rates(args, prompts: list[list[int]]) -> tuple[Rates, list[int], dict
     process and of the client, over all rounds). Decode tok/s of a round = C / the streams'
     median time per piece after their first (the batch the decode worker runs once every stream
     is in; the whole-workload rate also counts the prefill worker taking the C prompts in)."""
+    from services.cli import model_name
     from services.launcher import Stack, StackConfig
-    from services.worker.server import model_name
 
     cfg = StackConfig(
         model=args.model,
