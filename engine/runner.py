@@ -214,9 +214,10 @@ class ModelRunner:
         """A decode step that runs all its work in the native kernels (attention, products,
         experts, LM head): up to NATIVE_MAX_BATCH tokens (batch 1, a speculative verification),
         each layer in its one-call kernels, or a step the model runs as one native call
-        (runs_in_one_call: up to 32 tokens where the attention runs on the AMX tile unit). They
-        share it over their own pool, whose caller never waits on a helper that is not running,
-        and torch's few small ops in it (the logits' argmax, an index) stay on one thread.
+        (runs_in_one_call: up to native.max_rows() tokens where the attention runs on the AMX
+        tile unit). They share it over their own pool, whose caller never waits on a helper that
+        is not running, and torch's few small ops in it (the logits' argmax, an index) stay on
+        one thread.
         Other steps leave it to torch's OpenMP threads: the two pools spinning at once on the same
         cores starve each other (kernels/native/common.h has the figures; an MTP step's argmax
         over 2 rows of logits woke OpenMP's threads and cost the native calls after it 160 µs).

@@ -267,15 +267,15 @@ def _fused_moe_loop(x, w13, w2, topk_weights, topk_ids, out) -> torch.Tensor:
 
 
 NATIVE_PAIRS_PER_EXPERT = 2
-NATIVE_PAIRS_PER_EXPERT_AMX = 16
+NATIVE_PAIRS_PER_EXPERT_AMX = 64
 """Up to this many (token, expert) pairs per expert on average, the few-token path runs them in
 the native kernel (kernels/native moe_pairs: each loaded expert's weights read once for its
 tokens, experts over both threads) instead of the padded batched GEMMs. Bench model's MoE (32
 experts of 512 x 256, top-4, bf16, weights out of cache, 2-core Xeon) at 8 / 16 / 32 / 64 tokens
 (1 / 2 / 4 / 8 pairs per expert): VDPBF16PS products 1.69 / 2.53 / 4.45 / 6.00 ms against the
 padded GEMMs' 2.90 / 3.08 / 3.19 / 3.47 (from 4 rows per expert they turn compute-bound); AMX
-products 1.56 / 1.63 / 2.22 / 2.67 against 2.70 / 3.01 / 2.91 / 3.58, and at 128 / 256 tokens
-3.92 / 6.28 against 5.10 / 5.19."""
+products (x packed once per product) at 64 / 128 / 256 / 512 tokens 1.40 / 1.75 / 2.73 / 4.56
+against 1.99 / 2.40 / 3.10 / 5.98."""
 
 
 def native_pairs_per_expert() -> int:

@@ -99,10 +99,15 @@ def test_each_row_is_bitwise_the_one_row_product(loaded, products):
         return
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(native.max_rows(), 192, generator=gen).bfloat16()  # K = 6 tile steps on AMX
-    w = torch.randn(3, 40, 192, generator=gen).bfloat16()
-    together = native.linear_bf16(x.expand(3, -1, -1), w)
-    for i in range(native.max_rows()):
-        assert torch.equal(together[:, i : i + 1], native.linear_bf16(x[i : i + 1].expand(3, -1, -1), w))
+    # Three small products in one call; one wide enough to be cut into chunks shared over the
+    # threads, each chunk taking every 32-row pass of x (AMX) from one packing.
+    for w in (torch.randn(3, 40, 192, generator=gen), torch.randn(1, 2080, 192, generator=gen)):
+        w = w.bfloat16()
+        heads = w.shape[0]
+        together = native.linear_bf16(x.expand(heads, -1, -1), w)
+        for i in range(native.max_rows()):
+            alone = native.linear_bf16(x[i : i + 1].expand(heads, -1, -1), w)
+            assert torch.equal(together[:, i : i + 1], alone)
 
 
 def test_strided_rows_and_views(loaded):
@@ -897,10 +902,10 @@ def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
     cfg, model = _small_model(False, 7, rope=32)
     if not loaded:
         return
-    seqs, block_size = 12, 16
+    seqs, block_size = 40, 16  # two 32-row passes of every product on the tile unit
     gen = torch.Generator().manual_seed(3)
     caches = [
-        torch.randn(seqs * 5 + 2, block_size, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
+        torch.randn(seqs * 16 + 2, block_size, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
     ]
     batch = _decode_batch(seqs, 1, block_size, caches[0].shape[0], cfg.vocab_size, gen)
     one_call = model.runs_in_one_call(batch, caches)

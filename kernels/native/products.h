@@ -170,34 +170,33 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt
   }
 }
 
-// x rows [m0, m0 + rows) (rows <= AMX_M) as xt[k / 2][m][2], rows past `rows` zero.
-inline void pack_pairs(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, std::vector<uint32_t>& xt) {
-  xt.assign((K / 2) * AMX_M, 0u);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t i = 0; i < K / 2; ++i) std::memcpy(&xt[i * AMX_M + m], x + m * ldx + 2 * i, 4);  // (x[2i], x[2i+1])
+// x rows [0, M) as passes of AMX_M rows, each pass xt[k / 2][m][2] (rows past M in the last
+// pass zero): pass p starts at xt + p * (K / 2) * AMX_M.
+inline void pack_pairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, std::vector<uint32_t>& xt) {
+  const int64_t passes = (M + AMX_M - 1) / AMX_M, pass_size = (K / 2) * AMX_M;
+  xt.assign(passes * pass_size, 0u);
+  for (int64_t m = 0; m < M; ++m) {
+    uint32_t* dst = xt.data() + (m / AMX_M) * pass_size + m % AMX_M;
+    for (int64_t i = 0; i < K / 2; ++i) std::memcpy(&dst[i * AMX_M], x + m * ldx + 2 * i, 4);  // (x[2i], x[2i+1])
+  }
 }
 
 // Whether columns of a product with inner dimension K run on the tile unit (whole AMX_N steps).
 inline bool amx_takes(int64_t K) { return g_amx && K % AMX_K == 0; }
 
 // Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (amx_takes, whole
-// 32-column steps), `columns` for the rest. xt: x already packed by pack_pairs (M <= AMX_M), or
-// null to pack here.
+// 32-column steps), `columns` for the rest. xt: x already packed by pack_pairs, or null to pack
+// here.
 void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy, int64_t M,
              int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr) {
   const int64_t n_amx = amx_takes(K) ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
   if (n_amx > n0) {
     amx_configure();
-    if (xt != nullptr && M <= AMX_M) {
-      amx_columns(xt, w, ldw, y, ldy, M, K, n0, n_amx);
-    } else {
-      std::vector<uint32_t> packed;
-      for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
-        const int64_t rows = std::min(AMX_M, M - m0);
-        pack_pairs(x + m0 * ldx, ldx, rows, K, packed);
-        amx_columns(packed.data(), w, ldw, y + m0 * ldy, ldy, rows, K, n0, n_amx);
-      }
-    }
+    std::vector<uint32_t> packed;
+    if (xt == nullptr) pack_pairs(x, ldx, M, K, packed), xt = packed.data();
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_M)  // a chunk's weight columns stay in cache for the next pass
+      amx_columns(xt + (m0 / AMX_M) * (K / 2) * AMX_M, w, ldw, y + m0 * ldy, ldy, std::min(AMX_M, M - m0), K, n0,
+                  n_amx);
   }
   if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
 }
@@ -206,17 +205,20 @@ void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
 // strides, so this file needs neither torch's tensor headers nor their build time. B products
 // y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
 // otherwise), their columns shared over the threads together in chunks of whole AMX steps; on
-// the tile unit, each x[b] is packed once before.
+// the tile unit, each x[b] is packed once before (all its rows).
 void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
                  int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
   const int64_t steps = (N + AMX_N - 1) / AMX_N;  // a chunk is whole 32-column steps
-  std::vector<std::vector<uint32_t>> packed(amx_takes(K) && M <= AMX_M && N >= AMX_N ? B : 0);
+  std::vector<std::vector<uint32_t>> packed(amx_takes(K) && N >= AMX_N ? B : 0);
   for (int64_t b = 0; b < int64_t(packed.size()); ++b) pack_pairs(x + b * x_batch, ldx, M, K, packed[b]);
   const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (AMX_N * K * 2));  // steps per chunk
-  maybe_parallel(B * steps, chunk, B * N * K * 2, [&](int64_t i0, int64_t i1) {
+  // Up to AMX_M rows a product costs reading its weight; each further pass of AMX_M rows costs
+  // about as much again in arithmetic, so the threads start as if that much more were read.
+  const int64_t passes = (M + AMX_M - 1) / AMX_M;
+  maybe_parallel(B * steps, chunk, B * N * K * 2 * passes, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
       const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
       product(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, M, K, s0 * AMX_N,
