@@ -92,6 +92,10 @@ def test_worker_metrics_count_what_moved(stack):
         assert metric(scraped[name], "pdserve_kv_transfers_total", transport="nixl") > 0
         assert metric(scraped[name], "pdserve_kv_transfers_total", transport="grpc") == 0
         assert metric(scraped[name], "pdserve_inter_token_latency_seconds_count") > 0
+        # the router's outputs from each decode worker come on one subscription, not a stream per call
+        assert metric(scraped[name], "pdserve_decode_subscriptions") == 1
+    for name in ("prefill-0", "prefill-1"):
+        assert metric(scraped[name], "pdserve_decode_subscriptions") == 0
 
 
 def test_a_shared_prefix_goes_back_to_the_rank_that_cached_it(stack, offline):

@@ -463,3 +463,189 @@ def test_drain_needs_the_token_then_stops_the_worker_gracefully(workers):
     reader.join(timeout=30)
     assert len(tokens + rest) == 60
     assert w.colocated.popen.wait(timeout=15) == 0
+
+
+# ---- Decode subscriptions: one stream for many calls' outputs, a message per step -----------------
+
+
+def _subscribe(stub: wgrpc.WorkerStub):
+    """-> (the Subscribe call, its id)."""
+    call = stub.Subscribe(wpb.SubscribeRequest(), timeout=120)
+    first = next(call)
+    assert first.subscription_id and not first.outputs
+    return call, first.subscription_id
+
+
+def _until_finished(call, labels: set[str]) -> tuple[list[wpb.DecodeOutputs], dict[str, list[int]]]:
+    """Read a subscription until every label's last message (the one with usage) came."""
+    msgs, tokens, left = [], {label: [] for label in labels}, set(labels)
+    while left:
+        msg = next(call)
+        msgs.append(msg)
+        for out in msg.outputs:
+            tokens[out.request_id].extend(out.token_ids)
+            if out.HasField("usage"):
+                left.discard(out.request_id)
+    return msgs, tokens
+
+
+def test_subscribed_decodes_send_their_outputs_per_step_on_one_stream(workers):
+    """Two Decode calls naming one subscription: each call's stream ends without a message once its
+    request finished, and the subscription carries their tokens (equal to each call's own stream),
+    both requests' outputs in one message for the steps they shared, each last one with usage."""
+    w = workers
+    stub = worker(w.decode.endpoint, TOKEN)
+    prompts = {"a": _prompt(7, 30), "b": _prompt(8, 45)}
+    sampling = pb.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long enough to overlap
+
+    def own_stream(label: str, prompt: list[int]) -> list[int]:
+        req = wpb.DecodeRequest(request_id=label, prompt_token_ids=prompt, sampling=sampling)
+        return [t for m in stub.Decode(req, timeout=60) for t in m.token_ids]
+
+    alone = {label: own_stream(label, prompt) for label, prompt in prompts.items()}
+    sub, sid = _subscribe(stub)
+    try:
+        with futures.ThreadPoolExecutor(2) as pool:
+            calls = [
+                pool.submit(
+                    lambda label, prompt: list(
+                        stub.Decode(
+                            wpb.DecodeRequest(
+                                request_id=label,
+                                prompt_token_ids=prompt,
+                                sampling=sampling,
+                                subscription_id=sid,
+                            ),
+                            timeout=60,
+                        )
+                    ),
+                    label,
+                    prompt,
+                )
+                for label, prompt in prompts.items()
+            ]
+            msgs, tokens = _until_finished(sub, set(prompts))
+            assert [c.result(timeout=30) for c in calls] == [[], []]  # nothing on the calls themselves
+    finally:
+        sub.cancel()
+    assert tokens == alone
+    assert any({o.request_id for o in m.outputs} == {"a", "b"} for m in msgs)  # steps they shared
+    assert sum(len(m.outputs) for m in msgs) > len(msgs)
+    assert wait_until(lambda: _all_free(w.decode.endpoint, DECODE_BLOCKS), 10)
+
+
+def test_subscriptions_refuse_unknown_ids_missing_or_busy_labels_and_too_many(workers):
+    from services.worker.subscriptions import MAX_PER_CALLER
+
+    w = workers
+    stub = worker(w.decode.endpoint, TOKEN)
+    prompt = _prompt(9, 20)
+
+    def decode(sid: str, label: str, tokens: int = 8):
+        sampling = pb.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        req = wpb.DecodeRequest(
+            request_id=label, prompt_token_ids=prompt, sampling=sampling, subscription_id=sid
+        )
+        return stub.Decode(req, timeout=60)
+
+    with pytest.raises(grpc.RpcError) as e:
+        list(decode("0" * 32, "x"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    subs = [_subscribe(stub) for _ in range(MAX_PER_CALLER)]
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            _subscribe(stub)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(MAX_PER_CALLER) in e.value.details()
+        call, sid = subs[0]
+        with pytest.raises(grpc.RpcError) as e:
+            list(decode(sid, ""))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+        running = decode(sid, "busy", tokens=400)
+        assert next(call).outputs[0].request_id == "busy"  # it runs
+        with pytest.raises(grpc.RpcError) as e:
+            list(decode(sid, "busy"))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "busy" in e.value.details()
+        running.cancel()  # the running call's request is aborted
+    finally:
+        for call, _ in subs:
+            call.cancel()
+    assert wait_until(lambda: _all_free(w.decode.endpoint, DECODE_BLOCKS), 10)
+    _subscribe(stub)[0].cancel()  # the closed ones no longer count
+
+
+def test_a_subscription_that_ends_fails_its_calls_and_frees_their_blocks(workers):
+    w = workers
+    stub = worker(w.decode.endpoint, TOKEN)
+    sub, sid = _subscribe(stub)
+    sampling = pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    call = stub.Decode(
+        wpb.DecodeRequest(
+            request_id="r", prompt_token_ids=_prompt(10, 30), sampling=sampling, subscription_id=sid
+        ),
+        timeout=60,
+    )
+    assert next(sub).outputs[0].request_id == "r"  # it runs
+    sub.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "subscription" in e.value.details()
+    assert wait_until(lambda: _all_free(w.decode.endpoint, DECODE_BLOCKS), 10)
+
+
+def test_the_routers_subscription_against_the_worker(workers):
+    """The router's end (services/router/subscription.py) against a real decode worker: the
+    outputs of a call that names it reach the generation's queue, the same tokens as a call's own
+    stream; a worker without Subscribe (UNIMPLEMENTED) makes it stand aside."""
+    from services.common.grpc_utils import channel
+    from services.common.security import Security
+    from services.router.subscription import DecodeSubscription
+
+    w = workers
+    prompt = _prompt(11, 30)
+
+    async def scenario() -> list[int]:
+        ch = channel(w.decode.endpoint, Security(token=TOKEN))
+        stub = wgrpc.WorkerStub(ch)
+        subscription = DecodeSubscription(stub, w.decode.endpoint)
+        try:
+            sid, queue = await subscription.join("g1")
+            req = wpb.DecodeRequest(
+                request_id="g1", prompt_token_ids=prompt, sampling=GREEDY, subscription_id=sid
+            )
+            assert [m async for m in stub.Decode(req, timeout=60)] == []
+            tokens = []
+            while True:
+                out = await asyncio.wait_for(queue.get(), 30)
+                tokens.extend(out.token_ids)
+                if out.HasField("usage"):
+                    return tokens
+        finally:
+            subscription.leave("g1")
+            await subscription.close()
+            await ch.close()
+
+    assert asyncio.run(scenario()) == _decode(w, "g1", prompt)[0]
+    assert wait_until(lambda: _all_free(w.decode.endpoint, DECODE_BLOCKS), 10)
+
+    class Unimplemented:
+        def Subscribe(self, request):
+            class Call:
+                async def read(self):
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNIMPLEMENTED,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "no such method",
+                    )
+
+                def cancel(self):
+                    pass
+
+            return Call()
+
+    async def older() -> tuple:
+        subscription = DecodeSubscription(Unimplemented(), "older:1")
+        return await subscription.join("g"), subscription.supported
+
+    assert asyncio.run(older()) == (None, False)

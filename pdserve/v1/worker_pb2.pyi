@@ -89,7 +89,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "kv_handle", "sampler_state", "kv_failure_policy", "kv_handle_mac")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "kv_handle", "sampler_state", "kv_failure_policy", "kv_handle_mac", "subscription_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class DecodeRequest(_message.Message):
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_MAC_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _inference_pb2.SamplingParams
@@ -106,7 +107,20 @@ class DecodeRequest(_message.Message):
     sampler_state: bytes
     kv_failure_policy: _inference_pb2.KvFailurePolicy
     kv_handle_mac: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ..., kv_failure_policy: _Optional[_Union[_inference_pb2.KvFailurePolicy, str]] = ..., kv_handle_mac: _Optional[bytes] = ...) -> None: ...
+    subscription_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ..., kv_failure_policy: _Optional[_Union[_inference_pb2.KvFailurePolicy, str]] = ..., kv_handle_mac: _Optional[bytes] = ..., subscription_id: _Optional[str] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeOutputs(_message.Message):
+    __slots__ = ("subscription_id", "outputs")
+    SUBSCRIPTION_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    subscription_id: str
+    outputs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.GenerateResponse]
+    def __init__(self, subscription_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_inference_pb2.GenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/pdserve.v1.Worker/Subscribe',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeOutputs.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.Worker/GetLoad',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
@@ -81,6 +86,17 @@ class WorkerServicer:
 
     def Decode(self, request, context):
         """Generate: pull the KV named by kv_handle (if set) and continue, or run the whole request.
+        With a subscription_id the outputs go to that subscription instead, and the call's stream
+        ends, without a message, once the request has finished (or with its error).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """The outputs of the caller's Decode calls that name this subscription, one message per engine
+        step for all of them (the router keeps one per decode worker instead of a message per token
+        per request). The first message carries only the subscription's id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +133,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SubscribeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeOutputs.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -210,6 +231,33 @@ class Worker:
             '/pdserve.v1.Worker/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/Subscribe',
+            pdserve_dot_v1_dot_worker__pb2.SubscribeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeOutputs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -337,22 +337,66 @@ class RouterCore(Frontend):
         timings: Timings,
         prefilled: bool,
     ):
-        call = w.worker.Decode(req, timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            joined = await w.subscription.join(req.request_id)
+        except grpc.aio.AioRpcError as e:
+            raise self._check_rpc_error(w, e) from None
+        timeout = max(deadline - time.monotonic(), 0.001)
+        if joined is None:  # a worker without subscriptions: the messages come on the call
+            messages = self._streamed(w, req, timeout)
+        else:
+            req.subscription_id, queue = joined
+            messages = self._subscribed(w, req, timeout, queue)
+        async for msg in messages:
+            delta = api_proto.delta_from_proto(msg)
+            if prefilled:
+                delta.prompt_logprobs = None  # the prefill rank sent them
+            if msg.HasField("usage"):
+                usage.completion_tokens = msg.usage.completion_tokens
+                usage.kv_transfer_bytes = msg.usage.kv_transfer_bytes
+                if not prefilled:
+                    usage.cached_tokens = msg.usage.cached_tokens
+                timings.kv_transfer = msg.timings.kv_transfer_ns / 1e9
+                timings.queue = msg.timings.queue_ns / 1e9
+                delta.usage = delta.timings = None
+            yield delta
+
+    async def _streamed(self, w: WorkerHandle, req: wpb.DecodeRequest, timeout: float):
+        call = w.worker.Decode(req, timeout=timeout)
         try:
             async for msg in call:
-                delta = api_proto.delta_from_proto(msg)
-                if prefilled:
-                    delta.prompt_logprobs = None  # the prefill rank sent them
-                if msg.HasField("usage"):
-                    usage.completion_tokens = msg.usage.completion_tokens
-                    usage.kv_transfer_bytes = msg.usage.kv_transfer_bytes
-                    if not prefilled:
-                        usage.cached_tokens = msg.usage.cached_tokens
-                    timings.kv_transfer = msg.timings.kv_transfer_ns / 1e9
-                    timings.queue = msg.timings.queue_ns / 1e9
-                    delta.usage = delta.timings = None
-                yield delta
+                yield msg
         except grpc.aio.AioRpcError as e:
             raise self._check_rpc_error(w, e) from None
         finally:
             call.cancel()  # no-op when finished; otherwise the worker aborts the request
+
+    async def _subscribed(
+        self, w: WorkerHandle, req: wpb.DecodeRequest, timeout: float, queue: asyncio.Queue
+    ):
+        """The call's messages from the worker's subscription (services/router/subscription.py);
+        the call itself only ends, and its error, if any, joins the queue."""
+        call = w.worker.Decode(req, timeout=timeout)
+
+        async def watch() -> None:
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                queue.put_nowait(e)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, grpc.aio.AioRpcError):
+                    raise self._check_rpc_error(w, item) from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.HasField("usage"):  # the request's last message
+                    return
+        finally:
+            call.cancel()  # no-op when finished; otherwise the worker aborts the request
+            watcher.cancel()
+            w.subscription.leave(req.request_id)

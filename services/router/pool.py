@@ -24,6 +24,7 @@ from pdserve.v1 import worker_pb2_grpc as wgrpc
 from services.common.grpc_utils import channel
 from services.common.security import Security
 from services.registry import Registry
+from services.router.subscription import DecodeSubscription
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ class WorkerHandle:
     last_seen: float = 0.0
     last_listed: float = field(default_factory=time.monotonic)
     """When the registry last listed this endpoint (monotonic); dropped once absent past the grace."""
+    subscription: DecodeSubscription = field(init=False)
+    """The worker's Decode outputs, a message per step for all of this router's calls."""
+
+    def __post_init__(self) -> None:
+        self.subscription = DecodeSubscription(self.worker, self.endpoint)
 
     @property
     def role(self) -> str:
@@ -156,6 +162,7 @@ class WorkerPool:
         if self._task is not None:
             self._task.cancel()
         for w in self.workers.values():
+            await w.subscription.close()
             await w.channel.close()
         await self.registry.close()
 

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.client import run_step_loop
 from engine.engine_core import EngineCore
@@ -25,6 +25,16 @@ from services.common.threads import name_os_thread
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class StepSink(Protocol):
+    """Where a request's outputs go instead of a queue (services/worker/subscriptions.py)."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
 _IDLE_WAIT_S = 0.1
 _LOCKSTEP_IDLE_S = 0.002
 """How long an idle rank of a group waits for commands between two (empty) synchronised steps."""
@@ -53,7 +63,7 @@ class AsyncEngine:
         self._fault = parse_fault(fault)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._retrying: list[tuple[Callable[[EngineCore], Any], asyncio.Future]] = []
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, asyncio.Queue | StepSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = asyncio.Event()
@@ -107,6 +117,14 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         return q
+
+    def open_sink(self, request_id: str, sink: StepSink) -> None:
+        """As open_stream, but the request's outputs go to sink.put on the loop, and every sink
+        that got one hears end_step once the step's outputs are all handed over (a subscription
+        sends the step's messages as one)."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._streams[request_id] = sink
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -211,15 +229,28 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._put_all, outputs)
 
     def _put_all(self, outputs: list[RequestOutput]) -> None:  # on the loop
+        sinks: dict[int, StepSink] = {}
         for out in outputs:
-            q = self._streams.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            target = self._streams.get(out.request_id)
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(out)
+            elif target is not None:
+                target.put(out)
+                sinks[id(target)] = target
+        for sink in sinks.values():
+            sink.end_step()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        q = self._streams.get(request_id)
-        if q is not None:
-            self._loop.call_soon_threadsafe(q.put_nowait, item)
+        target = self._streams.get(request_id)
+        if isinstance(target, asyncio.Queue):
+            self._loop.call_soon_threadsafe(target.put_nowait, item)
+        elif target is not None:
+            self._loop.call_soon_threadsafe(self._put_one, target, item)
+
+    @staticmethod
+    def _put_one(sink: StepSink, item: RequestOutput | BaseException) -> None:  # on the loop
+        sink.put(item)
+        sink.end_step()
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):

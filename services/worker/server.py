@@ -178,6 +178,11 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(exports))
+    metrics.gauge(
+        "pdserve_decode_subscriptions",
+        "Open Subscribe streams (a router keeps one per decode worker)",
+        lambda: len(service.subscriptions.all()),
+    )
     if core.connector is not None:
         for gauge in core.connector.gauges():
             metrics.gauge(gauge.name, gauge.help, gauge.read)
@@ -284,6 +289,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     deadline = time.monotonic() + cfg.grace_s
     while code == 0 and engine.num_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    service.end_subscriptions()
     exports.abort_all()
     sweeper.cancel()
     engine_died.cancel()

@@ -37,6 +37,7 @@ from services.worker.kv_export import KvExporter
 from services.worker.kv_import import KvImporter
 from services.worker.outputs import DecodeMessages, observe
 from services.worker.settings import ROLES, WorkerSettings
+from services.worker.subscriptions import Subscriptions
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.exporter = KvExporter(settings, engine, exports, identity)
         self.importer = KvImporter(settings, engine, metrics, self.peers, self.transports, self.background)
         self._tasks: set[asyncio.Task] = set()
+        self.subscriptions = Subscriptions()
 
     def engine_ready(
         self, kv_spec: KVCacheSpec, port: KVPort | None = None, agent: NixlAgent | None = None
@@ -204,6 +206,28 @@ class WorkerService(wgrpc.WorkerServicer):
             finally:
                 self.engine.close_stream(rid)
 
+    async def Subscribe(self, request: wpb.SubscribeRequest, context):
+        """One caller's Decode outputs, a message per engine step (services/worker/subscriptions.py)."""
+        self._admit("decode", "colocated")
+        sub = self.subscriptions.open(caller_key(context.peer()))
+        try:
+            yield wpb.DecodeOutputs(subscription_id=sub.id)
+            while (msg := await sub.queue.get()) is not None:
+                while not sub.queue.empty():  # steps that went out together go in one message
+                    more = sub.queue.get_nowait()
+                    if more is None:
+                        yield msg
+                        return
+                    msg.outputs.extend(more.outputs)
+                yield msg
+        finally:
+            self.subscriptions.close(sub)
+
+    def end_subscriptions(self) -> None:
+        """Graceful stop, once no call is left: every Subscribe stream sends what it holds and ends."""
+        for sub in self.subscriptions.all():
+            self.subscriptions.close(sub)
+
     async def Decode(self, request: wpb.DecodeRequest, context):
         self._admit("decode", "colocated")
         handle = request.kv_handle if request.HasField("kv_handle") else None
@@ -215,9 +239,16 @@ class WorkerService(wgrpc.WorkerServicer):
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_from_proto(request.sampling)
         start = time.monotonic()
-        stream = self.engine.open_stream(rid)
         kv_bytes, kv_seconds, released = 0, 0.0, handle is None
+        member = None  # the call's place in the subscription it names, if it names one
+        if request.subscription_id:
+            sub = self.subscriptions.get(request.subscription_id, caller_key(context.peer()))
+            member = sub.join(request.request_id)
         try:
+            if member is None:
+                stream = self.engine.open_stream(rid)
+            else:
+                self.engine.open_sink(rid, member)
             if handle is None:
                 await self.engine.call(lambda core: core.add_request(rid, prompt, params))
             else:
@@ -230,6 +261,10 @@ class WorkerService(wgrpc.WorkerServicer):
             messages = DecodeMessages(
                 self.metrics, label, handle is not None, len(prompt), kv_bytes, kv_seconds, start
             )
+            if member is not None:  # the messages go to the subscription; this call ends with the request
+                member.start(messages.message)
+                await member.done
+                return
             while True:
                 batch = [await stream.get()]
                 while not stream.empty():  # tokens that are ready together go in one message
@@ -245,3 +280,5 @@ class WorkerService(wgrpc.WorkerServicer):
             raise
         finally:
             self.engine.close_stream(rid)
+            if member is not None:
+                member.subscription.leave(member)
