@@ -237,14 +237,25 @@ class ModelRunner:
         self._share_native_work(batch)
         filling = self._grammar_bitmask(items, sample_rows)
         hidden = self.model(batch, self.kv_caches)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
         out = RunnerOutput()
-
         samplers = [
             (it, row)
             for it, row in zip(items, sample_rows, strict=True)
             if row >= 0 and not it.draft_token_ids
         ]
+        if (
+            filling is None
+            and len(samplers)
+            == len(batch.logits_indices)  # every logits row samples: no drafts, prompt logprobs
+            and self.sampler.only_argmax([it.request for it, _ in samplers])
+        ):  # the common greedy step: the argmax of each row's bf16 logits, nothing widened
+            tokens = self.model.greedy_tokens(hidden[batch.logits_indices], self.sampler.vocab_size)
+            for (it, _), token in zip(samplers, tokens, strict=True):
+                out.sampled[it.request.request_id] = [token]
+            if self.spec is not None:
+                draft_with_mtp(self, items, batch, hidden, out)
+            return out
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
         # Structured output: one bitmask for every constrained row of the step, the sampled rows
         # and each speculating request's verification rows (masked here: the sampler masks its own
         # rows after taking their raw logprobs).

@@ -86,13 +86,7 @@ class Sampler:
         )  # [len(wants_logprobs), V]
         if bitmask is not None:
             bitmask.apply(logits)
-        if (
-            not masks
-            and not biased
-            and not uses_penalties
-            and not wants_logprobs
-            and all(p.greedy for p in params)
-        ):
+        if not masks and all(_plain_greedy(p) for p in params):
             # The common greedy-decode step: one argmax, nothing else built.
             return SamplerOutput(token_ids=argmax(logits).tolist(), logprobs=[None] * len(rows))
 
@@ -122,6 +116,13 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
+    def only_argmax(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether sampling these rows (without a bitmask) is each row's argmax over the first
+        vocab_size logits and nothing else: greedy, no logprobs, biases, penalties or min_tokens
+        mask. The model runner then takes the argmax from the bf16 logits (DeepseekV2ForCausalLM
+        greedy_tokens), the same tokens as this sampler's."""
+        return all(_plain_greedy(row.params) for row in rows) and not self._min_tokens_masks(rows)
+
     def _min_tokens_masks(self, rows: Sequence[SamplingRow]) -> list[tuple[int, int]]:
         """(row, token) pairs to mask: the stop tokens of rows still short of min_tokens.
 
@@ -146,6 +147,10 @@ def _apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, fl
         [v for _, bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device
     )
     logits[rows, cols] += values
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return p.greedy and p.logprobs is None and not p.logit_bias and not _has_penalties(p)
 
 
 def _has_penalties(p: SamplingParams) -> bool:

@@ -126,3 +126,25 @@ def test_batch_invariance_greedy_and_seeded(tiny_model):
     free = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     a, b = (llm.generate(prompt_token_ids=[target], sampling_params=free)[0].token_ids for _ in range(2))
     assert a != b
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_runners_own_argmax_gives_the_samplers_tokens(tiny_model, monkeypatch, dtype):
+    """A step whose every row is plain greedy takes each row's argmax from the model
+    (greedy_tokens: from the bf16 logits, natively, where it can) instead of the sampler's over
+    float32 logits: the same tokens either way, prefills and decodes, alone and batched."""
+    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from engine.sampler import Sampler
+
+    llm = _llm(tiny_model, dtype=dtype)
+    prompts = _prompts(9, seed=3)
+    rows = []
+    own = DeepseekV2ForCausalLM.greedy_tokens
+    monkeypatch.setattr(
+        DeepseekV2ForCausalLM, "greedy_tokens", lambda self, h, v: rows.append(h.shape[0]) or own(self, h, v)
+    )
+    fast = _tokens(llm, prompts)
+    assert sum(rows) == 9 * GREEDY.max_tokens and max(rows) == 9  # every token, batched
+    monkeypatch.setattr(Sampler, "only_argmax", lambda self, rows: False)
+    assert _tokens(llm, prompts) == fast
+    assert sum(rows) == 9 * GREEDY.max_tokens  # the sampler took them all this time

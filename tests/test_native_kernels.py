@@ -110,6 +110,30 @@ def test_each_row_is_bitwise_the_one_row_product(loaded, products):
             assert torch.equal(together[:, i : i + 1], alone)
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 15), (5, 16), (7, 17), (33, 1000), (4, 32000)], ids=str)
+def test_argmax_is_torch_max_with_ties_nans_and_infinities(loaded, rows, vocab):
+    """argmax_bf16 answers as torch.max(dim=-1) over the widened logits (what the sampler took):
+    the first of equal values, the first NaN before anything, index 0 in a row of -inf."""
+    if not loaded:
+        assert not native.loaded()
+        return
+    gen = torch.Generator().manual_seed(rows * vocab)
+    cases = [
+        torch.randn(rows, vocab, generator=gen),
+        torch.randint(-3, 3, (rows, vocab), generator=gen).float(),  # many ties
+        torch.full((rows, vocab), float("-inf")),
+    ]
+    nans = torch.randint(-3, 3, (rows, vocab), generator=gen).float()
+    nans[:, vocab // 2] = float("nan")
+    nans[:, -1] = float("nan")
+    cases.append(nans)
+    wide = torch.randn(rows, vocab + 40, generator=gen)  # a padded LM head's columns, cut off: row stride
+    for x in [c.bfloat16() for c in cases] + [wide.bfloat16()[:, :vocab]]:
+        assert torch.equal(native.argmax_bf16(x), x.float().max(dim=-1).indices)
+    with pytest.raises(ValueError, match=r"\[R, V\] CPU bfloat16"):
+        native.argmax_bf16(torch.zeros(2, 3))
+
+
 def test_strided_rows_and_views(loaded):
     """x rows with a row stride (a slice of a wider tensor), and per-head views with a batch
     stride, as MLAttention passes them."""

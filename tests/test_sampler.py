@@ -483,3 +483,30 @@ def test_argmax_is_torch_argmax_with_ties_and_nans():
         rows = logits.to(dtype)
         assert torch.equal(argmax(rows), rows.argmax(dim=-1))
     assert argmax(logits)[0] == 7 and argmax(logits)[1] == 40 and argmax(logits)[2] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, plain",
+    [
+        ({"temperature": 0.0}, True),
+        ({"temperature": 0.0, "ignore_eos": True, "max_tokens": 9}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0.0, "logprobs": 2}, False),
+        ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+        ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+        ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
+        ({"temperature": 0.0, "min_tokens": 4}, False),  # EOS masked for now: not one argmax
+    ],
+    ids=str,
+)
+def test_only_argmax_says_when_the_step_is_one_argmax(kwargs, plain):
+    """The model runner takes the argmax of the bf16 logits itself exactly when the sampler's
+    answer would be the argmax of the logits and nothing else."""
+    sampler = Sampler(vocab_size=50, eos_token_ids=[EOS])
+    assert sampler.only_argmax([row(temperature=0.0), row(**kwargs)]) is plain
+    if plain:  # and then the sampler's own answer is that argmax
+        logits = random_logits(2, 50)
+        assert (
+            sampler(logits.clone(), [row(temperature=0.0), row(**kwargs)]).token_ids
+            == argmax(logits).tolist()
+        )

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_bf16.cpp")
 HEADERS = tuple(  # included by SOURCE: part of the build key
     Path(__file__).with_name(name)
-    for name in ("pool.h", "common.h", "products.h", "experts.h", "attention.h", "layer.h")
+    for name in ("pool.h", "common.h", "products.h", "experts.h", "attention.h", "layer.h", "argmax.h")
 )
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -214,6 +214,23 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
             x.data_ptr(), 0, x.stride(0), weight.data_ptr(), 0, weight.stride(0), y.data_ptr(), 0, n, 1, rows, n, k
         )  # fmt: skip
     return y
+
+
+def argmax_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] CPU bf16 (unit stride along V) -> each row's index of its largest value, int64
+    [R]: torch.max(dim=-1)'s, the first of equal ones and a NaN counting as largest. Requires
+    `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if x.dim() != 2 or not takes(x):
+        raise ValueError(
+            f"x must be [R, V] CPU bfloat16 with unit stride along V, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and x.shape[1]:
+        _library.argmax_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    elif x.shape[0]:
+        raise ValueError("x must have at least one column")
+    return out
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,18 @@
 // the routed experts of a few tokens (moe_pairs, moe_topk), MLA decode attention over the paged
 // cache (mla_decode; on the AMX tile unit, for any batch, where it can), RMSNorm with its residual
 // add (rms_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
-// attention and MoE block in one call each (mla_attention, moe_block), and a decode step's whole
-// stack of layers in one (decode_stack). Pointers arrive as integers
+// attention and MoE block in one call each (mla_attention, moe_block), a decode step's whole
+// stack of layers in one (decode_stack), and greedy sampling's argmax over bf16 logits (argmax_bf16). Pointers arrive as integers
 // (torch.Tensor.data_ptr()); the Python wrappers in __init__.py and blocks.py check shapes, dtypes
 // and strides.
 //
 // One file per concern, included in this order: common.h (threads, bf16), products.h (the few-row
 // product), experts.h (moe_pairs, moe_topk), attention.h (mla_decode), layer.h (norms, rotary,
-// mtp_input, mla_attention, route, moe_block, decode_stack). This file binds them.
+// mtp_input, mla_attention, route, moe_block, decode_stack), argmax.h (argmax_bf16). This file
+// binds them.
 
 #include "layer.h"
+#include "argmax.h"
 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,4 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_block", &moe_block, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("layer_plan_fields", &layer_plan_fields);
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax_bf16", &argmax_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
