@@ -649,3 +649,31 @@ def test_the_routers_subscription_against_the_worker(workers):
         return await subscription.join("g"), subscription.supported
 
     assert asyncio.run(older()) == (None, False)
+
+    class EndsAtOnce:
+        """A worker whose Subscribe stream ends before its first message."""
+
+        opened = 0
+
+        def Subscribe(self, request):
+            EndsAtOnce.opened += 1
+
+            class Call:
+                async def read(self):
+                    return grpc.aio.EOF
+
+                def cancel(self):
+                    pass
+
+            return Call()
+
+    async def ending() -> None:
+        subscription = DecodeSubscription(EndsAtOnce(), "ending:1")
+        for _ in range(2):  # UNAVAILABLE each time, and each join tries a new stream
+            with pytest.raises(ServiceError) as e:
+                await subscription.join("g")
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.endpoint == "ending:1"
+        assert subscription.supported
+
+    asyncio.run(ending())
+    assert EndsAtOnce.opened == 2

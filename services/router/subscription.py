@@ -47,10 +47,10 @@ class DecodeSubscription:
         opening = self._opening
         try:
             subscription_id = await asyncio.shield(opening)
-        except grpc.aio.AioRpcError as e:
+        except Exception as e:
             if self._opening is opening:
                 self._opening = None  # the next join tries again
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.supported = False
                 return None
             raise

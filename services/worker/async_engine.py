@@ -25,6 +25,9 @@ from services.common.threads import name_os_thread
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_IDLE_WAIT_S = 0.1
+_LOCKSTEP_IDLE_S = 0.002
+"""How long an idle rank of a group waits for commands between two (empty) synchronised steps."""
 
 
 class StepSink(Protocol):
@@ -33,11 +36,6 @@ class StepSink(Protocol):
     def put(self, item: RequestOutput | BaseException) -> None: ...
 
     def end_step(self) -> None: ...
-
-
-_IDLE_WAIT_S = 0.1
-_LOCKSTEP_IDLE_S = 0.002
-"""How long an idle rank of a group waits for commands between two (empty) synchronised steps."""
 
 
 class EngineDead(RuntimeError):

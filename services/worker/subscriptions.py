@@ -36,6 +36,11 @@ MAX_PER_CALLER = 8
 """Subscriptions one caller host holds at once (a router needs one per decode worker)."""
 
 
+def _retrieved(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 class Member:
     """One Decode call's place in a subscription: the engine thread's outputs for its request go
     here (services/worker/async_engine.py hands them over per step), each turned into the call's
@@ -46,6 +51,7 @@ class Member:
         self.label = label
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         """Set once the request finished; its exception (Unavailable) if the engine failed."""
+        self.done.add_done_callback(_retrieved)  # a call cancelled first never awaits it
         self._build: Callable[[list], tuple[pb.GenerateResponse, bool]] | None = None
         self._early: list[RequestOutput | BaseException] = []
 
@@ -112,6 +118,8 @@ class Subscription:
 
     def close(self) -> None:
         """The Subscribe stream ended: its calls fail (their requests are aborted by their handlers)."""
+        if self.closed:
+            return
         self.closed = True
         self.queue.put_nowait(None)
         for member in list(self.members.values()):
