@@ -229,6 +229,13 @@ class ModelRunner:
             native.use_pool(self.threads if native_step else 0)
             torch.set_num_threads(1 if native_step else self.threads)
 
+    def _argmax_only(self, items: list[ScheduledRequest], sample_rows: list[int], prompt_rows) -> bool:
+        """Whether each logits row's argmax is all the step needs: no prompt logprobs, and every
+        request that samples (or verifies drafts) is plain greedy (Sampler.only_argmax)."""
+        return all(count == 0 for _, _, count in prompt_rows) and self.sampler.only_argmax(
+            [it.request for it, row in zip(items, sample_rows, strict=True) if row >= 0]
+        )
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes first, grouped by query length: the model runs each group as one absorbed-MLA call.
@@ -243,15 +250,14 @@ class ModelRunner:
             for it, row in zip(items, sample_rows, strict=True)
             if row >= 0 and not it.draft_token_ids
         ]
-        if (
-            filling is None
-            and len(samplers)
-            == len(batch.logits_indices)  # every logits row samples: no drafts, prompt logprobs
-            and self.sampler.only_argmax([it.request for it, _ in samplers])
-        ):  # the common greedy step: the argmax of each row's bf16 logits, nothing widened
-            tokens = self.model.greedy_tokens(hidden[batch.logits_indices], self.sampler.vocab_size)
-            for (it, _), token in zip(samplers, tokens, strict=True):
-                out.sampled[it.request.request_id] = [token]
+        if filling is None and self._argmax_only(items, sample_rows, prompt_rows):
+            # The common greedy step (decodes, and greedy verifications of drafts): each logits
+            # row's argmax, from the bf16 logits, nothing widened.
+            greedy = self.model.greedy_tokens(hidden[batch.logits_indices], self.sampler.vocab_size)
+            for it, row in zip(items, sample_rows, strict=True):
+                if row >= 0:  # a sampled token is a verification without drafts
+                    end = row + len(it.draft_token_ids) + 1
+                    out.sampled[it.request.request_id] = verify_greedy(greedy[row:end], it.draft_token_ids)
             if self.spec is not None:
                 draft_with_mtp(self, items, batch, hidden, out)
             return out
