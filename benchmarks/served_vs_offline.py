@@ -9,7 +9,9 @@ stream opens at once. Each side first runs the whole workload once untimed (batc
 client threads). Output tok/s = C * output_len / wall time of the whole workload, for both;
 served / offline is what the services cost (KV transfer, per-token messages, the router's
 re-streaming, the processes sharing the CPU). Each side runs --rounds times; the medians are
-compared. Results go to benchmarks/results/served_vs_offline_<hardware>_<date>.json.
+compared; with --interleave both stay up and their rounds alternate, so a shared machine's drift
+over the run falls on both alike. Results go to
+benchmarks/results/served_vs_offline_<hardware>_<date>.json.
 
     python benchmarks/served_vs_offline.py --model models/pdserve-bench --concurrency 32
 """
@@ -49,29 +51,44 @@ class Rates:
     decode_tok_s: list[float] = field(default_factory=list)
 
 
-def offline_rates(args, prompts: list[list[int]]) -> Rates:
-    """Each round runs the workload twice: with max_tokens 1 (the prefill and first token) and
-    whole; decode tok/s = C * (output_len - 1) / the difference of their wall times."""
-    from engine import LLM, SamplingParams
+class Offline:
+    """The offline engine's side. Each round runs the workload twice: with max_tokens 1 (the
+    prefill and first token) and whole; decode tok/s = C * (output_len - 1) / the difference of
+    their wall times."""
 
-    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, num_threads=args.threads)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # warm-up: the whole workload once
-    rates = Rates()
-    for _ in range(args.rounds):
+    def __init__(self, args, prompts: list[list[int]]):
+        self.args, self.prompts = args, prompts
+        self.rates = Rates()
+
+    def __enter__(self) -> Offline:
+        from engine import LLM, SamplingParams
+
+        args = self.args
+        self.llm = LLM(
+            args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, num_threads=args.threads
+        )
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        self.first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self.llm.generate(
+            prompt_token_ids=self.prompts, sampling_params=self.params
+        )  # warm-up: the whole workload once
+        return self
+
+    def round(self) -> None:
+        prompts, output_len = self.prompts, self.args.output_len
         start = time.perf_counter()
-        llm.generate(prompt_token_ids=prompts, sampling_params=first)
+        self.llm.generate(prompt_token_ids=prompts, sampling_params=self.first)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=self.params)
         seconds = time.perf_counter() - start
-        assert all(len(o.token_ids) == args.output_len for o in outs)
-        rates.tok_s.append(len(prompts) * args.output_len / seconds)
-        rates.decode_tok_s.append(len(prompts) * (args.output_len - 1) / max(seconds - prefill_s, 1e-9))
-    del llm
-    gc.collect()
-    return rates
+        assert all(len(o.token_ids) == output_len for o in outs)
+        self.rates.tok_s.append(len(prompts) * output_len / seconds)
+        self.rates.decode_tok_s.append(len(prompts) * (output_len - 1) / max(seconds - prefill_s, 1e-9))
+
+    def __exit__(self, *exc) -> None:
+        del self.llm
+        gc.collect()
 
 
 @dataclass
@@ -152,46 +169,69 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def served_rates(args, prompts: list[list[int]]) -> tuple[Rates, list[int], dict[str, float]]:
-    """-> (the rounds' rates, pieces per round, CPU seconds per output token of each stack
-    process and of the client, over all rounds). Decode tok/s of a round = C / the streams'
-    median time per piece after their first (the batch the decode worker runs once every stream
-    is in; the whole-workload rate also counts the prefill worker taking the C prompts in)."""
-    from services.cli import model_name
-    from services.launcher import Stack, StackConfig
+class Served:
+    """The stack's side. Decode tok/s of a round = C / the streams' median time per piece after
+    their first (the batch the decode worker runs once every stream is in; the whole-workload rate
+    also counts the prefill worker taking the C prompts in). Also kept: pieces per round, and the
+    CPU seconds of each stack process and of the client (this process) over the served rounds
+    only."""
 
-    cfg = StackConfig(
-        model=args.model,
-        engine_args=["--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks)],
-        threads_per_worker=args.threads,
-        router_args=["--colocate-max-tokens", "0"],
-        log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
-    )
-    name = model_name(args.model)
-    rates, counts = Rates(), []
-    cpu: dict[str, float] = {}
-    with Stack(cfg) as stack:
-        client = _openai_client(stack.http_url, len(prompts)) if args.client == "openai" else None
+    def __init__(self, args, prompts: list[list[int]]):
+        self.args, self.prompts = args, prompts
+        self.rates, self.counts = Rates(), []
+        self.cpu_s: dict[str, float] = {}
 
-        def one(prompt: list[int]) -> Stream:
-            if client is not None:
-                return _openai_stream(client, name, prompt, args.output_len)
-            return _grpc_stream(stack.grpc_endpoint, prompt, args.output_len)
+    def __enter__(self) -> Served:
+        from services.cli import model_name
+        from services.launcher import Stack, StackConfig
 
-        with futures.ThreadPoolExecutor(len(prompts)) as pool:
-            list(pool.map(one, prompts))  # warm-up: the whole workload once, as offline
-            pids = {proc.name: proc.popen.pid for proc in stack.procs} | {"client": os.getpid()}
-            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-            for _ in range(args.rounds):
-                start = time.perf_counter()
-                streams = list(pool.map(one, prompts))
-                seconds = time.perf_counter() - start
-                counts.append(sum(s.pieces for s in streams))
-                rates.tok_s.append(len(prompts) * args.output_len / seconds)
-                rates.decode_tok_s.append(len(prompts) / statistics.median(s.tpot for s in streams))
-        tokens = args.rounds * len(prompts) * args.output_len
-        cpu = {name: (cpu_seconds(pid) - before[name]) / tokens for name, pid in pids.items()}
-    return rates, counts, cpu
+        args = self.args
+        cfg = StackConfig(
+            model=args.model,
+            engine_args=["--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks)]
+            + (["--kv-transport", args.kv_transport] if args.kv_transport else []),
+            threads_per_worker=args.threads,
+            router_args=["--colocate-max-tokens", "0"],
+            log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
+        )
+        self.name = model_name(args.model)
+        self.stack = Stack(cfg).__enter__()
+        try:
+            self.client = (
+                _openai_client(self.stack.http_url, len(self.prompts)) if args.client == "openai" else None
+            )
+            self.pool = futures.ThreadPoolExecutor(len(self.prompts))
+            list(self.pool.map(self._one, self.prompts))  # warm-up: the whole workload once, as offline
+        except BaseException:
+            self.stack.__exit__(None, None, None)
+            raise
+        self.pids = {proc.name: proc.popen.pid for proc in self.stack.procs} | {"client": os.getpid()}
+        return self
+
+    def _one(self, prompt: list[int]) -> Stream:
+        if self.client is not None:
+            return _openai_stream(self.client, self.name, prompt, self.args.output_len)
+        return _grpc_stream(self.stack.grpc_endpoint, prompt, self.args.output_len)
+
+    def round(self) -> None:
+        before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        start = time.perf_counter()
+        streams = list(self.pool.map(self._one, self.prompts))
+        seconds = time.perf_counter() - start
+        for name, pid in self.pids.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + cpu_seconds(pid) - before[name]
+        self.counts.append(sum(s.pieces for s in streams))
+        self.rates.tok_s.append(len(self.prompts) * self.args.output_len / seconds)
+        self.rates.decode_tok_s.append(len(self.prompts) / statistics.median(s.tpot for s in streams))
+
+    def cpu_per_token(self) -> dict[str, float]:
+        """CPU seconds per output token of each process, over the served rounds."""
+        tokens = len(self.rates.tok_s) * len(self.prompts) * self.args.output_len
+        return {name: seconds / tokens for name, seconds in self.cpu_s.items()}
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown()
+        self.stack.__exit__(*exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and of each worker")
     p.add_argument("--client", default="grpc", choices=["grpc", "openai"])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--kv-transport",
+        default=None,
+        choices=["auto", "nixl", "grpc"],
+        help="the workers' (default: theirs)",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep the offline engine and the stack up together and alternate their rounds",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="results JSON (default: benchmarks/results/...)")
     p.add_argument("--log-dir", default=None, help="stack process logs (default: a temporary folder)")
@@ -213,8 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--concurrency, --rounds, --input-len and --output-len must be >= 1")
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = prompts_for(args.concurrency, args.input_len, vocab, args.seed)
-    offline = offline_rates(args, prompts)
-    served, counts, cpu = served_rates(args, prompts)
+    if args.interleave:  # both up at once, a round of each in turn: the machine's drift falls on both
+        with Offline(args, prompts) as off, Served(args, prompts) as srv:
+            for _ in range(args.rounds):
+                off.round()
+                srv.round()
+    else:
+        with Offline(args, prompts) as off:
+            for _ in range(args.rounds):
+                off.round()
+        with Served(args, prompts) as srv:
+            for _ in range(args.rounds):
+                srv.round()
+    offline, served, counts, cpu = off.rates, srv.rates, srv.counts, srv.cpu_per_token()
 
     def median(xs: list[float]) -> float:
         return statistics.median(xs)
