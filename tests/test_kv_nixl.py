@@ -24,11 +24,12 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def pair():
-    """A producer and a consumer agent, each over its own caches; the consumer knows the producer."""
+    """A producer and a consumer agent, each over its own caches; the consumer knows the producer.
+    As a decode worker's, the consumer's progress thread runs every READER_PROGRESS_DELAY_US."""
     producer_caches, consumer_caches = _filled(seed=1), _filled(seed=2)
     producer_port, consumer_port = KVPort(SPEC, producer_caches), KVPort(SPEC, consumer_caches)
     producer = nixl.NixlAgent("test-producer", producer_port)
-    consumer = nixl.NixlAgent("test-consumer", consumer_port)
+    consumer = nixl.NixlAgent("test-consumer", consumer_port, nixl.READER_PROGRESS_DELAY_US)
     peer = consumer.add_peer(
         producer.name, producer.metadata, list(producer.regions), producer.num_blocks, producer.mem_type
     )

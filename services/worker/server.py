@@ -83,9 +83,14 @@ async def _metrics_http(metrics: Metrics, host: str, port: int) -> web.AppRunner
     return runner
 
 
-def start_nixl(mode: str, name: str, port: KVPort, read_gate: str | None = None) -> nixl.NixlAgent | None:
+def start_nixl(
+    mode: str, name: str, port: KVPort, read_gate: str | None = None, serves_reads: bool = True
+) -> nixl.NixlAgent | None:
     """The worker's NIXL agent for --kv-transport mode: None for grpc, and for auto when NIXL is
-    not installed or its agent cannot start (said once, here); nixl without it is an error."""
+    not installed or its agent cannot start (said once, here); nixl without it is an error.
+    serves_reads: other workers READ this one's KV (it exports: prefill, colocated), so its
+    progress thread runs every PROGRESS_DELAY_US; a decode worker only reads, and its thread
+    runs every READER_PROGRESS_DELAY_US."""
     if mode == "grpc":
         logger.info("KV transport: gRPC only (--kv-transport grpc)")
         return None
@@ -95,7 +100,8 @@ def start_nixl(mode: str, name: str, port: KVPort, read_gate: str | None = None)
         logger.warning("KV transport: gRPC only (NIXL is not installed; pip install 'pdserve[nixl]')")
         return None
     try:
-        return nixl.NixlAgent(name, port, read_gate=Path(read_gate) if read_gate else None)
+        delay_us = nixl.PROGRESS_DELAY_US if serves_reads else nixl.READER_PROGRESS_DELAY_US
+        return nixl.NixlAgent(name, port, delay_us, read_gate=Path(read_gate) if read_gate else None)
     except Exception as e:
         if mode == "nixl":
             raise
@@ -156,7 +162,11 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         return 1
     try:  # on the loop, before it serves again: GetEngineInfo never answers without the agent
         agent = start_nixl(
-            settings.kv_transport, f"pdserve-{identity.engine_id}", core.kv_port, cfg.kv_read_gate
+            settings.kv_transport,
+            f"pdserve-{identity.engine_id}",
+            core.kv_port,
+            cfg.kv_read_gate,
+            serves_reads=settings.role != "decode",
         )
     except Exception:
         logger.exception("the NIXL agent did not start")
