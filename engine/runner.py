@@ -245,11 +245,6 @@ class ModelRunner:
         filling = self._grammar_bitmask(items, sample_rows)
         hidden = self.model(batch, self.kv_caches)
         out = RunnerOutput()
-        samplers = [
-            (it, row)
-            for it, row in zip(items, sample_rows, strict=True)
-            if row >= 0 and not it.draft_token_ids
-        ]
         if filling is None and self._argmax_only(items, sample_rows, prompt_rows):
             # The common greedy step (decodes, and greedy verifications of drafts): each logits
             # row's argmax, from the bf16 logits, nothing widened.
@@ -262,6 +257,11 @@ class ModelRunner:
                 draft_with_mtp(self, items, batch, hidden, out)
             return out
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [M, V] float32
+        samplers = [
+            (it, row)
+            for it, row in zip(items, sample_rows, strict=True)
+            if row >= 0 and not it.draft_token_ids
+        ]
         # Structured output: one bitmask for every constrained row of the step, the sampled rows
         # and each speculating request's verification rows (masked here: the sampler masks its own
         # rows after taking their raw logprobs).

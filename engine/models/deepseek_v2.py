@@ -196,7 +196,5 @@ class DeepseekV2ForCausalLM(nn.Module):
         tokens are the same; at 256 rows of a 32k vocabulary the widening and torch's max took
         ~10 ms, the native argmax ~1)."""
         if native.loaded() and native.takes(hidden, self.lm_head.weight):
-            logits = self.lm_head(hidden)  # [M, V] bf16
-            if native.takes(logits):
-                return native.argmax_bf16(logits[:, :vocab_size]).tolist()
+            return native.argmax_bf16(self.lm_head(hidden)[:, :vocab_size]).tolist()  # [M, V] bf16
         return argmax(self.compute_logits(hidden)[:, :vocab_size]).tolist()
