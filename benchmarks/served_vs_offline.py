@@ -4,7 +4,9 @@ offline engine, in one run, reported as a ratio.
 C prompts of --input-len random token ids each generate exactly --output-len tokens (greedy,
 ignore_eos). Offline: one `LLM.generate` call over all C prompts (the engine batches them).
 Served: a stack (router + prefill worker + decode worker, as `pdserve serve` starts it) and C
-concurrent streams through the router, with the gRPC client or the `openai` client; every
+concurrent streams through the router, with the gRPC client (a thread per stream) or the `openai`
+client (AsyncOpenAI, every stream a task of one event loop, as vLLM's and SGLang's serving
+benchmarks drive a server; `openai-threads`: the synchronous client, a thread per stream); every
 stream opens at once. Each side first runs the whole workload once untimed (batch shapes, channels,
 client threads). Output tok/s = C * output_len / wall time of the whole workload, for both;
 served / offline is what the services cost (KV transfer, per-token messages, the router's
@@ -19,6 +21,7 @@ benchmarks/results/served_vs_offline_<hardware>_<date>.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -130,25 +133,29 @@ def _grpc_stream(endpoint: str, prompt: list[int], output_len: int) -> Stream:
         return stream
 
 
-def _openai_client(url: str, streams: int):
-    """One client for every stream, as a load generator keeps one (an OpenAI client is safe to
-    share between threads; building one per request costs the client ~30 ms of CPU each, on the
-    cores the stack is measured on), with a connection per stream."""
+def _openai_client(url: str, streams: int, asynchronous: bool):
+    """One client for every stream, as a load generator keeps one (building one per request costs
+    the client ~30 ms of CPU each, on the cores the stack is measured on), with a connection per
+    stream. Asynchronous: `openai.AsyncOpenAI`, every stream a task of one event loop, as serving
+    benchmarks drive a server (vLLM's and SGLang's both stream from one asyncio loop). Otherwise
+    the synchronous client, shared by a thread per stream (it is safe to share between threads);
+    its 32 threads taking turns at the GIL cost the stack ~5% of its decode rate on 2 cores."""
     import httpx
     import openai
 
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
-    return openai.OpenAI(
-        base_url=f"{url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=600,
-        http_client=openai.DefaultHttpxClient(limits=limits),
+    kind, http = (
+        (openai.AsyncOpenAI, openai.DefaultAsyncHttpxClient)
+        if asynchronous
+        else (openai.OpenAI, openai.DefaultHttpxClient)
+    )
+    return kind(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600, http_client=http(limits=limits)
     )
 
 
-def _openai_stream(client, model: str, prompt: list[int], output_len: int) -> Stream:
-    stream = client.completions.create(
+def _openai_request(model: str, prompt: list[int], output_len: int) -> dict:
+    return dict(
         model=model,
         prompt=prompt,
         max_tokens=output_len,
@@ -156,11 +163,27 @@ def _openai_stream(client, model: str, prompt: list[int], output_len: int) -> St
         stream=True,
         extra_body={"ignore_eos": True},
     )
+
+
+def _openai_stream(client, model: str, prompt: list[int], output_len: int) -> Stream:
     seen = Stream()
-    for chunk in stream:
+    for chunk in client.completions.create(**_openai_request(model, prompt, output_len)):
         if chunk.choices and chunk.choices[0].text:
             seen.seen()
     return seen
+
+
+async def _openai_streams(client, model: str, prompts: list[list[int]], output_len: int) -> list[Stream]:
+    import asyncio
+
+    async def one(prompt: list[int]) -> Stream:
+        seen = Stream()
+        async for chunk in await client.completions.create(**_openai_request(model, prompt, output_len)):
+            if chunk.choices and chunk.choices[0].text:
+                seen.seen()
+        return seen
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -195,28 +218,40 @@ class Served:
             log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
         )
         self.name = model_name(args.model)
+        self.loop = asyncio.new_event_loop() if args.client == "openai" else None
+        self.pool = futures.ThreadPoolExecutor(len(self.prompts)) if self.loop is None else None
+        self.client = None
         self.stack = Stack(cfg).__enter__()
         try:
-            self.client = (
-                _openai_client(self.stack.http_url, len(self.prompts)) if args.client == "openai" else None
-            )
-            self.pool = futures.ThreadPoolExecutor(len(self.prompts))
-            list(self.pool.map(self._one, self.prompts))  # warm-up: the whole workload once, as offline
+            if args.client.startswith("openai"):
+                asynchronous = self.loop is not None
+                self.client = _openai_client(self.stack.http_url, len(self.prompts), asynchronous)
+            self._streams()  # warm-up: the whole workload once, as offline
         except BaseException:
-            self.stack.__exit__(None, None, None)
+            self.__exit__(None, None, None)
             raise
         self.pids = {proc.name: proc.popen.pid for proc in self.stack.procs} | {"client": os.getpid()}
         return self
 
-    def _one(self, prompt: list[int]) -> Stream:
-        if self.client is not None:
-            return _openai_stream(self.client, self.name, prompt, self.args.output_len)
-        return _grpc_stream(self.stack.grpc_endpoint, prompt, self.args.output_len)
+    def _streams(self) -> list[Stream]:
+        """The workload once, every stream opened at once."""
+        output_len = self.args.output_len
+        if self.loop is not None:
+            return self.loop.run_until_complete(
+                _openai_streams(self.client, self.name, self.prompts, output_len)
+            )
+
+        def one(prompt: list[int]) -> Stream:
+            if self.client is not None:
+                return _openai_stream(self.client, self.name, prompt, output_len)
+            return _grpc_stream(self.stack.grpc_endpoint, prompt, output_len)
+
+        return list(self.pool.map(one, self.prompts))
 
     def round(self) -> None:
         before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         start = time.perf_counter()
-        streams = list(self.pool.map(self._one, self.prompts))
+        streams = self._streams()
         seconds = time.perf_counter() - start
         for name, pid in self.pids.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + cpu_seconds(pid) - before[name]
@@ -230,7 +265,12 @@ class Served:
         return {name: seconds / tokens for name, seconds in self.cpu_s.items()}
 
     def __exit__(self, *exc) -> None:
-        self.pool.shutdown()
+        if self.loop is not None:
+            if self.client is not None:
+                self.loop.run_until_complete(self.client.close())
+            self.loop.close()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.stack.__exit__(*exc)
 
 
@@ -243,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and of each worker")
-    p.add_argument("--client", default="grpc", choices=["grpc", "openai"])
+    p.add_argument(
+        "--client",
+        default="grpc",
+        choices=["grpc", "openai", "openai-threads"],
+        help="grpc: a thread per stream; openai: AsyncOpenAI, one event loop; "
+        "openai-threads: the synchronous client, a thread per stream",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--kv-transport",
