@@ -129,24 +129,70 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       for (int64_t i = 0; i < W / 2; ++i) std::memcpy(&qp[i * 16 + g], q + (h0 + g) * q_h + 2 * i, 4);
     std::vector<float>& s = scratch.s;  // [group, len]
     s.resize(group * len);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, len - j0);
-      const uint16_t* row = row_of(j0);  // its 16 rows lie in one block (block_size % 16 == 0)
-      if (row == nullptr) {
-        if (h0 == 0) bad.fetch_add(rows);
-        for (int64_t g = 0; g < group; ++g) std::fill_n(&s[g * len + j0], rows, -INFINITY);
-        continue;
-      }
-      _tile_zero(0);
-      for (int64_t k = 0; k < W; k += AMX_K) {
-        _tile_loadd(4, row + k, kv_row * 2);
-        _tile_loadd(6, qp.data() + (k / 2) * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-      }
-      _tile_stored(0, c, 64);
+    // Four blocks of 16 rows at a time, each into its own C tile: their chains of products are
+    // independent, so the tile unit overlaps them instead of waiting on each product's result
+    // (each score still sums over k in the same order, so the bits are those of one at a time).
+    auto scores_of = [&](int64_t j0, int64_t rows) {  // c[t * 16 + g] -> s[g][j0 + t]
       for (int64_t t = 0; t < rows; ++t)
         for (int64_t g = 0; g < group; ++g)
           s[g * len + j0 + t] = from_bf16(to_bf16(from_bf16(to_bf16(c[t * 16 + g])) * scale));
+    };
+    constexpr int64_t SPAN = 64;  // rows: four blocks of 16
+    for (int64_t j0 = 0; j0 < len; j0 += SPAN) {
+      const uint16_t* rows_of[4] = {nullptr, nullptr, nullptr, nullptr};
+      int64_t valid = 0;
+      for (int64_t q4 = 0; q4 < 4; ++q4) {
+        const int64_t j = j0 + 16 * q4;
+        if (j >= len) break;
+        const int64_t rows = std::min<int64_t>(16, len - j);
+        rows_of[q4] = row_of(j);  // its 16 rows lie in one block (block_size % 16 == 0)
+        if (rows_of[q4] == nullptr) {
+          if (h0 == 0) bad.fetch_add(rows);
+          for (int64_t g = 0; g < group; ++g) std::fill_n(&s[g * len + j], rows, -INFINITY);
+        } else {
+          ++valid;
+        }
+      }
+      const auto rows_at = [&](int64_t q4) { return std::min<int64_t>(16, len - j0 - 16 * q4); };
+      if (valid == 4) {
+        const uint16_t *a0 = rows_of[0], *a1 = rows_of[1], *a2 = rows_of[2], *a3 = rows_of[3];
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < W; k += AMX_K) {
+          _tile_loadd(6, qp.data() + (k / 2) * 16, 64);
+          _tile_loadd(4, a0 + k, kv_row * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(5, a1 + k, kv_row * 2);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_loadd(7, a2 + k, kv_row * 2);
+          _tile_dpbf16ps(2, 7, 6);
+          _tile_loadd(4, a3 + k, kv_row * 2);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, c, 64);
+        scores_of(j0, 16);
+        _tile_stored(1, c, 64);
+        scores_of(j0 + 16, 16);
+        _tile_stored(2, c, 64);
+        scores_of(j0 + 32, 16);
+        _tile_stored(3, c, 64);
+        scores_of(j0 + 48, rows_at(3));
+        continue;
+      }
+      for (int64_t q4 = 0; q4 < 4; ++q4) {  // the sequence's last blocks, or around a refused one
+        const uint16_t* row = rows_of[q4];
+        if (row == nullptr) continue;
+        _tile_zero(0);
+        for (int64_t k = 0; k < W; k += AMX_K) {
+          _tile_loadd(4, row + k, kv_row * 2);
+          _tile_loadd(6, qp.data() + (k / 2) * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, c, 64);
+        scores_of(j0 + 16 * q4, rows_at(q4));
+      }
     }
     std::vector<uint16_t>& p = scratch.probs;  // [16, padded] bf16, zero past len and past group
     p.assign(16 * padded, 0);
