@@ -4,6 +4,7 @@ the torch path everywhere they cannot run."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -108,6 +109,34 @@ def test_each_row_is_bitwise_the_one_row_product(loaded, products):
         for i in range(native.max_rows()):
             alone = native.linear_bf16(x[i : i + 1].expand(heads, -1, -1), w)
             assert torch.equal(together[:, i : i + 1], alone)
+
+
+def test_exp_is_within_two_ulp_of_libm_with_its_edges(loaded):
+    """The kernels' 16-lane exp (softmaxes and SiLUs) against float64's exp rounded to float32,
+    which libm's expf matches: within 2 ulp over the whole finite range, denormal results
+    included; exactly 0 for -inf and below -104, inf above ~88.72, NaN for NaN; any length
+    (masked tails)."""
+    if not loaded:
+        assert not native.loaded()
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        (
+            torch.linspace(-104, 88.7, 200_003),
+            torch.randn(10_000, generator=gen) * 4,
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.5 * math.log(2), -0.5 * math.log(2), -87.0, -100.0]),
+        )
+    )
+    got, want = native.exp_f32(x), x.double().exp().float()
+    finite = want.isfinite() & (want != 0)
+    ulp = (want.abs().nextafter(torch.tensor(float("inf"))) - want.abs())[finite]
+    assert float(((got[finite] - want[finite]).abs() / ulp).max()) <= 2.0
+    assert torch.equal(got[want == 0], want[want == 0])
+    edges = torch.tensor([float("-inf"), -104.5, -1e4, float("inf"), 89.0, 1e4, float("nan")])
+    out = native.exp_f32(edges)
+    assert out[:3].eq(0).all() and out[3:6].eq(float("inf")).all() and out[6].isnan()
+    for n in (1, 15, 17, 33):
+        assert torch.equal(native.exp_f32(x[:n]), got[:n])
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 15), (5, 16), (7, 17), (33, 1000), (4, 32000)], ids=str)

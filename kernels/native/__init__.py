@@ -216,6 +216,18 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     return y
 
 
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """e^x of a CPU float32 tensor through the kernels' 16-lane exp (the one their softmaxes and
+    SiLUs use; within 2 ulp of std::exp, exactly 0 below -104). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be CPU float32, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _library.exp_f32(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
 def argmax_bf16(x: torch.Tensor) -> torch.Tensor:
     """x [R, V] CPU bf16 (unit stride along V) -> each row's index of its largest value, int64
     [R]: torch.max(dim=-1)'s, the first of equal ones and a NaN counting as largest. Requires

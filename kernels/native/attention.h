@@ -19,15 +19,29 @@ namespace {
 constexpr int64_t HEAD_GROUP = 8;
 
 // Scores s[0, len) -> their softmax rounded to bf16 (float32 inside), in place; 0 where every
-// score is -inf (all rows refused).
+// score is -inf (all rows refused). The sum runs in 16 lanes (exp16), then across them.
 inline void softmax_rounded(float* s, int64_t len) {
   __m512 tops = _mm512_set1_ps(-INFINITY);  // the maximum in lanes (exact in any order)
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + i));
-  float top = _mm512_reduce_max_ps(tops), total = 0.0f;
+  float top = _mm512_reduce_max_ps(tops);
   for (; i < len; ++i) top = std::max(top, s[i]);
-  for (int64_t j = 0; j < len; ++j) total += (s[j] = top == -INFINITY ? 0.0f : std::exp(s[j] - top));
-  for (int64_t j = 0; j < len; ++j) s[j] = total > 0.0f ? from_bf16(to_bf16(s[j] / total)) : 0.0f;
+  if (top == -INFINITY) {
+    std::fill_n(s, len, 0.0f);
+    return;
+  }
+  const auto mask = [&](int64_t j) { return len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1); };
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(j), s + j), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(s + j, mask(j), e);
+    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(mask(j), e));
+  }
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));  // >= 1: the top's own term
+  for (int64_t j = 0; j < len; j += 16) {  // bf16(e / total), widened back
+    const __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(_mm512_maskz_loadu_ps(mask(j), s + j), total));
+    _mm512_mask_storeu_ps(s + j, mask(j), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16)));
+  }
 }
 
 // A thread's buffers for the attention of its sequences, reused from one to the next.

@@ -102,6 +102,32 @@ inline __mmask32 lanes(int64_t left) {
 
 
 // bf16 <-> float32, rounding to nearest even (as torch does; NaN stays NaN).
+// e^x in 16 lanes, within 2 ulp of std::exp: x = n ln2 + r (ln2 in two parts, |r| <= ln2 / 2),
+// e^r by its Taylor series to r^7 (truncation under 0.1 ulp), scaled by 2^n in one rounding
+// (denormal results too). Exactly 0 below -104 (-inf included), inf above 88.72, NaN for NaN, as
+// std::exp. The softmaxes and SiLUs here called std::exp once per element: ~3% of a B = 256 step.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  __m512 e = _mm512_scalef_ps(p, n);
+  e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ),
+                         _mm512_set1_ps(INFINITY));
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// exp16 over n floats (a tail of fewer than 16 through masked lanes).
+inline void exp_floats(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
 inline float from_bf16(uint16_t h) {
   const uint32_t u = uint32_t(h) << 16;
   float f;

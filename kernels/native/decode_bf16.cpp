@@ -34,4 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_plan_fields", &layer_plan_fields);
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("argmax_bf16", &argmax_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("exp_f32", [](int64_t x_ptr, int64_t y_ptr, int64_t n) {
+    exp_floats(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<float*>(y_ptr), n);
+  });
 }
