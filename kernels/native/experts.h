@@ -2,12 +2,33 @@
 
 #pragma once
 
+#include <memory>
+
 #include "products.h"
 
 namespace {
 
 // SwiGLU's activation of m rows of gate_up [m, 2I] (gate columns, then up) into act [m, I], in
 // the torch loop's roundings: act = bf16(bf16(silu(gate)) * up).
+// dst[i] = bf16(src[i] * w) over n bf16s, 16 lanes at a time (RNE, as to_bf16).
+inline void scale_bf16(const uint16_t* src, float w, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i)), 16));
+    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(w))));
+  }
+}
+
+// acc[i] = bf16(acc[i] + x[i]) over n bf16s, 16 lanes at a time (RNE, as to_bf16).
+inline void add_bf16(uint16_t* acc, const uint16_t* x, int64_t n) {
+  const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 sum = _mm512_add_ps(widen(_mm256_maskz_loadu_epi16(m, acc + i)), widen(_mm256_maskz_loadu_epi16(m, x + i)));
+    _mm256_mask_storeu_epi16(acc + i, m, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+
 inline void swiglu_act(const uint16_t* gate_up, uint16_t* act, int64_t m, int64_t inter) {
   const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
   for (int64_t i = 0; i < m; ++i)
@@ -51,7 +72,7 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
     if (p == 0 || experts[p] != experts[p - 1]) runs.push_back(p);
   runs.push_back(P);
   const int64_t R = int64_t(runs.size()) - 1;
-  std::vector<uint16_t> scaled(P * H);  // [P, H]: bf16(bf16(down) * weight) of each pair
+  std::unique_ptr<uint16_t[]> scaled(new uint16_t[P * H]);  // [P, H]: bf16(bf16(down) * weight), every row written
   maybe_parallel(R, 1, R * 3 * I * H * 2, [&](int64_t r0, int64_t r1) {
     std::vector<uint16_t> xs, gate_up, act, down;
     for (int64_t r = r0; r < r1; ++r) {
@@ -65,16 +86,16 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
       product(xs.data(), H, we13, shared ? ld_s13 : ld13, gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
       swiglu_act(gate_up.data(), act.data(), m, inter);
       product(act.data(), inter, we2, shared ? ld_s2 : ld2, down.data(), H, m, inter, 0, H);
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t h = 0; h < H; ++h)
-          scaled[(p0 + i) * H + h] = to_bf16(from_bf16(down[i * H + h]) * weights[p0 + i]);
+      for (int64_t i = 0; i < m; ++i) scale_bf16(&down[i * H], weights[p0 + i], &scaled[(p0 + i) * H], H);
     }
   });
-  for (int64_t p = 0; p < P; ++p) {
-    uint16_t* ot = out + tokens[p] * ldo;
-    const uint16_t* sp = &scaled[p * H];
-    for (int64_t h = 0; h < H; ++h) ot[h] = to_bf16(from_bf16(ot[h]) + from_bf16(sp[h]));
-  }
+  // The additions into out, in pair order for every column (so the sums round as the loop's),
+  // the columns shared over the threads.
+  const int64_t cols = 64;
+  maybe_parallel((H + cols - 1) / cols, 1, P * H * 4, [&](int64_t c0, int64_t c1) {
+    const int64_t h0 = c0 * cols, n = std::min(H, c1 * cols) - h0;
+    for (int64_t p = 0; p < P; ++p) add_bf16(out + tokens[p] * ldo + h0, &scaled[p * H + h0], n);
+  });
 }
 
 
