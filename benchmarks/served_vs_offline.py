@@ -139,7 +139,8 @@ def _openai_client(url: str, streams: int, asynchronous: bool):
     stream. Asynchronous: `openai.AsyncOpenAI`, every stream a task of one event loop, as serving
     benchmarks drive a server (vLLM's and SGLang's both stream from one asyncio loop). Otherwise
     the synchronous client, shared by a thread per stream (it is safe to share between threads);
-    its 32 threads taking turns at the GIL cost the stack ~5% of its decode rate on 2 cores."""
+    its 32 threads taking turns at the GIL cost the stack 3-6% of its decode rate on 2 cores
+    (2026-12-03, the same client CPU per token)."""
     import httpx
     import openai
 
