@@ -22,9 +22,9 @@ inline int64_t argmax_row(const uint16_t* x, int64_t V) {
   __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t i = 0; i < V; i += 16) {
     const int64_t left = V - i;
-    const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const __mmask16 valid = lanes16(left);
     const __m256i raw = _mm256_maskz_loadu_epi16(valid, x + i);
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __m512 v = widen16(raw);
     const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
     if (nan != 0) return i + __builtin_ctz(nan);  // the first NaN: nothing after it can win
     const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, v, best, _CMP_GT_OQ);

@@ -30,7 +30,7 @@ inline void softmax_rounded(float* s, int64_t len) {
     std::fill_n(s, len, 0.0f);
     return;
   }
-  const auto mask = [&](int64_t j) { return len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1); };
+  const auto mask = [&](int64_t j) { return lanes16(len - j); };
   __m512 sums = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(j), s + j), _mm512_set1_ps(top)));
@@ -39,8 +39,8 @@ inline void softmax_rounded(float* s, int64_t len) {
   }
   const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));  // >= 1: the top's own term
   for (int64_t j = 0; j < len; j += 16) {  // bf16(e / total), widened back
-    const __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(_mm512_maskz_loadu_ps(mask(j), s + j), total));
-    _mm512_mask_storeu_ps(s + j, mask(j), _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16)));
+    const __m512 p = _mm512_div_ps(_mm512_maskz_loadu_ps(mask(j), s + j), total);
+    _mm512_mask_storeu_ps(s + j, mask(j), widen16(narrow16(p)));
   }
 }
 

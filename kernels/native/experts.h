@@ -13,32 +13,31 @@ namespace {
 // dst[i] = bf16(src[i] * w) over n bf16s, 16 lanes at a time (RNE, as to_bf16).
 inline void scale_bf16(const uint16_t* src, float w, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i)), 16));
-    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, _mm512_set1_ps(w))));
+    const __mmask16 m = lanes16(n - i);
+    const __m512 v = widen16(_mm256_maskz_loadu_epi16(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, narrow16(_mm512_mul_ps(v, _mm512_set1_ps(w))));
   }
 }
 
 // acc[i] = bf16(acc[i] + x[i]) over n bf16s, 16 lanes at a time (RNE, as to_bf16).
 inline void add_bf16(uint16_t* acc, const uint16_t* x, int64_t n) {
-  const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 sum = _mm512_add_ps(widen(_mm256_maskz_loadu_epi16(m, acc + i)), widen(_mm256_maskz_loadu_epi16(m, x + i)));
-    _mm256_mask_storeu_epi16(acc + i, m, (__m256i)_mm512_cvtneps_pbh(sum));
+    const __mmask16 m = lanes16(n - i);
+    const __m512 a = widen16(_mm256_maskz_loadu_epi16(m, acc + i)), b = widen16(_mm256_maskz_loadu_epi16(m, x + i));
+    const __m512 sum = _mm512_add_ps(a, b);
+    _mm256_mask_storeu_epi16(acc + i, m, narrow16(sum));
   }
 }
 
 inline void swiglu_act(const uint16_t* gate_up, uint16_t* act, int64_t m, int64_t inter) {
-  const auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < inter; j += 16) {  // 16 lanes: exp16, and RNE bf16 roundings as to_bf16
-      const __mmask16 mask = inter - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (inter - j)) - 1);
-      const __m512 g = widen(_mm256_maskz_loadu_epi16(mask, gate_up + i * 2 * inter + j));
-      const __m512 up = widen(_mm256_maskz_loadu_epi16(mask, gate_up + i * 2 * inter + inter + j));
+      const __mmask16 mask = lanes16(inter - j);
+      const __m512 g = widen16(_mm256_maskz_loadu_epi16(mask, gate_up + i * 2 * inter + j));
+      const __m512 up = widen16(_mm256_maskz_loadu_epi16(mask, gate_up + i * 2 * inter + inter + j));
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = widen((__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-      _mm256_mask_storeu_epi16(act + i * inter + j, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+      const __m512 silu = widen16(narrow16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+      _mm256_mask_storeu_epi16(act + i * inter + j, mask, narrow16(_mm512_mul_ps(silu, up)));
     }
 }
 
