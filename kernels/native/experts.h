@@ -8,8 +8,6 @@
 
 namespace {
 
-// SwiGLU's activation of m rows of gate_up [m, 2I] (gate columns, then up) into act [m, I], in
-// the torch loop's roundings: act = bf16(bf16(silu(gate)) * up).
 // dst[i] = bf16(src[i] * w) over n bf16s, 16 lanes at a time (RNE, as to_bf16).
 inline void scale_bf16(const uint16_t* src, float w, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
@@ -29,6 +27,8 @@ inline void add_bf16(uint16_t* acc, const uint16_t* x, int64_t n) {
   }
 }
 
+// SwiGLU's activation of m rows of gate_up [m, 2I] (gate columns, then up) into act [m, I], in
+// the torch loop's roundings: act = bf16(bf16(silu(gate)) * up).
 inline void swiglu_act(const uint16_t* gate_up, uint16_t* act, int64_t m, int64_t inter) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < inter; j += 16) {  // 16 lanes: exp16, and RNE bf16 roundings as to_bf16
