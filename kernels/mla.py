@@ -224,14 +224,15 @@ def _visible(seq_lens: torch.Tensor, s_q: int, num_keys: int) -> torch.Tensor:
 
 
 NATIVE_MAX_BATCH = 4
-"""Decode batches up to this many query tokens (sequences times query length) take the native
-kernel (kernels/native, bf16 on AVX512-BF16 CPUs). Measured against this path at 200 cached
-tokens, bench model (8 heads), 2-core Xeon: 0.10 / 0.14 / 0.23 / 0.47 ms against 0.21 / 0.24 /
-0.29 / 0.48 at 1 / 2 / 4 / 8 sequences, and slower from 16 on, where the batched GEMMs here win.
-Where the native attention runs on the AMX tile unit (native.attends_on_tiles), it takes every
-batch: 1.9 / 1.4 / 2.7 / 2.9 / 2.1x this path at 8 / 16 / 32 / 64 / 128 sequences of ~200 tokens.
-A speculative verification's s_q > 1 tokens of a sequence go in as s_q sequences over the same
-blocks, query i seeing the first seq_len - s_q + 1 + i keys."""
+"""Decode steps of up to this many tokens (batch 1, a speculative verification, the MTP draft)
+run a layer's attention block, its MoE block, or (where every product is native) the whole
+stack as one native call each. The decode attention itself (`_mla_decode_fast`) goes native at
+every batch where the kernels are loaded: against the batched GEMMs of this file, bench model
+(8 heads) at ~290 cached tokens, 2-core AMD EPYC (Zen 4, VDPBF16PS), 9.0 / 2.3 / 1.8 / 3.2 / 2.8x
+at 1 / 4 / 8 / 32 / 256 sequences; on the AMX tile unit (2-core Xeon) 1.9 / 1.4 / 2.7 / 2.9 /
+2.1x at 8 / 16 / 32 / 64 / 128 sequences of ~200 tokens. A speculative verification's s_q > 1
+tokens of a sequence go in as s_q sequences over the same blocks, query i seeing the first
+seq_len - s_q + 1 + i keys."""
 
 FAST_CHUNK_BYTES = 8 << 20
 """Gathered KV per chunk of sequences in the fast decode path: small enough to stay in the
@@ -255,11 +256,7 @@ def _mla_decode_fast(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank) ->
     sequence share its single latent KV head, so scores and output are two batched GEMMs. Long
     batches run in chunks of sequences so the gathered KV is reused from cache, not DRAM."""
     batch, s_q, heads, width = q.shape
-    if (
-        native.loaded()
-        and native.takes(q, kv_cache)
-        and (batch * s_q <= NATIVE_MAX_BATCH or native.attends_on_tiles(kv_cache, kv_lora_rank))
-    ):
+    if native.loaded() and native.takes(q, kv_cache):
         # The cache read in place, no gather; with drafts, each query token is a sequence of its own.
         block_table, seq_lens = per_token_tables(block_table, seq_lens, s_q)
         o = native.mla_decode(

@@ -482,10 +482,11 @@ def test_moe_pairs_refuses_ids_out_of_range(loaded):
         (4, [7, 16], 2, 3, 40, 8),
         (3, [2, 5], 2, 3, 40, 8),
         # Tile-shaped latents (L a multiple of 64, L + R of 32, as the bench model's 512 + 64):
-        (16, [1, 15, 16, 17, 0, 33, 100, 64], 1, 8, 64, 32),  # more sequences than NATIVE_MAX_BATCH
+        (16, [1, 15, 16, 17, 0, 33, 100, 64], 1, 8, 64, 32),
         (32, [31, 33, 64], 2, 3, 64, 32),
         (16, [40, 7], 1, 20, 64, 32),  # two groups of heads on the tiles: 16 and 4
         (8, [9, 20, 3, 30, 5], 1, 4, 64, 32),  # blocks of half a tile: VDPBF16PS
+        (4, [5, 9, 13, 2, 7, 1], 1, 9, 40, 8),  # heads in groups of 8 and 1, a tail of 8 columns
     ],
     ids=str,
 )
@@ -494,15 +495,15 @@ def test_mla_decode_equals_the_torch_path(
 ):
     """s_q query tokens per sequence (a decode, or a verification of drafts, each query seeing the
     keys up to its own position) over a paged cache with shuffled blocks, odd lengths and an empty
-    sequence: the torch path's value, up to float32 summation order. On the AMX tile unit (tile-
-    shaped latents, blocks of whole tiles) every batch goes native, within one bf16 rounding of
-    VDPBF16PS; elsewhere up to NATIVE_MAX_BATCH query tokens do. Where it goes native, the rows
-    past a sequence's length in its last block hold NaN: the tiles load them, and nothing of them
-    reaches the output (the torch path multiplies them by zero, so it gets zeros there)."""
-    from kernels.mla import NATIVE_MAX_BATCH, mla_decode, mla_decode_ref, per_token_tables
+    sequence: the torch path's value, up to float32 summation order. Where the kernels are loaded
+    every batch goes native; on the AMX tile unit (tile-shaped latents, blocks of whole tiles)
+    within one bf16 rounding of VDPBF16PS. There the rows past a sequence's length in its last
+    block hold NaN: the tiles load them, and nothing of them reaches the output (the torch path
+    multiplies them by zero, so it gets zeros there)."""
+    from kernels.mla import mla_decode, mla_decode_ref, per_token_tables
 
     tiles = products == "amx" and block_size % 16 == 0 and lat % 64 == 0 and (lat + rope) % 32 == 0
-    native_call = loaded and (tiles or len(lens) * s_q <= NATIVE_MAX_BATCH)
+    native_call = loaded
     gen = torch.Generator().manual_seed(len(lens) * block_size + heads)
     per_seq = max(1, -(-max(lens) // block_size))
     num_blocks = len(lens) * per_seq + 3

@@ -158,8 +158,7 @@ def max_rows() -> int:
 def attends_on_tiles(kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether `mla_decode` over this cache runs on the AMX tile unit: the products on it, blocks
     of whole 16-row tiles, L+R a multiple of 32 and L of 64 (the bench model and DeepSeek's 512 +
-    64). There it beats the torch path at every batch (a step's whole decode attention then goes
-    here); elsewhere it does up to kernels.mla.NATIVE_MAX_BATCH query tokens."""
+    64); elsewhere it runs through VDPBF16PS."""
     block_size, width = kv_cache.shape[-2:]
     return _max_rows == AMX_ROWS and block_size % 16 == 0 and width % 32 == 0 and kv_lora_rank % 64 == 0
 

@@ -46,61 +46,166 @@ inline void softmax_rounded(float* s, int64_t len) {
 
 // A thread's buffers for the attention of its sequences, reused from one to the next.
 struct AttendScratch {
-  std::vector<float> s, acc;     // scores [heads, len], float32 output sums [heads, L]
-  std::vector<uint32_t> pairs;   // q in pairs (amx_attend)
-  std::vector<uint16_t> probs;   // bf16 probabilities, 16 rows of whole 32-row steps (amx_attend)
+  std::vector<float> s;                // scores [heads, len], then their probabilities
+  std::vector<const uint16_t*> rows;   // the sequence's cache rows (attend), a zero row where refused
+  std::vector<uint16_t> zeros;         // that zero row, W long
+  std::vector<uint32_t> pairs;         // q in pairs (amx_attend); probabilities in pairs (attend)
+  std::vector<uint16_t> probs;         // bf16 probabilities, 16 rows of whole 32-row steps (amx_attend)
 };
 
+// Lane i of the result: the sum of v[i]'s 16 lanes. Four levels of shuffles and additions give
+// the 16 sums at once (one alone takes ~8 instructions); the levels leave them in the lane order
+// of an involution, so reading the inputs in that order puts each sum in its own lane.
+inline __m512 sum_lanes16(const __m512* v) {
+  constexpr int ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves: v[i]'s in the low half, v[i + 8]'s in the high
+    const __m512 a = v[ORDER[i]], b = v[ORDER[i + 8]];
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes
+    const __m512d a = _mm512_castps_pd(x[i]), b = _mm512_castps_pd(x[i + 2]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// Scores s[g * len + j] of G heads (q + g * q_h) against rows[0, len), through VDPBF16PS: two
+// rows at a time, so each head's q is loaded once for both, and the dot products' sums across
+// lanes 16 at a time (sum_lanes16).
+constexpr int64_t AHEAD = 8;
+template <int G>
+void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
+                   float scale, float* s) {
+  __m512 stage[16];
+  int64_t at[16];
+  int n = 0;
+  const auto flush = [&] {
+    for (int i = n; i < 16; ++i) stage[i] = _mm512_setzero_ps();
+    const __m512 dot = widen16(narrow16(sum_lanes16(stage)));  // bf16(bf16(q . row) * scale)
+    alignas(64) float out[16];
+    _mm512_store_ps(out, widen16(narrow16(_mm512_mul_ps(dot, _mm512_set1_ps(scale)))));
+    for (int i = 0; i < n; ++i) s[at[i]] = out[i];
+    n = 0;
+  };
+  for (int64_t j = 0; j < len; j += 2) {
+    const uint16_t *a = rows[j], *b = rows[j + 1];  // rows[len] is the zero row
+    const uint16_t *pa = rows[std::min(j + AHEAD, len)], *pb = rows[std::min(j + AHEAD + 1, len)];
+    __m512 da[G], db[G];
+    for (int g = 0; g < G; ++g) da[g] = db[g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < W; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(pa + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pb + k), _MM_HINT_T0);
+      const __mmask32 m = lanes(W - k);
+      const __m512bh ka = (__m512bh)_mm512_maskz_loadu_epi16(m, a + k);
+      const __m512bh kb = (__m512bh)_mm512_maskz_loadu_epi16(m, b + k);
+      for (int g = 0; g < G; ++g) {
+        const __m512bh qg = (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * q_h + k);
+        da[g] = _mm512_dpbf16_ps(da[g], ka, qg);
+        db[g] = _mm512_dpbf16_ps(db[g], kb, qg);
+      }
+    }
+    if (n + 2 * G > 16) flush();
+    for (int g = 0; g < G; ++g) stage[n] = da[g], at[n++] = g * len + j;
+    if (j + 1 < len)
+      for (int g = 0; g < G; ++g) stage[n] = db[g], at[n++] = g * len + j + 1;
+  }
+  if (n > 0) flush();
+}
+
+// o[g * o_h + l] = bf16(sum_j p[g, j] rows[j][l]) for l < L, through VDPBF16PS over pairs of rows:
+// pp[g * pairs + i] holds (p[g, 2i], p[g, 2i + 1]) in bf16, rows[2i], rows[2i + 1] are interleaved
+// 16 bits at a time (within 128-bit lanes), and each 32 columns' sums for the G heads stay in
+// registers over the whole sequence.
+template <int G>
+void attend_output(const uint32_t* pp, int64_t pairs, const uint16_t* const* rows, int64_t L, uint16_t* o,
+                   int64_t o_h) {
+  // Column c of 32 lies in lane 4 (c / 8) + c % 4 of the low (c % 8 < 4) or high interleaving.
+  alignas(64) int32_t order[32];
+  for (int c = 0; c < 32; ++c) order[c] = (c % 8 < 4 ? 0 : 16) + 4 * (c / 8) + c % 4;
+  const __m512i first = _mm512_load_si512(order), second = _mm512_load_si512(order + 16);
+  for (int64_t l0 = 0; l0 < L; l0 += 32) {
+    const __mmask32 m = lanes(L - l0);
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512i a = _mm512_maskz_loadu_epi16(m, rows[2 * i] + l0);
+      const __m512i b = _mm512_maskz_loadu_epi16(m, rows[2 * i + 1] + l0);
+      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < G; ++g) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(pp[g * pairs + i]));
+        lo[g] = _mm512_dpbf16_ps(lo[g], ab_lo, p);
+        hi[g] = _mm512_dpbf16_ps(hi[g], ab_hi, p);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256i c0 = narrow16(_mm512_permutex2var_ps(lo[g], first, hi[g]));
+      const __m256i c1 = narrow16(_mm512_permutex2var_ps(lo[g], second, hi[g]));
+      _mm512_mask_storeu_epi16(o + g * o_h + l0, m, _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
+    }
+  }
+}
+
+template <int G>
+void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, uint16_t* o,
+                  int64_t o_h, int64_t W, int64_t L, float scale, const std::vector<int64_t>& refused,
+                  AttendScratch& scratch) {
+  std::vector<float>& s = scratch.s;
+  s.resize(G * len);
+  attend_scores<G>(q, q_h, rows, len, W, scale, s.data());
+  for (const int64_t j : refused)
+    for (int g = 0; g < G; ++g) s[g * len + j] = -INFINITY;
+  const int64_t pairs = (len + 1) / 2;
+  std::vector<uint32_t>& pp = scratch.pairs;
+  pp.resize(G * pairs);
+  for (int g = 0; g < G; ++g) {
+    float* p = &s[g * len];
+    softmax_rounded(p, len);
+    for (int64_t i = 0; i < pairs; ++i) {  // exact: the probabilities are bf16 already
+      const uint32_t second = 2 * i + 1 < len ? to_bf16(p[2 * i + 1]) : 0;
+      pp[g * pairs + i] = uint32_t(to_bf16(p[2 * i])) | second << 16;
+    }
+  }
+  attend_output<G>(pp.data(), pairs, rows, L, o, o_h);
+}
+
+// Refused rows (a block id outside the cache) are counted in `bad`, score -inf and read as zeros.
 void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
             int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
             int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
-  std::vector<float>&s = scratch.s, &acc = scratch.acc;
-  s.assign(heads * len, 0.0f);  // [heads, len]
-  acc.assign(heads * L, 0.0f);  // [heads, L]
-  auto row_of = [&](int64_t j) -> const uint16_t* {
-    const int32_t block = table[j / block_size];
-    if (block < 0 || block >= num_blocks) return nullptr;
-    return kv + block * kv_block + (j % block_size) * kv_row;
-  };
+  scratch.zeros.assign(W, 0);
+  std::vector<const uint16_t*>& rows = scratch.rows;
+  rows.assign(len + 2, scratch.zeros.data());  // past len: the zero row (a pair's second, an odd len)
+  std::vector<int64_t> refused;
+  for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+    const int32_t block = table[j0 / block_size];
+    const int64_t n = std::min(block_size, len - j0);
+    if (block < 0 || block >= num_blocks) {
+      bad.fetch_add(n);
+      for (int64_t j = j0; j < j0 + n; ++j) refused.push_back(j);
+      continue;
+    }
+    for (int64_t r = 0; r < n; ++r) rows[j0 + r] = kv + block * kv_block + r * kv_row;
+  }
   for (int64_t h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
-    const int64_t group = std::min(HEAD_GROUP, heads - h0);
-    for (int64_t j = 0; j < len; ++j) {
-      const uint16_t* row = row_of(j);
-      if (row == nullptr) {
-        bad.fetch_add(1);
-        for (int64_t g = 0; g < group; ++g) s[(h0 + g) * len + j] = -INFINITY;
-        continue;
-      }
-      __m512 dot[HEAD_GROUP];
-      for (int64_t g = 0; g < group; ++g) dot[g] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < W; k += 32) {
-        const __mmask32 mask = lanes(W - k);
-        const __m512bh kv_k = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
-        for (int64_t g = 0; g < group; ++g)
-          dot[g] = _mm512_dpbf16_ps(dot[g], kv_k, (__m512bh)_mm512_maskz_loadu_epi16(mask, q + (h0 + g) * q_h + k));
-      }
-      for (int64_t g = 0; g < group; ++g)
-        s[(h0 + g) * len + j] = from_bf16(to_bf16(from_bf16(to_bf16(_mm512_reduce_add_ps(dot[g]))) * scale));
+    const uint16_t* qh = q + h0 * q_h;
+    uint16_t* oh = o + h0 * o_h;
+    const auto run = [&](auto group) {  // the heads' sums in registers: their count a constant
+      attend_group<decltype(group)::value>(qh, q_h, rows.data(), len, oh, o_h, W, L, scale, refused, scratch);
+    };
+    switch (std::min(HEAD_GROUP, heads - h0)) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      case 6: run(std::integral_constant<int, 6>()); break;
+      case 7: run(std::integral_constant<int, 7>()); break;
+      default: run(std::integral_constant<int, 8>()); break;
     }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax_rounded(&s[h * len], len);
-  for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* row = row_of(j);
-    if (row == nullptr) continue;
-    int64_t l = 0;
-    for (; l + 16 <= L; l += 16) {
-      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + l)));
-      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-      for (int64_t h = 0; h < heads; ++h) {
-        float* a = &acc[h * L + l];
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(s[h * len + j]), v, _mm512_loadu_ps(a)));
-      }
-    }
-    for (; l < L; ++l)
-      for (int64_t h = 0; h < heads; ++h) acc[h * L + l] += s[h * len + j] * from_bf16(row[l]);
-  }
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t l = 0; l < L; ++l) o[h * o_h + l] = to_bf16(acc[h * L + l]);
 }
 
 // The same attention on the tile unit (amx_attend_takes: AMX granted, whole 16-row tiles in a
