@@ -53,25 +53,6 @@ struct AttendScratch {
   std::vector<uint16_t> probs;         // bf16 probabilities, 16 rows of whole 32-row steps (amx_attend)
 };
 
-// Lane i of the result: the sum of v[i]'s 16 lanes. Four levels of shuffles and additions give
-// the 16 sums at once (one alone takes ~8 instructions); the levels leave them in the lane order
-// of an involution, so reading the inputs in that order puts each sum in its own lane.
-inline __m512 sum_lanes16(const __m512* v) {
-  constexpr int ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i) {  // 256-bit halves: v[i]'s in the low half, v[i + 8]'s in the high
-    const __m512 a = v[ORDER[i]], b = v[ORDER[i + 8]];
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i)  // 128-bit quarters
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i) {  // pairs of lanes
-    const __m512d a = _mm512_castps_pd(x[i]), b = _mm512_castps_pd(x[i + 2]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-}
-
 // Scores s[g * len + j] of G heads (q + g * q_h) against rows[0, len), through VDPBF16PS: two
 // rows at a time, so each head's q is loaded once for both, and the dot products' sums across
 // lanes 16 at a time (sum_lanes16).

@@ -125,6 +125,25 @@ inline uint16_t to_bf16(float f) {
 inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline __m256i narrow16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
+// Lane i of the result: the sum of v[i]'s 16 lanes. Four levels of shuffles and additions give
+// the 16 sums at once (one alone takes ~8 instructions); the levels leave them in the lane order
+// of an involution, so reading the inputs in that order puts each sum in its own lane.
+inline __m512 sum_lanes16(const __m512* v) {
+  constexpr int ORDER[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves: v[i]'s in the low half, v[i + 8]'s in the high
+    const __m512 a = v[ORDER[i]], b = v[ORDER[i + 8]];
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // 128-bit quarters
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // pairs of lanes
+    const __m512d a = _mm512_castps_pd(x[i]), b = _mm512_castps_pd(x[i + 2]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
 // e^x in 16 lanes, within 2 ulp of std::exp: x = n ln2 + r (ln2 in two parts, |r| <= ln2 / 2),
 // e^r by its Taylor series to r^7 (truncation under 0.1 ulp), scaled by 2^n in one rounding
 // (denormal results too). Exactly 0 below -104 (-inf included), inf above 88.72, NaN for NaN, as
