@@ -345,13 +345,7 @@ def test_linear(rows, out_features, bias, dtype, monkeypatch):
         native_calls.clear()
         out = fn(x, w, b)
         native_path = (
-            fn is linear
-            and dtype == torch.bfloat16
-            and native.loaded()
-            and 0 < rows <= native.max_rows()
-            and (
-                rows == 1 or native.max_rows() > native.FEW_ROWS or w.numel() * 2 <= native.FEW_ROWS_MAX_BYTES
-            )
+            fn is linear and dtype == torch.bfloat16 and native.loaded() and 0 < rows <= native.max_rows()
         )
         assert bool(native_calls) == native_path
         assert bool(f_linear_calls) == (not native_path and not few_rows_path)

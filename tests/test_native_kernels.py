@@ -196,9 +196,8 @@ def test_bad_operands_name_the_shape(loaded):
 
 
 def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
-    """Up to max_rows() bf16 rows go native where loaded: AMX_ROWS through any weight on the tile
-    unit, else FEW_ROWS (from 2 rows only through weights up to FEW_ROWS_MAX_BYTES); more rows,
-    float32 and strided weights stay on torch."""
+    """Up to max_rows() bf16 rows go native where loaded, through any weight: AMX_ROWS on the tile
+    unit, else FEW_ROWS; more rows, float32 and strided weights stay on torch."""
     calls = []
     real = native.few_rows_linear
 
@@ -211,7 +210,7 @@ def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
     monkeypatch.setattr(native, "few_rows_linear", counted)
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen).bfloat16()
-    wide = torch.randn(native.FEW_ROWS_MAX_BYTES // (2 * 96) + 1, 96, generator=gen).bfloat16()
+    wide = torch.randn((1 << 20) // (2 * 96) + 1, 96, generator=gen).bfloat16()  # over 1 MB
     for weight in (w, wide):
         for rows in range(1, native.max_rows() + 2):
             x = torch.randn(rows, 96, generator=gen).bfloat16()
@@ -221,8 +220,7 @@ def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
     linear_mod.linear(torch.randn(1, 64).bfloat16(), w.t())
     amx = native.max_rows() == native.AMX_ROWS
     assert amx <= (loaded and native.AMX_FLAGS <= native.cpu_flags())
-    expected = [(rows, 96) for rows in range(1, native.max_rows() + 1)]
-    expected += expected if amx else [(1, 96)]
+    expected = [(rows, 96) for rows in range(1, native.max_rows() + 1)] * 2
     assert calls == (expected if loaded else [])
 
 
@@ -945,11 +943,10 @@ def test_the_mtp_layer_in_one_call_is_the_bits_of_its_calls(loaded, products, se
 
 @torch.inference_mode()
 def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
-    """Where the attention runs on the AMX tile unit, a decode step of up to max_rows() sequences
-    runs as one call, and each sequence gets the hidden state and cache rows it gets alone (every
-    product, the attention and the MoE block treat each token apart); elsewhere such a step stays
-    per layer. Against the layer-by-layer path (torch's router product above NATIVE_MAX_BATCH
-    tokens) it agrees to bf16 rounding."""
+    """A decode step of up to max_rows() sequences runs as one call (on the AMX tile unit or
+    through VDPBF16PS), and each sequence gets the hidden state and cache rows it gets alone (every
+    product, the attention and the MoE block treat each token apart). Against the layer-by-layer
+    path (torch's router product above NATIVE_MAX_BATCH tokens) it agrees to bf16 rounding."""
     from engine.forward_batch import DecodeGroup, ForwardBatch
     from kernels.mla import NATIVE_MAX_BATCH
 
@@ -962,10 +959,7 @@ def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
         torch.randn(seqs * 16 + 2, block_size, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
     ]
     batch = _decode_batch(seqs, 1, block_size, caches[0].shape[0], cfg.vocab_size, gen)
-    one_call = model.runs_in_one_call(batch, caches)
-    assert one_call == (products == "amx" and native.attends_on_tiles(caches[0], cfg.kv_lora_rank))
-    if not one_call:
-        return
+    assert seqs <= native.max_rows() and model.runs_in_one_call(batch, caches)
     together = [c.clone() for c in caches]
     got = model(batch, together)
     tables, lens = batch.decodes[0].per_token
@@ -986,24 +980,6 @@ def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
     model.native_stack = stack
     assert seqs > NATIVE_MAX_BATCH
     torch.testing.assert_close(got.float(), per_layer.float(), rtol=2**-7, atol=2**-6)
-
-
-@torch.inference_mode()
-def test_the_stack_leaves_rows_its_layers_would_not_take_to_them(loaded, products):
-    """Without AMX, a product of 2 rows or more through a weight over FEW_ROWS_MAX_BYTES is torch's:
-    a stack with such a dense MLP takes 1 row, and more only where the products run on the tiles."""
-    if not loaded:
-        return
-    _, model = _small_model(False, 1)
-    layers = list(model.native_stack.layers)
-    inter = native.FEW_ROWS_MAX_BYTES // (2 * 2 * 96) + 1  # gate_up [2I, 96] just over the limit
-    big = (torch.zeros(2 * inter, 96, dtype=torch.bfloat16), torch.zeros(96, inter, dtype=torch.bfloat16))
-    layers[0] = native.StackLayer(
-        layers[0].attention, layers[0].input_norm, layers[0].post_attention_norm, big
-    )
-    stack = native.DecodeStack(layers, model.embed_tokens.weight, (model.norm.weight, model.norm.eps))
-    assert stack.takes_rows(1) and model.native_stack.takes_rows(2)
-    assert stack.takes_rows(2) == (products == "amx")
 
 
 @torch.inference_mode()

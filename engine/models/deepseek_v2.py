@@ -22,7 +22,6 @@ from engine.models.registry import register_model
 from engine.sampler import argmax
 from kernels import native
 from kernels.linear import FEW_ROWS
-from kernels.mla import NATIVE_MAX_BATCH
 from kernels.rotary import rope_cos_sin_cache
 
 
@@ -125,21 +124,15 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def runs_in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step runs the whole stack as one native call: decode tokens of one query
-        length, up to NATIVE_MAX_BATCH of them (batch 1, a verification) or, where the attention
-        runs on the AMX tile unit, as many as its products take (max_rows()), whose every product
-        the native kernels take."""
+        length, as many as the native products take (native.max_rows(): 16 through VDPBF16PS, 256
+        on the AMX tile unit)."""
         return self._takes(self.native_stack, batch, kv_caches[0])
 
     def _takes(self, stack: native.DecodeStack | None, batch: ForwardBatch, cache: torch.Tensor) -> bool:
         n = batch.input_ids.shape[0]
         if stack is None or batch.prefills or len(batch.decodes) != 1 or not n:
             return False
-        tiles = native.attends_on_tiles(cache, self.cfg.kv_lora_rank)
-        return (
-            n <= (native.max_rows() if tiles else NATIVE_MAX_BATCH)
-            and native.takes(cache)
-            and stack.takes_rows(n)
-        )
+        return native.takes(cache) and stack.takes_rows(n)
 
     def mtp_forward(
         self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor

@@ -36,15 +36,17 @@ CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512b
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 """/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
 
-FEW_ROWS = 3
-"""Products of up to this many rows take the native kernel (a decode step's token, or a batch-1
-speculative verification of up to 3 tokens). Each extra row costs the native kernel arithmetic
-(its sums end in horizontal adds) while torch's oneDNN call costs ~50 µs whatever the rows; per
-product, weights out of cache, 2-core Xeon (benchmarks/linear_native.py): 0.25 MB weight at 2 / 3
-rows 23-44 / 24-50 µs native against 47-62 / 50-66 torch; 1 MB 97-105 / 89-142 against 81-105 /
-127-166; the 2 MB LM head of the tiny model 620 against 339, so from 2 rows only weights up to
-FEW_ROWS_MAX_BYTES go native."""
-FEW_ROWS_MAX_BYTES = 1 << 20
+FEW_ROWS = 128
+"""Products of up to this many rows take the native kernel through VDPBF16PS (CPUs without AMX),
+and so a decode step of up to this many tokens runs as one native call (runs_in_one_call). The
+kernel reads each weight row once for all the rows; per product, 2 threads, weights out of cache
+on huge pages, 2-core AMD EPYC (Zen 4), 2026-12-03, native against torch's oneDNN: the LM head
+(32000 x 512) at 1 / 4 / 8 / 16 / 32 rows 1.0 / 1.3 / 1.8 / 3.2 / 5.9 ms against 2.1 / 3.2 /
+2.6 / 4.1 / 5.6; a 1536 x 512 weight 61 / 106 / 149 / 199 / 331 µs against 154 / 236 / 220 /
+252 / 345. From 32 rows a product alone costs what oneDNN's does, but the step in one call still
+gains (no Python between the products, no oneDNN primitive per batch size): bench-model decode
+steps at 32 / 64 / 128 sequences 31-38 / 60 / 130-140 ms against 59-68 / 91 / 143-144 with the
+products through torch; at 256, 256 against 234, so from there they stay torch's."""
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_ROWS = 256
 """Where the CPU has AMX-BF16 (and PDSERVE_NATIVE_AMX is not 0), the products run on the tile
@@ -178,20 +180,15 @@ def takes(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def _few_enough(rows: int, weight_bytes: int) -> bool:
-    """Whether a product of `rows` rows through a weight of `weight_bytes` runs here (max_rows();
-    without AMX, 2 rows or more only through weights up to FEW_ROWS_MAX_BYTES)."""
-    return 0 < rows <= _max_rows and (rows == 1 or _max_rows > FEW_ROWS or weight_bytes <= FEW_ROWS_MAX_BYTES)
+def _few_enough(rows: int) -> bool:
+    """Whether a product of `rows` rows runs here: up to max_rows()."""
+    return 0 < rows <= _max_rows
 
 
 def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of x's rows (the second-last dimension) with weight should run here:
-    loaded, the operands taken as they are, and few enough rows for the weight's size."""
-    return (
-        _library is not None
-        and _few_enough(x.shape[-2], weight.numel() * weight.element_size())
-        and takes(x, weight)
-    )
+    loaded, the operands taken as they are, and few enough rows."""
+    return _library is not None and _few_enough(x.shape[-2]) and takes(x, weight)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -204,7 +201,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         or not (x.dtype is _BF16 and weight.dtype is _BF16 and x.is_cpu and weight.is_cpu)
         or x.stride(1) != 1
         or weight.stride(1) != 1
-        or not _few_enough(rows, n * k * 2)
+        or not _few_enough(rows)
     ):
         return None
     y = torch.empty((rows, n), dtype=_BF16)
@@ -398,7 +395,7 @@ def mtp_input(
     enorm, e_eps, hnorm, h_eps = norms
     if (
         _library is None
-        or not _few_enough(rows, eh_proj.numel() * 2)
+        or not _few_enough(rows)
         or not takes(embed, hidden, enorm, hnorm, eh_proj)
         or ids.dtype != torch.int64
     ):

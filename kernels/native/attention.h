@@ -373,7 +373,7 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
                                     table + b * table_b, len, o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L,
                                     float(scale), scratch, bad);
     }
-  }, tiles ? TILE_ATTENTION_OMP_MIN_BYTES : OMP_MIN_BYTES);
+  }, ATTENTION_OMP_MIN_BYTES);
   return bad.load();
 }
 

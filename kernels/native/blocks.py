@@ -10,7 +10,7 @@ than torch's BLAS). Re-exported by kernels/native, whose `load` builds them; eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,25 +39,14 @@ class MLAWeights:
     kv_eps: float
     scale: float
     interleaved: bool
-    _taken: dict[tuple[int, int], bool] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def q_lora_rank(self) -> int:
         return 0 if self.q_a is None else self.q_a.shape[0]
 
-    @property
-    def products(self) -> tuple[torch.Tensor, ...]:
-        """The weights a token is multiplied through, one [N, K] matrix each (a head's, per head)."""
-        first = () if self.q_a is None else (self.q_a,)
-        return (*first, self.q_b, self.kv_a, self.w_uk_t[0], self.w_uv[0], self.o_proj)
-
     def takes_rows(self, rows: int) -> bool:
-        """Whether M = rows tokens take every product natively (as the layer's own calls would).
-        Remembered per (rows, max_rows()): this is asked by every layer of every decode step."""
-        key = (rows, native.max_rows())
-        if (taken := self._taken.get(key)) is None:
-            taken = self._taken[key] = all(native._few_enough(rows, w.numel() * 2) for w in self.products)
-        return taken
+        """Whether M = rows tokens take every product natively (as the layer's own calls would)."""
+        return native._few_enough(rows)
 
 
 def _check_experts(x, w13, w2, out, shared) -> tuple[int, int, int, int]:
@@ -397,7 +386,6 @@ class DecodeStack:
                 else:
                     row[i] = values.pop(name)
             assert not values, f"fields the native LayerPlan lacks: {sorted(values)}"
-        self._taken: dict[tuple[int, int], bool] = {}
         self._kv: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.int64))
 
     def _fields(self, layer: StackLayer) -> dict[str, int | float]:
@@ -451,14 +439,8 @@ class DecodeStack:
 
     def takes_rows(self, rows: int) -> bool:
         """Whether M = rows tokens take every product natively, in every layer (as the layers' own
-        calls would). Remembered per (rows, max_rows())."""
-        key = (rows, native.max_rows())
-        if (taken := self._taken.get(key)) is None:
-            dense = [w for layer in self.layers if isinstance(layer.mlp, tuple) for w in layer.mlp]
-            taken = self._taken[key] = all(layer.attention.takes_rows(rows) for layer in self.layers) and all(
-                native._few_enough(rows, w.numel() * 2) for w in dense
-            )
-        return taken
+        calls would)."""
+        return native._few_enough(rows)
 
     def kv_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """The layers' caches' addresses, int64 [layers] (the last step's, when they are the same)."""

@@ -40,9 +40,9 @@ namespace {
 //   32 ms). So the engine turns it on only for steps whose work is all native (use_pool).
 constexpr int64_t OMP_MIN_BYTES = int64_t(4) << 20;
 constexpr int64_t POOL_MIN_BYTES = int64_t(128) << 10;
-// The tile attention is bound by reading the cache: from 1 MB of it two OpenMP threads pay (a
-// batch-8 step's attention, bench model, ~250 cached tokens: 2.0 -> 1.4 ms).
-constexpr int64_t TILE_ATTENTION_OMP_MIN_BYTES = int64_t(1) << 20;
+// The decode attention: from 1 MB of cache two OpenMP threads pay (a batch-8 step's attention on
+// the tile unit, bench model, ~250 cached tokens: 2.0 -> 1.4 ms).
+constexpr int64_t ATTENTION_OMP_MIN_BYTES = int64_t(1) << 20;
 constexpr int64_t CHUNK_BYTES = int64_t(64) << 10;  // about this much weight per chunk
 
 int64_t g_pool_min_bytes = POOL_MIN_BYTES;  // set_pool_min_bytes: tests and benchmarks
