@@ -46,7 +46,8 @@ on huge pages, 2-core AMD EPYC (Zen 4), 2026-12-03, native against torch's oneDN
 252 / 345. From 32 rows a product alone costs what oneDNN's does, but the step in one call still
 gains (no Python between the products, no oneDNN primitive per batch size): bench-model decode
 steps at 32 / 64 / 128 sequences 31-38 / 60 / 130-140 ms against 59-68 / 91 / 143-144 with the
-products through torch; at 256, 256 against 234, so from there they stay torch's."""
+products through torch. At 256 sequences the one call took 256 ms against 234 layer by layer, so
+there the products stay torch's."""
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_ROWS = 256
 """Where the CPU has AMX-BF16 (and PDSERVE_NATIVE_AMX is not 0), the products run on the tile
@@ -155,14 +156,6 @@ def loaded() -> bool:
 def max_rows() -> int:
     """The most rows a product takes natively: AMX_ROWS on the tile unit, FEW_ROWS otherwise."""
     return _max_rows
-
-
-def attends_on_tiles(kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether `mla_decode` over this cache runs on the AMX tile unit: the products on it, blocks
-    of whole 16-row tiles, L+R a multiple of 32 and L of 64 (the bench model and DeepSeek's 512 +
-    64); elsewhere it runs through VDPBF16PS."""
-    block_size, width = kv_cache.shape[-2:]
-    return _max_rows == AMX_ROWS and block_size % 16 == 0 and width % 32 == 0 and kv_lora_rank % 64 == 0
 
 
 _BF16 = torch.bfloat16

@@ -14,8 +14,9 @@ namespace {
 //   o[b, h]  = bf16(sum_j p[h, j] * cache[j, :L])
 // Cache row j of sequence b is row j % block_size of block block_table[b, j / block_size], read
 // in place (no gather). A work item is a sequence and a range of its heads (all of them unless
-// there are fewer sequences than threads); each cache row is loaded once per HEAD_GROUP heads for
-// the scores and once for all the item's heads for the output, whose float32 sums stay in L1.
+// there are fewer sequences than threads). Through VDPBF16PS (attend) the heads go in groups of
+// HEAD_GROUP: each cache row is loaded once per group for its scores, and once per 32 output
+// columns, whose float32 sums for the group stay in registers over the whole sequence.
 constexpr int64_t HEAD_GROUP = 8;
 
 // Scores s[0, len) -> their softmax rounded to bf16 (float32 inside), in place; 0 where every
@@ -55,7 +56,8 @@ struct AttendScratch {
 
 // Scores s[g * len + j] of G heads (q + g * q_h) against rows[0, len), through VDPBF16PS: two
 // rows at a time, so each head's q is loaded once for both, and the dot products' sums across
-// lanes 16 at a time (sum_lanes16).
+// lanes 16 at a time (sum_lanes16). The rows AHEAD on are prefetched meanwhile (Zen 4, B = 256
+// sequences of ~290 tokens, ms a layer: none 13.5, 4 rows ahead 9.6, 8 8.5, 16 10.3).
 constexpr int64_t AHEAD = 8;
 template <int G>
 void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
