@@ -7,7 +7,9 @@ generated greedily to `--max-tokens` tokens; decode tokens/s and ms/token exclud
 the medians are reported, and each speedup is the median of the per-round ratios to k = 0.
 Acceptance per draft position and the mean accept length come from the engine's counters. The
 time to first token of a `--prompt-tokens` prompt, per k in interleaved rounds as well, shows
-what the MTP layer's pass over a prompt adds. Saves JSON under benchmarks/results/.
+what the MTP layer's pass over a prompt adds. `--step-by-step` adds each k > 0 again with the
+one-call greedy speculative step off (rows "k s": the forward, the verification and the drafter's
+passes one by one), the baseline of that step in the same run. Saves JSON under benchmarks/results/.
 
     python benchmarks/spec_decode.py --model assets/pdserve-tiny
 """
@@ -108,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="also run each k > 0 with the one-call greedy speculative step off (the forward, the "
+        "verification and the drafter's passes one by one: the baseline of that step)",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="results file (default: results/spec_decode_<hw>_<date>.json)",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="batch 1, k 0 and 1, 8 tokens, one round; nothing saved"
     )
     args = p.parse_args(argv)
@@ -115,45 +129,52 @@ def main(argv: list[str] | None = None) -> int:
     ks = [0, 1] if args.smoke else [int(k) for k in args.ks.split(",")]
     max_tokens = 8 if args.smoke else args.max_tokens
     repeats = 1 if args.smoke else args.repeats
+    # Each variant: (k, whether greedy speculative steps may run as one native call).
+    variants = [(k, True) for k in ks] + [(k, False) for k in ks if k and args.step_by_step]
     llms = {}
-    for k in ks:
+    for k, one_call in variants:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         if spec and args.disable_by_batch_size:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
-        llms[k] = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
-        run(llms[k], 1, 4)  # warm-up
+        llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
+        if not one_call:
+            llm.engine.runner._greedy_spec_step = lambda *a: None  # every step through the Python path
+        llms[k, one_call] = llm
+        run(llm, 1, 4)  # warm-up
     rows = []
     for batch in batches:
         # Rounds interleave the k values, so drift in the machine's speed (it is shared) hits every
         # k alike; each speedup is the median of the per-round ratios to k = 0.
-        runs: dict[int, list[dict]] = {k: [] for k in ks}
-        for k in ks:  # counters of this batch size only
-            llms[k].engine.spec_stats = SpecStats(k)
+        runs: dict[tuple[int, bool], list[dict]] = {v: [] for v in variants}
+        for k, one_call in variants:  # counters of this batch size only
+            llms[k, one_call].engine.spec_stats = SpecStats(k)
         for _ in range(repeats):
-            for k in ks:
-                runs[k].append(run(llms[k], batch, max_tokens))
-        for k in ks:
-            st = llms[k].engine.spec_stats
-            tps = [r["decode_tok_per_s"] for r in runs[k]]
+            for v in variants:
+                runs[v].append(run(llms[v], batch, max_tokens))
+        for k, one_call in variants:
+            st = llms[k, one_call].engine.spec_stats
+            tps = [r["decode_tok_per_s"] for r in runs[k, one_call]]
             row = {
                 "batch": batch,
                 "k": k,
+                "one_call_step": one_call,
                 "decode_tok_per_s": statistics.median(tps),
                 "decode_tok_per_s_min_max": [min(tps), max(tps)],
-                "ms_per_token": statistics.median(r["ms_per_token"] for r in runs[k]),
+                "ms_per_token": statistics.median(r["ms_per_token"] for r in runs[k, one_call]),
                 "rounds": repeats,
                 "verifications": st.num_drafts,
                 "mean_accept_length": st.mean_accept_length if st.num_drafts else 1.0,
                 "acceptance_per_position": st.per_position(),
             }
-            if 0 in runs:
+            if (0, True) in runs:
                 # Greedy: drafts only change how many tokens a step yields, never which.
+                base = runs[0, True]
                 row["same_tokens_as_k0"] = all(
-                    r["tokens"] == b["tokens"] for r, b in zip(runs[k], runs[0], strict=True)
+                    r["tokens"] == b["tokens"] for r, b in zip(runs[k, one_call], base, strict=True)
                 )
                 row["speedup"] = statistics.median(
                     r["decode_tok_per_s"] / b["decode_tok_per_s"]
-                    for r, b in zip(runs[k], runs[0], strict=True)
+                    for r, b in zip(runs[k, one_call], base, strict=True)
                 )
             rows.append(row)
     ttft_rows = []
@@ -161,19 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         ttfts: dict[int, list[float]] = {k: [] for k in ks}
         for r in range(repeats):
             for k in ks:
-                ttfts[k].append(time_to_first_token(llms[k], args.prompt_tokens, f"{r}-{k}"))
+                ttfts[k].append(time_to_first_token(llms[k, True], args.prompt_tokens, f"{r}-{k}"))
         for k in ks:
             row = {"k": k, "prompt_tokens": args.prompt_tokens, "ttft_ms": 1000 * statistics.median(ttfts[k])}
             if 0 in ttfts:
                 row["vs_k0"] = statistics.median(a / b for a, b in zip(ttfts[k], ttfts[0], strict=True))
             ttft_rows.append(row)
     print(
-        f"{'batch':>5} {'k':>2} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10} {'same tokens':>11}  per-position acceptance"
+        f"{'batch':>5} {'k':>3} {'decode tok/s':>13} {'ms/token':>9} {'vs k=0':>7} {'accept len':>10} {'same tokens':>11}  per-position acceptance"
     )
     for r in rows:
         pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) if r["verifications"] else "-"
         print(
-            f"{r['batch']:>5} {r['k']:>2} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
+            f"{r['batch']:>5} {str(r['k']) + ('' if r['one_call_step'] else 's'):>3} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
             f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f} {str(r.get('same_tokens_as_k0', '-')):>11}  {pos}"
         )
     for r in ttft_rows:
@@ -190,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "ttft": ttft_rows,
         }
         name = "spec_decode_disable_by_batch" if args.disable_by_batch_size else "spec_decode"
-        print(f"saved {save(name, result)}")
+        print(f"saved {save(name, result, args.output)}")
     return 0
 
 

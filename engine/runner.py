@@ -236,6 +236,48 @@ class ModelRunner:
             [it.request for it, row in zip(items, sample_rows, strict=True) if row >= 0]
         )
 
+    def _greedy_spec_step(
+        self, items: list[ScheduledRequest], batch: ForwardBatch, sample_rows: list[int], prompt_rows
+    ) -> RunnerOutput | None:
+        """A step of greedy decodes that all speculate, of one query length (each verifying its
+        drafts, or none), as one native call: the model's forward, verify_greedy and
+        draft_with_mtp's tokens, drafts and MTP cache rows in one (the model's greedy_spec_step).
+        At batch 1 their Python between the native calls cost a step with a draft twice a plain
+        step's. None: the step is not such a step, or the model does not run it in one call."""
+        if (
+            batch.prefills
+            or len(batch.decodes) != 1
+            or not all(
+                it.request.spec_enabled and row >= 0 for it, row in zip(items, sample_rows, strict=True)
+            )
+            or not self._argmax_only(items, sample_rows, prompt_rows)
+        ):
+            return None
+        k, limit = self.spec.num_speculative_tokens, self.spec.disable_by_batch_size
+        if limit is not None and len(items) >= limit:
+            k = 0  # no drafts this step (the MTP cache rows are still written)
+        # What max_tokens and the model length leave each request after the tokens it has: it
+        # drafts up to that less the tokens this step emits, less one (draft_with_mtp's room).
+        caps = [
+            min(
+                req.params.max_tokens - (req.num_tokens - req.num_prompt_tokens),
+                self.max_model_len - req.num_tokens,
+            )
+            - 1
+            for req in (it.request for it in items)
+        ]
+        result = self.model.greedy_spec_step(batch, self.kv_caches, caps, k)
+        if result is None:
+            return None
+        tokens, accepted, drafts = result
+        s, out = batch.decodes[0].query_len, RunnerOutput()
+        for i, it in enumerate(items):
+            rid = it.request.request_id
+            out.sampled[rid] = tokens[i * s : i * s + accepted[i] + 1]
+            if drafts[i] and drafts[i][0] >= 0:
+                out.drafts[rid] = [t for t in drafts[i] if t >= 0]
+        return out
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes first, grouped by query length: the model runs each group as one absorbed-MLA call.
@@ -243,6 +285,10 @@ class ModelRunner:
         batch, sample_rows, prompt_rows = self._build_batch(items)
         self._share_native_work(batch)
         filling = self._grammar_bitmask(items, sample_rows)
+        if self.spec is not None and filling is None:
+            out = self._greedy_spec_step(items, batch, sample_rows, prompt_rows)
+            if out is not None:
+                return out
         hidden = self.model(batch, self.kv_caches)
         out = RunnerOutput()
         if filling is None and self._argmax_only(items, sample_rows, prompt_rows):

@@ -1012,3 +1012,46 @@ def test_decode_stack_refuses_bad_operands(loaded):
             stack, None, cos, sin, caches, batch.slot_mapping, tables, lens, torch.zeros(1, 95)
         )
     assert run().shape == (1, cfg.hidden_size)
+
+
+@torch.inference_mode()
+def test_greedy_spec_step_refuses_bad_operands(loaded):
+    """native.greedy_spec_step (the engine's one-call speculative step, held to the step-by-step
+    path's bits in tests/test_spec_decode.py) names what is wrong: rows that are not whole
+    requests, ids outside the vocabulary, slots outside the cache, a draft past the block table."""
+    cfg, model = _small_model(False, 5, mtp=1)
+    if not loaded:
+        assert model.mtp_drafter is None
+        return
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.zeros(16, 4, cfg.kv_cache_width, dtype=torch.bfloat16) for _ in range(4)]
+    batch = _decode_batch(1, 2, 4, 16, cfg.vocab_size, gen)  # one request: its token and one draft
+    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
+    tables, lens = batch.decodes[0].per_token
+
+    def run(ids=batch.input_ids, slots=batch.slot_mapping, caps=(9,), k=1, table=tables):
+        return native.greedy_spec_step(
+            model.native_stack, model.mtp_drafter, ids, batch.positions, cos, sin, caches, slots, table, lens,
+            2, list(caps), k,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"M=2 rows must be 2 requests of query_len=2"):
+        run(caps=(9, 9))
+    with pytest.raises(ValueError, match=r"1 token ids lie outside \[0, 80\)"):
+        run(ids=torch.tensor([3, 80]))
+    with pytest.raises(ValueError, match="outside the cache's 16 blocks of 4"):
+        run(slots=torch.tensor([3, 64]))
+    with pytest.raises(
+        ValueError, match="kv_caches must be the 3 layers' caches, then the MTP layer's, got 3"
+    ):
+        native.greedy_spec_step(
+            model.native_stack, model.mtp_drafter, batch.input_ids, batch.positions, cos, sin, caches[:3],
+            batch.slot_mapping, tables, lens, 2, [9], 1,
+        )  # fmt: skip
+    with pytest.raises(
+        ValueError, match="draft positions lie outside"
+    ):  # drafts 2 on, past the table's 3 blocks
+        run(caps=(40,), k=8, table=tables[:, :3].contiguous())
+    tokens, accepted, drafts = run(caps=(2,), k=3)  # it may draft up to 2 - emitted tokens
+    assert tokens.shape == (2,) and accepted.shape == (1,) and drafts.shape == (1, 3)
+    assert 0 <= int(accepted[0]) <= 1 and (drafts[0] >= 0).sum() == max(0, 2 - int(accepted[0]) - 1)

@@ -9,6 +9,7 @@ import torch
 import engine.spec_decode.drafter as drafter_module
 from engine import LLM, SamplingParams
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq
+from engine.runner import ModelRunner
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.verify import accept_from_probs, verify_greedy
 from services.cli import _spec_config, build_parser
@@ -89,6 +90,13 @@ def test_decode_group_per_token_tables(query_len):
     assert all(t.is_contiguous() for t in (tables, lens, group.block_table, group.seq_lens))  # read in place
 
 
+def _without_one_call_spec_step(monkeypatch) -> None:
+    """Greedy speculative steps through the forward, verify_greedy and draft_with_mtp one by one
+    (ModelRunner._greedy_spec_step declines every step), where the native kernels would run them
+    as one call."""
+    monkeypatch.setattr(ModelRunner, "_greedy_spec_step", lambda self, *args: None)
+
+
 @pytest.mark.parametrize("k, dtype", [(1, "float32"), (3, "float32"), (2, "bfloat16")])
 def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k, dtype):
     """A decode's accepted rows go through the MTP layer with its first draft, writing their MTP
@@ -109,6 +117,7 @@ def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k
                 folded.extend(it for it in items if it.is_decode and it.draft_token_ids)
 
         monkeypatch.setattr("engine.runner.draft_with_mtp", recording)
+        _without_one_call_spec_step(monkeypatch)  # the drafter's own path, step by step
         spec = {"method": "mtp", "num_speculative_tokens": k}
         engine = {**ENGINE, "dtype": dtype, "block_size": 16 if dtype == "bfloat16" else 4}
         llm = LLM(TRAINED, speculative_config=spec, **engine)
@@ -148,6 +157,7 @@ def test_the_first_draft_on_the_target_batch_keeps_the_drafts(monkeypatch, k, pr
             drafted[reuse].append(dict(out.drafts))
 
         monkeypatch.setattr("engine.runner.draft_with_mtp", recording)
+        _without_one_call_spec_step(monkeypatch)
         engine = {**ENGINE, "dtype": "bfloat16", "block_size": 16}
         llm = LLM(TRAINED, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
         texts = ["The module provides", "This function returns a", "def main():"][:prompts]
@@ -469,3 +479,61 @@ def test_batch1_bf16_drafts_keep_the_tokens_bitwise(k):
     for prompt in ("The module provides", "This function returns a"):  # one request at a time
         assert llm.generate([prompt], params)[0].token_ids == base.generate([prompt], params)[0].token_ids
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize(
+    "k, prompts, limit",
+    [(1, 1, None), (2, 1, None), (3, 3, None), (2, 3, 3)],
+    ids=["k1", "k2", "k3-batch3", "k2-off"],
+)
+def test_one_call_spec_step_keeps_tokens_drafts_and_caches(monkeypatch, k, prompts, limit):
+    """A step of greedy decodes that all speculate runs as one native call (verify, accept, the
+    MTP layer's cache rows and drafts: native.greedy_spec_step): every step's tokens and drafts,
+    and every cache (the layers' and the MTP layer's), bit for bit what the forward, verify_greedy
+    and draft_with_mtp give one by one. Requests of different lengths run into their max_tokens
+    (drafting fewer near the end); while disable_by_batch_size is reached nobody drafts, but the
+    MTP cache rows are still written."""
+    from kernels import native
+
+    if not native.loaded():
+        pytest.skip("the one-call step needs the native kernels (a CPU with AVX512-BF16)")
+    texts = ["The module provides", "This function returns a", "def main():"][:prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 13, 17)[:prompts]]
+    spec = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit}
+    runs = {}
+    real_execute, real_step = ModelRunner.execute, ModelRunner._greedy_spec_step
+    for one_call in (False, True):
+        steps, taken = [], []
+
+        def execute(self, sched, steps=steps):
+            out = real_execute(self, sched)
+            steps.append((dict(out.sampled), dict(out.drafts)))
+            return out
+
+        def one_call_step(self, *args, one_call=one_call, taken=taken):
+            out = real_step(self, *args) if one_call else None
+            taken.append(out is not None)
+            return out
+
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        monkeypatch.setattr(ModelRunner, "_greedy_spec_step", one_call_step)
+        llm = LLM(
+            TRAINED, dtype="bfloat16", num_kv_blocks=64, block_size=16, num_threads=1, speculative_config=spec
+        )
+        outs = llm.generate(texts, params)
+        runs[one_call] = (
+            [o.token_ids for o in outs],
+            steps,
+            [c.clone() for c in llm.engine.runner.kv_caches],
+        )
+        if one_call:
+            assert sum(taken) >= len(taken) // 2, taken  # most steps: every decode step of one query length
+    (tokens, steps, caches), (tokens_1, steps_1, caches_1) = runs[False], runs[True]
+    assert tokens_1 == tokens and [len(t) for t in tokens] == [p.max_tokens for p in params]
+    assert steps_1 == steps
+    assert any(drafts for _, drafts in steps)
+    if limit is not None:  # no drafts while `limit` requests run, drafts again when fewer do
+        full = [drafts for sampled, drafts in steps if len(sampled) >= limit]
+        assert full and not any(full)
+    for cache, cache_1 in zip(caches, caches_1, strict=True):
+        assert torch.equal(cache, cache_1)

@@ -87,6 +87,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.native_stack: native.DecodeStack | None = None  # the one-call decode's, set by process_weights
         self.mtp_stack: native.DecodeStack | None = None  # the first MTP layer's, after its input
+        self.mtp_drafter: native.MTPDrafter | None = None  # greedy_spec_step's, with both stacks
 
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
@@ -100,6 +101,26 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.native_stack = self._native_stack(self.layers, self.norm)
         if self.mtp:
             self.mtp_stack = self._native_stack(self.mtp[:1], self.mtp[0].shared_head.norm)
+            self.mtp_drafter = self._mtp_drafter()
+
+    def _mtp_drafter(self) -> native.MTPDrafter | None:
+        """The first MTP layer and the LM head as greedy_spec_step takes them, where both stacks run
+        natively and the weights are taken as they are."""
+        mtp, lm_head = self.mtp[0], self.lm_head.weight
+        if self.native_stack is None or self.mtp_stack is None:
+            return None
+        if not all(native.takes(t) and t.is_contiguous() for t in (mtp.eh_proj.weight, lm_head)):
+            return None
+        return native.MTPDrafter(
+            self.mtp_stack,
+            (mtp.enorm.weight, mtp.enorm.eps),
+            (mtp.hnorm.weight, mtp.hnorm.eps),
+            mtp.eh_proj.weight,
+            lm_head,
+            self.cfg.vocab_size,
+            self.rope_cos,
+            self.rope_sin,
+        )
 
     def _native_stack(self, decoder_layers, norm: RMSNorm) -> native.DecodeStack | None:
         """Decoder layers and the norm after them as one native call (native.decode_stack) for a
@@ -147,6 +168,26 @@ class DeepseekV2ForCausalLM(nn.Module):
                 self.mtp_stack, None, cos, sin, [kv_cache], batch.slot_mapping, tables, lens, u
             )
         return self.mtp[0].draft(next_ids, hidden, self.embed_tokens, cos, sin, batch, kv_cache)
+
+    def greedy_spec_step(
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], caps: list[int], k: int
+    ) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """A greedy speculative decode step (the forward, each row's greedy token, the acceptance and
+        the MTP layer's cache rows and drafts) as one native call (native.greedy_spec_step), for a
+        batch of decodes of one query length; kv_caches: the layers' and the MTP layer's last. ->
+        (tokens, accepted, drafts) as lists, or None: the step takes forward, greedy_tokens and
+        mtp_forward one by one."""
+        drafter = self.mtp_drafter
+        if drafter is None or not self._takes(self.native_stack, batch, kv_caches[0]):
+            return None
+        group = batch.decodes[0]
+        tables, lens = group.per_token
+        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
+        result = native.greedy_spec_step(
+            self.native_stack, drafter, batch.input_ids, batch.positions, cos, sin, kv_caches,
+            batch.slot_mapping, tables, lens, group.query_len, caps, k,
+        )  # fmt: skip
+        return tuple(t.tolist() for t in result)
 
     def mtp_store_kv(
         self,

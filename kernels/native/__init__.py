@@ -30,7 +30,16 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_bf16.cpp")
 HEADERS = tuple(  # included by SOURCE: part of the build key
     Path(__file__).with_name(name)
-    for name in ("pool.h", "common.h", "products.h", "experts.h", "attention.h", "layer.h", "argmax.h")
+    for name in (
+        "pool.h",
+        "common.h",
+        "products.h",
+        "experts.h",
+        "attention.h",
+        "layer.h",
+        "argmax.h",
+        "spec.h",
+    )
 )
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -423,8 +432,10 @@ from kernels.native.blocks import (  # noqa: E402, F401
     DecodeStack,
     MLAWeights,
     MoEWeights,
+    MTPDrafter,
     StackLayer,
     decode_stack,
+    greedy_spec_step,
     mla_attention,
     moe_block,
     moe_pairs,

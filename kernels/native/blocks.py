@@ -450,6 +450,23 @@ class DecodeStack:
         return self._kv[1]
 
 
+def _check_caches(stack: DecodeStack, kv_caches: list[torch.Tensor]) -> torch.Size:
+    """A cache per layer of the stack, all alike -> their shape [blocks, block_size, L+R]."""
+    shape = kv_caches[0].shape if kv_caches else None
+    if (
+        len(kv_caches) != len(stack.layers)
+        or shape is None
+        or len(shape) != 3
+        or shape[2] != stack.width
+        or not all(c.shape == shape and native.takes(c) and c.is_contiguous() for c in kv_caches)
+    ):
+        raise ValueError(
+            f"kv_caches must be {len(stack.layers)} contiguous CPU bfloat16 caches [blocks, block_size, "
+            f"{stack.width}], all alike"
+        )
+    return shape
+
+
 def decode_stack(
     stack: DecodeStack,
     ids: torch.Tensor | None,
@@ -485,18 +502,7 @@ def decode_stack(
             f"cos and sin must be [M={rows}, R/2={stack.rope_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
     _check_step(rows, cos, sin, slots, block_table, seq_lens)
-    shape = kv_caches[0].shape if kv_caches else None
-    if (
-        len(kv_caches) != len(stack.layers)
-        or shape is None
-        or len(shape) != 3
-        or shape[2] != stack.width
-        or not all(c.shape == shape and native.takes(c) and c.is_contiguous() for c in kv_caches)
-    ):
-        raise ValueError(
-            f"kv_caches must be {len(stack.layers)} contiguous CPU bfloat16 caches [blocks, block_size, "
-            f"{stack.width}], all alike"
-        )
+    shape = _check_caches(stack, kv_caches)
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     ids, x = (None if t is None else t.contiguous() for t in (ids, x))
@@ -516,3 +522,132 @@ def decode_stack(
     if bad:
         raise ValueError(f"{bad} block ids or slots lie outside the cache's {shape[0]} blocks of {shape[1]}")
     return out
+
+
+@dataclass(frozen=True)
+class MTPDrafter:
+    """What greedy_spec_step runs besides the target's stack: the MTP layer as a one-layer stack
+    (its final norm the shared head's), its input's norms and eh_proj [H, 2H] (as mtp_input takes
+    them), the LM head [V', H] with the vocabulary its argmax reads (the first `vocab` logits), and
+    the rope tables [P, R/2] float32 its later drafts' positions are read from. Built by
+    engine/models/deepseek_v2.py once the weights are loaded."""
+
+    stack: DecodeStack
+    enorm: tuple[torch.Tensor, float]
+    hnorm: tuple[torch.Tensor, float]
+    eh_proj: torch.Tensor
+    lm_head: torch.Tensor
+    vocab: int
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __post_init__(self):
+        h = self.stack.hidden
+        if (
+            len(self.stack.layers) != 1
+            or self.enorm[0].shape != (h,)
+            or self.hnorm[0].shape != (h,)
+            or self.eh_proj.shape != (h, 2 * h)
+            or self.lm_head.shape[1] != h
+            or not 0 < self.vocab <= self.lm_head.shape[0]
+            or self.rope_cos.shape != (self.rope_cos.shape[0], self.stack.rope_dim // 2)
+            or self.rope_sin.shape != self.rope_cos.shape
+        ):
+            raise ValueError(
+                f"an MTP drafter needs one layer, norms [H={h}], eh_proj [H, 2H], an LM head [V' >= vocab, H] and "
+                f"rope tables [P, R/2]"
+            )
+        tensors = (self.enorm[0], self.hnorm[0], self.eh_proj, self.lm_head)
+        if not all(native.takes(t) and t.is_contiguous() for t in tensors):
+            raise ValueError("an MTP drafter's norms, eh_proj and LM head must be contiguous CPU bfloat16")
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (self.rope_cos, self.rope_sin)):
+            raise ValueError("an MTP drafter's rope tables must be contiguous float32")
+
+
+def greedy_spec_step(
+    target: DecodeStack,
+    drafter: MTPDrafter,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_len: int,
+    caps: list[int],
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy speculative decode step in one call: R = len(caps) requests, each query_len rows
+    of ids [M = R * query_len] (its last known token, then the drafts it verifies) at positions
+    [M], with cos, sin, slots, block_table and seq_lens as decode_stack takes them; kv_caches: the
+    target's caches, then the MTP layer's. The target verifies, then the MTP layer writes its cache
+    rows for each request's known positions and drafts up to min(k, caps[r] - emitted) tokens
+    (caps: what max_tokens and the model length leave after the tokens it has, as
+    engine/spec_decode/drafter.py counts them).
+    -> (tokens [M]: the target's greedy token after each row; accepted [R]: the drafts accepted,
+    a, so request r emits tokens[r * query_len : r * query_len + a + 1]; drafts [R, k]: its next
+    drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache
+    rows, bit for bit."""
+    assert native._library is not None, "kernels.native.load() first"
+    rows, requests = ids.shape[0], len(caps)
+    if (
+        ids.shape != (rows,)
+        or ids.dtype != torch.int64
+        or positions.shape != (rows,)
+        or positions.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"ids and positions must be int64 [M], got {tuple(ids.shape)} and {tuple(positions.shape)}"
+        )
+    if query_len < 1 or rows != requests * query_len or k < 0:
+        raise ValueError(
+            f"M={rows} rows must be {requests} requests of query_len={query_len} >= 1, k={k} >= 0"
+        )
+    if (
+        cos.shape != (rows, target.rope_dim // 2)
+        or sin.shape != cos.shape
+        or drafter.stack.rope_dim != target.rope_dim
+    ):
+        raise ValueError(
+            f"cos and sin must be [M={rows}, R/2={target.rope_dim // 2}], got {tuple(cos.shape)}"
+        )
+    _check_step(rows, cos, sin, slots, block_table, seq_lens)
+    if len(kv_caches) != len(target.layers) + 1:
+        raise ValueError(
+            f"kv_caches must be the {len(target.layers)} layers' caches, then the MTP layer's, got {len(kv_caches)}"
+        )
+    shape = _check_caches(target, kv_caches[:-1])
+    if _check_caches(drafter.stack, kv_caches[-1:]) != shape or drafter.stack.hidden != target.hidden:
+        raise ValueError("the MTP layer's cache must be like the target's, and its hidden size the target's")
+    ids, positions, slots, block_table, seq_lens, cos, sin = (
+        t.contiguous() for t in (ids, positions, slots, block_table, seq_lens, cos, sin)
+    )
+    caps_t = torch.tensor(caps, dtype=torch.int64)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    accepted = torch.empty(requests, dtype=torch.int64)
+    drafts = torch.empty(requests, k, dtype=torch.int64)
+    if rows == 0:
+        return tokens, accepted, drafts
+    norm, norm_eps = target.norm
+    mtp_norm, mtp_eps = drafter.stack.norm
+    bad = native._library.greedy_spec_step(
+        target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
+        target.hidden, cos.data_ptr(), sin.data_ptr(), target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0],
+        shape[1], slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
+        norm.data_ptr(), norm_eps, drafter.lm_head.data_ptr(), drafter.lm_head.shape[0], drafter.vocab,
+        drafter.stack.plan.data_ptr(), drafter.stack.kv_pointers(kv_caches[-1:]).data_ptr(), mtp_norm.data_ptr(),
+        mtp_eps, drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
+        drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
+        drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),
+        caps_t.data_ptr(), k, tokens.data_ptr(), accepted.data_ptr(), drafts.data_ptr(),
+    )  # fmt: skip
+    if bad < 0:
+        raise ValueError(f"{-bad} token ids lie outside [0, {target.vocab})")
+    if bad:
+        raise ValueError(
+            f"{bad} block ids, slots or draft positions lie outside the cache's {shape[0]} blocks of {shape[1]}, "
+            f"the block table or the rope tables"
+        )
+    return tokens, accepted, drafts
