@@ -1018,7 +1018,8 @@ def test_decode_stack_refuses_bad_operands(loaded):
 def test_greedy_spec_step_refuses_bad_operands(loaded):
     """native.greedy_spec_step (the engine's one-call speculative step, held to the step-by-step
     path's bits in tests/test_spec_decode.py) names what is wrong: rows that are not whole
-    requests, ids outside the vocabulary, slots outside the cache, a draft past the block table."""
+    requests, ids outside the vocabulary, slots outside the cache, positions past the rope tables,
+    a draft past the block table."""
     cfg, model = _small_model(False, 5, mtp=1)
     if not loaded:
         assert model.mtp_drafter is None
@@ -1026,14 +1027,14 @@ def test_greedy_spec_step_refuses_bad_operands(loaded):
     gen = torch.Generator().manual_seed(1)
     caches = [torch.zeros(16, 4, cfg.kv_cache_width, dtype=torch.bfloat16) for _ in range(4)]
     batch = _decode_batch(1, 2, 4, 16, cfg.vocab_size, gen)  # one request: its token and one draft
-    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
     tables, lens = batch.decodes[0].per_token
 
-    def run(ids=batch.input_ids, slots=batch.slot_mapping, caps=(9,), k=1, table=tables):
+    def run(
+        ids=batch.input_ids, positions=batch.positions, slots=batch.slot_mapping, caps=(9,), k=1, kv=caches
+    ):
         return native.greedy_spec_step(
-            model.native_stack, model.mtp_drafter, ids, batch.positions, cos, sin, caches, slots, table, lens,
-            2, list(caps), k,
-        )  # fmt: skip
+            model.native_stack, model.mtp_drafter, ids, positions, kv, slots, tables, lens, 2, list(caps), k
+        )
 
     with pytest.raises(ValueError, match=r"M=2 rows must be 2 requests of query_len=2"):
         run(caps=(9, 9))
@@ -1041,17 +1042,14 @@ def test_greedy_spec_step_refuses_bad_operands(loaded):
         run(ids=torch.tensor([3, 80]))
     with pytest.raises(ValueError, match="outside the cache's 16 blocks of 4"):
         run(slots=torch.tensor([3, 64]))
+    with pytest.raises(ValueError, match="the rope tables' 256 positions"):
+        run(positions=torch.tensor([255, 256]))
     with pytest.raises(
         ValueError, match="kv_caches must be the 3 layers' caches, then the MTP layer's, got 3"
     ):
-        native.greedy_spec_step(
-            model.native_stack, model.mtp_drafter, batch.input_ids, batch.positions, cos, sin, caches[:3],
-            batch.slot_mapping, tables, lens, 2, [9], 1,
-        )  # fmt: skip
-    with pytest.raises(
-        ValueError, match="draft positions lie outside"
-    ):  # drafts 2 on, past the table's 3 blocks
-        run(caps=(40,), k=8, table=tables[:, :3].contiguous())
+        run(kv=caches[:3])
+    with pytest.raises(ValueError, match="positions lie outside"):  # its later drafts run past its 3 blocks
+        run(caps=(40,), k=8)
     tokens, accepted, drafts = run(caps=(2,), k=3)  # it may draft up to 2 - emitted tokens
     assert tokens.shape == (2,) and accepted.shape == (1,) and drafts.shape == (1, 3)
     assert 0 <= int(accepted[0]) <= 1 and (drafts[0] >= 0).sum() == max(0, 2 - int(accepted[0]) - 1)

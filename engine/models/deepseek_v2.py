@@ -182,10 +182,9 @@ class DeepseekV2ForCausalLM(nn.Module):
             return None
         group = batch.decodes[0]
         tables, lens = group.per_token
-        cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         result = native.greedy_spec_step(
-            self.native_stack, drafter, batch.input_ids, batch.positions, cos, sin, kv_caches,
-            batch.slot_mapping, tables, lens, group.query_len, caps, k,
+            self.native_stack, drafter, batch.input_ids, batch.positions, kv_caches, batch.slot_mapping,
+            tables, lens, group.query_len, caps, k,
         )  # fmt: skip
         return tuple(t.tolist() for t in result)
 

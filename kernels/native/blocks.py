@@ -569,8 +569,6 @@ def greedy_spec_step(
     drafter: MTPDrafter,
     ids: torch.Tensor,
     positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     kv_caches: list[torch.Tensor],
     slots: torch.Tensor,
     block_table: torch.Tensor,
@@ -581,23 +579,18 @@ def greedy_spec_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy speculative decode step in one call: R = len(caps) requests, each query_len rows
     of ids [M = R * query_len] (its last known token, then the drafts it verifies) at positions
-    [M], with cos, sin, slots, block_table and seq_lens as decode_stack takes them; kv_caches: the
-    target's caches, then the MTP layer's. The target verifies, then the MTP layer writes its cache
-    rows for each request's known positions and drafts up to min(k, caps[r] - emitted) tokens
-    (caps: what max_tokens and the model length leave after the tokens it has, as
-    engine/spec_decode/drafter.py counts them).
+    [M] (their cos and sin read from the drafter's rope tables), with slots, block_table and
+    seq_lens as decode_stack takes them; kv_caches: the target's caches, then the MTP layer's. The
+    target verifies, then the MTP layer writes its cache rows for each request's known positions
+    and drafts up to min(k, caps[r] - emitted) tokens (caps: what max_tokens and the model length
+    leave after the tokens it has, as engine/spec_decode/drafter.py counts them).
     -> (tokens [M]: the target's greedy token after each row; accepted [R]: the drafts accepted,
     a, so request r emits tokens[r * query_len : r * query_len + a + 1]; drafts [R, k]: its next
     drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache
     rows, bit for bit."""
     assert native._library is not None, "kernels.native.load() first"
     rows, requests = ids.shape[0], len(caps)
-    if (
-        ids.shape != (rows,)
-        or ids.dtype != torch.int64
-        or positions.shape != (rows,)
-        or positions.dtype != torch.int64
-    ):
+    if ids.shape != (rows,) or positions.shape != (rows,) or not ids.dtype == positions.dtype == torch.int64:
         raise ValueError(
             f"ids and positions must be int64 [M], got {tuple(ids.shape)} and {tuple(positions.shape)}"
         )
@@ -605,24 +598,18 @@ def greedy_spec_step(
         raise ValueError(
             f"M={rows} rows must be {requests} requests of query_len={query_len} >= 1, k={k} >= 0"
         )
-    if (
-        cos.shape != (rows, target.rope_dim // 2)
-        or sin.shape != cos.shape
-        or drafter.stack.rope_dim != target.rope_dim
-    ):
-        raise ValueError(
-            f"cos and sin must be [M={rows}, R/2={target.rope_dim // 2}], got {tuple(cos.shape)}"
-        )
-    _check_step(rows, cos, sin, slots, block_table, seq_lens)
+    if drafter.stack.rope_dim != target.rope_dim or drafter.stack.hidden != target.hidden:
+        raise ValueError("the MTP layer's rope dimension and hidden size must be the target's")
+    _check_step(rows, drafter.rope_cos, drafter.rope_sin, slots, block_table, seq_lens)
     if len(kv_caches) != len(target.layers) + 1:
         raise ValueError(
             f"kv_caches must be the {len(target.layers)} layers' caches, then the MTP layer's, got {len(kv_caches)}"
         )
     shape = _check_caches(target, kv_caches[:-1])
-    if _check_caches(drafter.stack, kv_caches[-1:]) != shape or drafter.stack.hidden != target.hidden:
-        raise ValueError("the MTP layer's cache must be like the target's, and its hidden size the target's")
-    ids, positions, slots, block_table, seq_lens, cos, sin = (
-        t.contiguous() for t in (ids, positions, slots, block_table, seq_lens, cos, sin)
+    if _check_caches(drafter.stack, kv_caches[-1:]) != shape:
+        raise ValueError("the MTP layer's cache must be like the target's")
+    ids, positions, slots, block_table, seq_lens = (
+        t.contiguous() for t in (ids, positions, slots, block_table, seq_lens)
     )
     caps_t = torch.tensor(caps, dtype=torch.int64)
     tokens = torch.empty(rows, dtype=torch.int64)
@@ -634,11 +621,11 @@ def greedy_spec_step(
     mtp_norm, mtp_eps = drafter.stack.norm
     bad = native._library.greedy_spec_step(
         target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
-        target.hidden, cos.data_ptr(), sin.data_ptr(), target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0],
-        shape[1], slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
-        norm.data_ptr(), norm_eps, drafter.lm_head.data_ptr(), drafter.lm_head.shape[0], drafter.vocab,
-        drafter.stack.plan.data_ptr(), drafter.stack.kv_pointers(kv_caches[-1:]).data_ptr(), mtp_norm.data_ptr(),
-        mtp_eps, drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
+        target.hidden, target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0], shape[1], slots.data_ptr(),
+        block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(), norm_eps,
+        drafter.lm_head.data_ptr(), drafter.lm_head.shape[0], drafter.vocab, drafter.stack.plan.data_ptr(),
+        drafter.stack.kv_pointers(kv_caches[-1:]).data_ptr(), mtp_norm.data_ptr(), mtp_eps,
+        drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
         drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
         drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),
         caps_t.data_ptr(), k, tokens.data_ptr(), accepted.data_ptr(), drafts.data_ptr(),
@@ -647,7 +634,7 @@ def greedy_spec_step(
         raise ValueError(f"{-bad} token ids lie outside [0, {target.vocab})")
     if bad:
         raise ValueError(
-            f"{bad} block ids, slots or draft positions lie outside the cache's {shape[0]} blocks of {shape[1]}, "
-            f"the block table or the rope tables"
+            f"{bad} block ids, slots or positions lie outside the cache's {shape[0]} blocks of {shape[1]}, the "
+            f"block table or the rope tables' {drafter.rope_cos.shape[0]} positions"
         )
     return tokens, accepted, drafts

@@ -68,6 +68,34 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 }
 
 
+// The latent cache rows of M tokens from the attention's input x [M, hidden] (after the layer's
+// norm): kv_a = kv_a(x); c = norm(kv_a[:, :L]); k_pe = rotary(kv_a[:, L:]); cache[slot] = (c,
+// k_pe), slots [M] int64, -1 to skip (MLAttention.store_latents). Returns the count of slots
+// outside the cache (skipped).
+int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, int64_t kva_ptr, int64_t kva_norm_ptr, double kv_eps,
+                      int64_t cos_ptr, int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks,
+                      int64_t block_size, int64_t slots_ptr, int64_t R, int64_t L) {
+  const int64_t W = L + R;
+  std::vector<uint16_t> kv_a(M * W), c(M * L), k_pe(M * R);
+  linear_bf16(x_ptr, 0, hidden, kva_ptr, 0, hidden, int64_t(kv_a.data()), 0, W, 1, M, W, hidden);
+  rms_norm(int64_t(kv_a.data()), W, 0, 0, kva_norm_ptr, int64_t(c.data()), L, 0, L, M, L, kv_eps);
+  rotary(int64_t(kv_a.data() + L), W, R, cos_ptr, sin_ptr, R / 2, int64_t(k_pe.data()), M, 1, R, interleaved);
+  auto* kv = reinterpret_cast<uint16_t*>(kv_ptr);
+  const auto* slots = reinterpret_cast<const int64_t*>(slots_ptr);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (slots[i] < 0) continue;
+    if (slots[i] >= num_blocks * block_size) {
+      ++bad;
+      continue;
+    }
+    std::memcpy(kv + slots[i] * W, &c[i * L], L * 2);
+    std::memcpy(kv + slots[i] * W + L, &k_pe[i * R], R * 2);
+  }
+  return bad;
+}
+
+
 // One MLA layer's attention for M decode tokens (a batch-1 decode, a verification's tokens) in
 // one call: MLAttention.forward's native calls (with store_latents and _decode), in its order
 // and through the same functions here, so the bits are the Python path's; what it saves is the
@@ -93,8 +121,7 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
                       int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
                       double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
   const int64_t qk = nope + R, W = L + R;
-  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), kv_a(M * W), c(M * L), k_pe(M * R), q_lat(H * M * L),
-      q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v), normed, attended;
+  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), q_lat(H * M * L), q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v), normed, attended;
   auto at = [](std::vector<uint16_t>& b, int64_t offset = 0) { return int64_t(b.data() + offset); };
   if (pre_norm_ptr != 0) {  // x is the residual stream before the layer's input norm (added to res when given)
     normed.resize(M * hidden);
@@ -116,21 +143,8 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
   }
   rotary(at(q, nope), H * qk, qk, cos_ptr, sin_ptr, R / 2, at(q_pe), M, H, R, interleaved);
 
-  linear_bf16(x_ptr, 0, hidden, kva_ptr, 0, hidden, at(kv_a), 0, W, 1, M, W, hidden);
-  rms_norm(at(kv_a), W, 0, 0, kva_norm_ptr, at(c), L, 0, L, M, L, kv_eps);
-  rotary(at(kv_a, L), W, R, cos_ptr, sin_ptr, R / 2, at(k_pe), M, 1, R, interleaved);
-  auto* kv = reinterpret_cast<uint16_t*>(kv_ptr);
-  const auto* slots = reinterpret_cast<const int64_t*>(slots_ptr);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < M; ++i) {
-    if (slots[i] < 0) continue;
-    if (slots[i] >= num_blocks * block_size) {
-      ++bad;
-      continue;
-    }
-    std::memcpy(kv + slots[i] * W, &c[i * L], L * 2);
-    std::memcpy(kv + slots[i] * W + L, &k_pe[i * R], R * 2);
-  }
+  int64_t bad = store_latents(x_ptr, M, hidden, kva_ptr, kva_norm_ptr, kv_eps, cos_ptr, sin_ptr, interleaved, kv_ptr,
+                              num_blocks, block_size, slots_ptr, R, L);
 
   linear_bf16(at(q), qk, H * qk, wuk_ptr, L * nope, nope, at(q_lat), M * L, L, H, M, L, nope);
   for (int64_t i = 0; i < M; ++i)

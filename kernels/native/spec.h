@@ -45,51 +45,63 @@ struct MtpRows {
 };
 
 // Per request r (R of them, each S = 1 + k rows of the batch in order: its last known token, then
-// its k drafts): the target stack over the M = R * S rows as decode_stack runs it, each row's
-// greedy token into tokens [M], the drafts accepted (the longest prefix of its drafts equal to the
-// target's tokens before them) into accepted [R]. Its emitted tokens are then tokens[r*S .. r*S+a].
+// its k drafts, at positions [M]): the target stack over the M = R * S rows as decode_stack runs
+// it (cos/sin from the rope tables [P, half] at each position), each row's greedy token into
+// tokens [M], the drafts accepted (the longest prefix of its drafts equal to the target's tokens
+// before them) into accepted [R]. Its emitted tokens are then tokens[r*S .. r*S+a].
 // Then the MTP layer (its own plan, cache, final norm; the input from the norms and eh_proj as
-// mtp_input), first over each request's known rows r*S .. r*S+a, each with its next token: that
-// writes their MTP cache rows, and each request's newest row drafts its first token. A request
+// mtp_input) over each request's known rows r*S .. r*S+a, each with its next token. A request
 // drafts room = min(K, caps[r] - (a + 1)) tokens (caps: what max_tokens and the model length
-// leave, as the drafter counts it), each further one from the layer reused one position on (the
-// previous draft, the previous output g), its cos/sin from the rope tables [P, half] at that
-// position, its slot from its own block table. drafts [R, K] gets them, -1 past room.
+// leave, as the drafter counts it). Its rows other than the newest (all of them where room is 0)
+// only get their MTP cache rows (the layer's norm, then store_latents: MTPLayer.store_kv), written
+// first; its newest row runs the whole layer and drafts the first token. Each further draft runs
+// the layer reused one position on (the previous draft, the previous output g), its slot from its
+// own block table. drafts [R, K] gets them, -1 past room.
 // -> 0; the count of block ids and slots outside the cache (nothing after it ran), or of positions
-// past the rope tables or the block table; or minus the count of ids outside [0, V) (nothing ran).
+// past the rope tables (nothing ran) or the block table (a draft's: the passes before it ran); or
+// minus the count of ids outside [0, V) (nothing ran).
 int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t embed_ptr, int64_t V,
-                         int64_t M, int64_t H, int64_t cos_ptr, int64_t sin_ptr, int64_t kv_ptrs_ptr,
-                         int64_t num_blocks, int64_t block_size, int64_t slots_ptr, int64_t table_ptr,
-                         int64_t max_blocks, int64_t lens_ptr, int64_t norm_ptr, double norm_eps, int64_t lm_ptr,
-                         int64_t lm_rows, int64_t vocab, int64_t mtp_plan_ptr, int64_t mtp_kv_ptrs_ptr,
-                         int64_t mtp_norm_ptr, double mtp_norm_eps, int64_t enorm_ptr, double e_eps, int64_t hnorm_ptr,
-                         double h_eps, int64_t eh_ptr, int64_t rope_cos_ptr, int64_t rope_sin_ptr,
-                         int64_t num_positions, int64_t half, int64_t R, int64_t S, int64_t positions_ptr,
-                         int64_t caps_ptr, int64_t K, int64_t tokens_ptr, int64_t accepted_ptr, int64_t drafts_ptr) {
+                         int64_t M, int64_t H, int64_t kv_ptrs_ptr, int64_t num_blocks, int64_t block_size,
+                         int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t norm_ptr,
+                         double norm_eps, int64_t lm_ptr, int64_t lm_rows, int64_t vocab, int64_t mtp_plan_ptr,
+                         int64_t mtp_kv_ptrs_ptr, int64_t mtp_norm_ptr, double mtp_norm_eps, int64_t enorm_ptr,
+                         double e_eps, int64_t hnorm_ptr, double h_eps, int64_t eh_ptr, int64_t rope_cos_ptr,
+                         int64_t rope_sin_ptr, int64_t num_positions, int64_t half, int64_t R, int64_t S,
+                         int64_t positions_ptr, int64_t caps_ptr, int64_t K, int64_t tokens_ptr, int64_t accepted_ptr,
+                         int64_t drafts_ptr) {
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   const auto* positions = reinterpret_cast<const int64_t*>(positions_ptr);
   const auto* caps = reinterpret_cast<const int64_t*>(caps_ptr);
-  const auto* cos = reinterpret_cast<const float*>(cos_ptr);
-  const auto* sin = reinterpret_cast<const float*>(sin_ptr);
   const auto* rope_cos = reinterpret_cast<const float*>(rope_cos_ptr);
   const auto* rope_sin = reinterpret_cast<const float*>(rope_sin_ptr);
   const auto* slots = reinterpret_cast<const int64_t*>(slots_ptr);
   const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
   const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
+  const auto* mtp_plan = reinterpret_cast<const LayerPlan*>(mtp_plan_ptr);
   auto* tokens = reinterpret_cast<int64_t*>(tokens_ptr);
   auto* accepted = reinterpret_cast<int64_t*>(accepted_ptr);
   auto* drafts = reinterpret_cast<int64_t*>(drafts_ptr);
   std::fill(drafts, drafts + R * K, int64_t(-1));
 
+  int64_t bad = 0;
+  for (int64_t t = 0; t < M; ++t) bad += positions[t] < 0 || positions[t] >= num_positions;
+  if (bad) return bad;
+  std::vector<float> cos(M * half), sin(M * half);
+  for (int64_t t = 0; t < M; ++t) {
+    std::memcpy(&cos[t * half], rope_cos + positions[t] * half, half * 4);
+    std::memcpy(&sin[t * half], rope_sin + positions[t] * half, half * 4);
+  }
   std::vector<uint16_t> hidden(M * H);
-  int64_t bad = decode_stack(plan_ptr, num_layers, ids_ptr, 0, embed_ptr, V, M, H, cos_ptr, sin_ptr, kv_ptrs_ptr,
-                             num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr, norm_eps,
-                             int64_t(hidden.data()));
+  bad = decode_stack(plan_ptr, num_layers, ids_ptr, 0, embed_ptr, V, M, H, int64_t(cos.data()), int64_t(sin.data()),
+                     kv_ptrs_ptr, num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr,
+                     norm_eps, int64_t(hidden.data()));
   if (bad) return bad;
   greedy_rows(hidden.data(), M, H, lm_ptr, lm_rows, vocab, tokens);
 
-  std::vector<int64_t> room(R), newest(R);  // newest: the request's newest row in the current pass
-  MtpRows rows(half, max_blocks, H);
+  // The known rows: those that only store their MTP cache rows, and the newest of each drafting
+  // request, which run the whole layer.
+  std::vector<int64_t> room(R);
+  MtpRows stored(half, max_blocks, H), rows(half, max_blocks, H);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t first = r * S;
     int64_t a = 0;
@@ -97,38 +109,44 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     accepted[r] = a;
     room[r] = std::min(K, caps[r] - (a + 1));
     for (int64_t t = first; t <= first + a; ++t)
-      rows.add(tokens[t], &hidden[t * H], cos + t * half, sin + t * half, slots[t], table + t * max_blocks, lens[t]);
-    newest[r] = rows.size() - 1;
+      (t == first + a && room[r] > 0 ? rows : stored)
+          .add(tokens[t], &hidden[t * H], &cos[t * half], &sin[t * half], slots[t], table + t * max_blocks, lens[t]);
+  }
+  const int64_t mtp_kv = reinterpret_cast<const int64_t*>(mtp_kv_ptrs_ptr)[0];
+  std::vector<uint16_t> u, g, normed;
+  const int64_t n_stored = stored.size();
+  if (n_stored > 0) {
+    const LayerPlan& p = mtp_plan[0];
+    u.resize(n_stored * H), normed.resize(n_stored * H);
+    mtp_input(int64_t(stored.ids.data()), embed_ptr, H, V, int64_t(stored.h.data()), H, enorm_ptr, e_eps, hnorm_ptr,
+              h_eps, eh_ptr, int64_t(u.data()), n_stored, H);  // the target's tokens: in [0, vocab)
+    rms_norm(int64_t(u.data()), H, 0, 0, p.pre_norm, int64_t(normed.data()), H, 0, H, n_stored, H, p.pre_eps);
+    bad = store_latents(int64_t(normed.data()), n_stored, H, p.kva, p.kva_norm, p.kv_eps, int64_t(stored.cos.data()),
+                        int64_t(stored.sin.data()), p.interleaved != 0, mtp_kv, num_blocks, block_size,
+                        int64_t(stored.slots.data()), p.rope, p.latent);
+    if (bad) return bad;
   }
 
-  // Pass j drafts token j of every request with room > j; g [rows, H] its output.
-  std::vector<uint16_t> u, g, h_newest;
+  // Pass j drafts token j of every request with room > j, one row each; g [rows, H] its output.
   std::vector<int64_t> drafting, drafted;
-  const int64_t mtp_kv = reinterpret_cast<const int64_t*>(mtp_kv_ptrs_ptr)[0];
-  for (int64_t j = 0; j < K || j == 0; ++j) {
+  for (int64_t j = 0; j < K; ++j) {
     const int64_t n = rows.size();
     if (n == 0) break;
     u.resize(n * H), g.resize(n * H);
-    bad = mtp_input(int64_t(rows.ids.data()), embed_ptr, H, V, int64_t(rows.h.data()), H, enorm_ptr, e_eps,
-                    hnorm_ptr, h_eps, eh_ptr, int64_t(u.data()), n, H);
-    if (bad) return -bad;
+    mtp_input(int64_t(rows.ids.data()), embed_ptr, H, V, int64_t(rows.h.data()), H, enorm_ptr, e_eps, hnorm_ptr,
+              h_eps, eh_ptr, int64_t(u.data()), n, H);
     bad = decode_stack(mtp_plan_ptr, 1, 0, int64_t(u.data()), embed_ptr, V, n, H, int64_t(rows.cos.data()),
                        int64_t(rows.sin.data()), int64_t(&mtp_kv), num_blocks, block_size, int64_t(rows.slots.data()),
                        int64_t(rows.table.data()), max_blocks, int64_t(rows.lens.data()), mtp_norm_ptr,
                        mtp_norm_eps, int64_t(g.data()));
     if (bad) return bad;
     drafting.clear();
-    h_newest.clear();
     for (int64_t r = 0; r < R; ++r)
-      if (room[r] > j) {
-        drafting.push_back(r);
-        h_newest.insert(h_newest.end(), &g[newest[r] * H], &g[newest[r] * H] + H);
-      }
-    if (drafting.empty()) break;
-    drafted.resize(drafting.size());
-    greedy_rows(h_newest.data(), int64_t(drafting.size()), H, lm_ptr, lm_rows, vocab, drafted.data());
+      if (room[r] > j) drafting.push_back(r);  // the rows of this pass, in order
+    drafted.resize(n);
+    greedy_rows(g.data(), n, H, lm_ptr, lm_rows, vocab, drafted.data());
     rows.clear();
-    for (size_t i = 0; i < drafting.size(); ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       const int64_t r = drafting[i];
       drafts[r * K + j] = drafted[i];
       if (room[r] <= j + 1) continue;  // the next pass drafts token j + 1 where room allows
@@ -136,9 +154,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
       const int32_t* tab = table + r * S * max_blocks;
       if (pos >= num_positions || pos / block_size >= max_blocks) return 1;
       const int64_t slot = int64_t(tab[pos / block_size]) * block_size + pos % block_size;
-      rows.add(drafted[i], &h_newest[i * H], rope_cos + pos * half, rope_sin + pos * half, slot, tab,
-               int32_t(pos + 1));
-      newest[r] = rows.size() - 1;
+      rows.add(drafted[i], &g[i * H], rope_cos + pos * half, rope_sin + pos * half, slot, tab, int32_t(pos + 1));
     }
   }
   return 0;
