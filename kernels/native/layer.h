@@ -13,7 +13,11 @@ namespace {
 // RMSNorm of bf16 rows, with the residual add fused, in kernels/norm.py's roundings (HF's):
 //   h = bf16(x + residual)  (the new residual stream, written to sum; or h = x without one)
 //   y = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps)))
-// Rows are few (a decode step's tokens) and short: one thread, no parallel region.
+// 16 lanes at a time; the squares summed in 16 float32 lanes, then across them (torch sums in
+// another order: the output agrees to one bf16 rounding). A decode step's few rows run on one
+// thread; a prefill's thousands are shared over the threads (a 4096-token chunk's rows took
+// ~3 ms a norm on one thread, summed one by one), each row's arithmetic the same either way.
+// sum may be res (the stream updated in place), y may be x.
 void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t w_ptr, int64_t y_ptr, int64_t ldy,
               int64_t sum_ptr, int64_t lds, int64_t M, int64_t D, double eps) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
@@ -21,30 +25,38 @@ void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t 
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
   auto* sum = reinterpret_cast<uint16_t*>(sum_ptr);
-  std::vector<float> h(D);
-  for (int64_t m = 0; m < M; ++m) {
-    float squares = 0.0f;
-    for (int64_t d = 0; d < D; ++d) {
-      float v = from_bf16(x[m * ldx + d]);
-      if (res != nullptr) {
-        const uint16_t rounded = to_bf16(v + from_bf16(res[m * ldr + d]));
-        sum[m * lds + d] = rounded;
-        v = from_bf16(rounded);
+  maybe_parallel(M, 16, M * D * 2, [&](int64_t m0, int64_t m1) {
+    std::vector<float> h(D + 16);
+    for (int64_t m = m0; m < m1; ++m) {
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 mask = lanes16(D - d);
+        __m512 v = widen16(_mm256_maskz_loadu_epi16(mask, x + m * ldx + d));
+        if (res != nullptr) {
+          const __m256i rounded = narrow16(_mm512_add_ps(v, widen16(_mm256_maskz_loadu_epi16(mask, res + m * ldr + d))));
+          _mm256_mask_storeu_epi16(sum + m * lds + d, mask, rounded);
+          v = widen16(rounded);
+        }
+        _mm512_storeu_ps(&h[d], v);
+        squares = _mm512_fmadd_ps(v, v, squares);  // lanes past D are zero
       }
-      h[d] = v;
-      squares += v * v;
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(D) + float(eps)));
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 mask = lanes16(D - d);
+        const __m512 normed = widen16(narrow16(_mm512_mul_ps(_mm512_loadu_ps(&h[d]), scale)));
+        const __m512 wv = widen16(_mm256_maskz_loadu_epi16(mask, w + d));
+        _mm256_mask_storeu_epi16(y + m * ldy + d, mask, narrow16(_mm512_mul_ps(wv, normed)));
+      }
     }
-    const float scale = 1.0f / std::sqrt(squares / float(D) + float(eps));
-    for (int64_t d = 0; d < D; ++d)
-      y[m * ldy + d] = to_bf16(from_bf16(w[d]) * from_bf16(to_bf16(h[d] * scale)));
-  }
+  }, ROWS_OMP_MIN_BYTES);
 }
 
 
 // Rotary embedding of bf16 rows x [N, G, R] (G heads, or 1) at each token's cos/sin [N, R/2]
 // (float32), in kernels/rotary.py's reference roundings: cos and sin rounded to bf16, every
 // product and sum rounded to bf16; pairs taken interleaved (x[2i], x[2i+1]) or as halves, and
-// written as halves, out [N, G, R] contiguous.
+// written as halves, out [N, G, R] contiguous; 16 pairs at a time. A prefill's thousands of rows
+// are shared over the threads, as rms_norm's.
 void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t sin_ptr, int64_t ld_cs,
             int64_t out_ptr, int64_t N, int64_t G, int64_t R, bool interleaved) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
@@ -52,19 +64,33 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
   const auto* sin = reinterpret_cast<const float*>(sin_ptr);
   auto* out = reinterpret_cast<uint16_t*>(out_ptr);
   const int64_t half = R / 2;
-  auto round = [](float v) { return from_bf16(to_bf16(v)); };
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* xr = x + n * x_n + g * x_g;
-      uint16_t* o = out + (n * G + g) * R;
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = round(cos[n * ld_cs + i]), s = round(sin[n * ld_cs + i]);
-        const float x1 = from_bf16(xr[interleaved ? 2 * i : i]);
-        const float x2 = from_bf16(xr[interleaved ? 2 * i + 1 : half + i]);
-        o[i] = to_bf16(round(x1 * c) - round(x2 * s));
-        o[half + i] = to_bf16(round(x2 * c) + round(x1 * s));
+  auto round = [](__m512 v) { return widen16(narrow16(v)); };
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  maybe_parallel(N, 16, N * G * R * 2, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* xr = x + n * x_n + g * x_g;
+        uint16_t* o = out + (n * G + g) * R;
+        for (int64_t i = 0; i < half; i += 16) {  // 16 pairs at a time
+          const __mmask16 mask = lanes16(half - i);
+          const __m512 c = round(_mm512_maskz_loadu_ps(mask, cos + n * ld_cs + i));
+          const __m512 s = round(_mm512_maskz_loadu_ps(mask, sin + n * ld_cs + i));
+          __m512 x1, x2;
+          if (interleaved) {  // 16 (x[2i], x[2i+1]) pairs, each a 32-bit lane: the low half widens to x1
+            const __m512i pairs = _mm512_maskz_loadu_epi16(lanes(2 * (half - i)), xr + 2 * i);
+            x1 = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            x2 = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+          } else {
+            x1 = widen16(_mm256_maskz_loadu_epi16(mask, xr + i));
+            x2 = widen16(_mm256_maskz_loadu_epi16(mask, xr + half + i));
+          }
+          const __m512 o1 = _mm512_sub_ps(round(_mm512_mul_ps(x1, c)), round(_mm512_mul_ps(x2, s)));
+          const __m512 o2 = _mm512_add_ps(round(_mm512_mul_ps(x2, c)), round(_mm512_mul_ps(x1, s)));
+          _mm256_mask_storeu_epi16(o + i, mask, narrow16(o1));
+          _mm256_mask_storeu_epi16(o + half + i, mask, narrow16(o2));
+        }
       }
-    }
+  }, ROWS_OMP_MIN_BYTES);
 }
 
 

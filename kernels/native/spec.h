@@ -2,9 +2,10 @@
 // verification of every request's drafts, the acceptance, and the MTP layer's passes that write
 // its cache rows and draft the next step's tokens. It runs what engine/runner.py (verify_greedy)
 // and engine/spec_decode/drafter.py (draft_with_mtp) run for such a step, through the same
-// functions in the same order of rows, so the bits are theirs; what it saves is their Python
-// between the native calls (~0.2 ms a step at batch 1 on the 2-core EPYC), which cost a step
-// with drafts twice what it cost a plain decode step and ate the drafts' gain on a small model.
+// functions, so the bits are theirs (where their products are native: up to max_rows() rows);
+// what it saves is their Python between the native calls (~0.2 ms a step at batch 1 on the 2-core
+// EPYC), which cost a step with drafts twice what it cost a plain decode step and ate the drafts'
+// gain on a small model.
 
 #pragma once
 
