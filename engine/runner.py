@@ -22,7 +22,7 @@ from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, use_native_kernels
 from engine.sampler import Sampler, argmax, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.spec_decode.drafter import draft_with_mtp
+from engine.spec_decode.drafter import draft_cap, draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
 from engine.structured.bitmask import TokenBitmask
 from engine.structured.manager import StructuredOutputManager
@@ -256,16 +256,7 @@ class ModelRunner:
         k, limit = self.spec.num_speculative_tokens, self.spec.disable_by_batch_size
         if limit is not None and len(items) >= limit:
             k = 0  # no drafts this step (the MTP cache rows are still written)
-        # What max_tokens and the model length leave each request after the tokens it has: it
-        # drafts up to that less the tokens this step emits, less one (draft_with_mtp's room).
-        caps = [
-            min(
-                req.params.max_tokens - (req.num_tokens - req.num_prompt_tokens),
-                self.max_model_len - req.num_tokens,
-            )
-            - 1
-            for req in (it.request for it in items)
-        ]
+        caps = [draft_cap(it.request, self.max_model_len) for it in items]
         result = self.model.greedy_spec_step(batch, self.kv_caches, caps, k)
         if result is None:
             return None

@@ -61,6 +61,14 @@ def _draft_batch(
     )
 
 
+def draft_cap(req: Request, max_model_len: int) -> int:
+    """The drafts a request may take after this step, plus the tokens this step emits for it: what
+    its max_tokens and the model length leave after the tokens it has, less the one token the next
+    step samples itself. Its room is min(k, draft_cap - emitted)."""
+    generated = req.num_tokens - req.num_prompt_tokens
+    return min(req.params.max_tokens - generated, max_model_len - req.num_tokens) - 1
+
+
 def _every_row_drafts(batch: ForwardBatch, rows: list[int]) -> bool:
     """Whether the first reuse runs on exactly the target's rows: decodes only, each with every
     verified draft accepted, in batch order (the usual step at batch 1). Its batch is then the
@@ -107,8 +115,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
             total = req.num_tokens + len(emitted)
             valid = min(n, total - start - 1)  # rows whose next token is known (and whose target state is)
             next_ids = (req.token_ids[start + 1 : start + 1 + valid] + emitted)[:valid]
-            generated = total - req.num_prompt_tokens
-            room = min(k, req.params.max_tokens - generated - 1, runner.max_model_len - total - 1)
+            room = min(k, draft_cap(req, runner.max_model_len) - len(emitted))
             if emitted and room > 0:  # its newest valid row runs the whole layer
                 valid -= 1
                 sampled = next_ids.pop()

@@ -1,11 +1,11 @@
 """The native kernels' calls that take a whole block of a layer for a decode step's few tokens:
 a layer's MLA attention (mla_attention, with the weights it takes in MLAWeights), its expert
 routing (route) and its routed and shared experts (moe_pairs, moe_topk), or its whole MoE block
-(moe_block, with MoEWeights); and a decode step's whole stack of layers (decode_stack, with
-DecodeStack). Each is one call where the Python path makes a dozen, with the Python path's bits
-(the tests hold them to it), but for moe_block's router product (its float32 sums in another order
-than torch's BLAS). Re-exported by kernels/native, whose `load` builds them; each requires
-`native.loaded()`.
+(moe_block, with MoEWeights); a decode step's whole stack of layers (decode_stack, with
+DecodeStack); and a greedy speculative step with MTP drafts (greedy_spec_step, with MTPDrafter).
+Each is one call where the Python path makes a dozen, with the Python path's bits (the tests hold
+them to it), but for moe_block's router product (its float32 sums in another order than torch's
+BLAS). Re-exported by kernels/native, whose `load` builds them; each requires `native.loaded()`.
 """
 
 from __future__ import annotations
@@ -582,8 +582,8 @@ def greedy_spec_step(
     [M] (their cos and sin read from the drafter's rope tables), with slots, block_table and
     seq_lens as decode_stack takes them; kv_caches: the target's caches, then the MTP layer's. The
     target verifies, then the MTP layer writes its cache rows for each request's known positions
-    and drafts up to min(k, caps[r] - emitted) tokens (caps: what max_tokens and the model length
-    leave after the tokens it has, as engine/spec_decode/drafter.py counts them).
+    and drafts up to min(k, caps[r] - emitted) tokens (caps: engine/spec_decode/drafter.py
+    draft_cap).
     -> (tokens [M]: the target's greedy token after each row; accepted [R]: the drafts accepted,
     a, so request r emits tokens[r * query_len : r * query_len + a + 1]; drafts [R, k]: its next
     drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache

@@ -46,8 +46,8 @@ constexpr int64_t ATTENTION_OMP_MIN_BYTES = int64_t(1) << 20;
 constexpr int64_t CHUNK_BYTES = int64_t(64) << 10;  // about this much weight per chunk
 // Row-wise work (rms_norm, rotary) over a prefill's rows: from 64 KB of rows OpenMP's threads pay
 // (a 4096-token chunk holds 4 MB of hidden states). Bench model, bf16, 2-core Zen 4, a prefill of
-// 32 x 128-token prompts: its norms took 100 ms and its rotary 86 of the step's ~1.5 s on one
-// thread, summed and rotated one value at a time; 16 lanes at a time, over both threads, 14 and 8.
+// 32 x 128-token prompts: its norms took 100 ms and its rotary 86 of the step's ~1.5 s, a row at a
+// time on one thread; with blocks of rows and 16 lanes, over both threads, 32 and 12.
 constexpr int64_t ROWS_OMP_MIN_BYTES = int64_t(64) << 10;
 
 int64_t g_pool_min_bytes = POOL_MIN_BYTES;  // set_pool_min_bytes: tests and benchmarks

@@ -13,11 +13,13 @@ namespace {
 // RMSNorm of bf16 rows, with the residual add fused, in kernels/norm.py's roundings (HF's):
 //   h = bf16(x + residual)  (the new residual stream, written to sum; or h = x without one)
 //   y = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps)))
-// 16 lanes at a time; the squares summed in 16 float32 lanes, then across them (torch sums in
-// another order: the output agrees to one bf16 rounding). A decode step's few rows run on one
-// thread; a prefill's thousands are shared over the threads (a 4096-token chunk's rows took
-// ~3 ms a norm on one thread, summed one by one), each row's arithmetic the same either way.
-// sum may be res (the stream updated in place), y may be x.
+// A row's squares are summed one after another, in float32 (torch sums in another order: the
+// output agrees to one bf16 rounding); the rest runs 16 lanes at a time. Rows go in blocks of
+// NORM_ROWS, their sums side by side (one row's chain of additions waited on itself: a 4096-token
+// prefill chunk took ~3 ms a norm), and a prefill's thousands of rows are shared over the threads;
+// each row's arithmetic is the same whatever the rows. sum may be res (the stream updated in
+// place), y may be x.
+constexpr int64_t NORM_ROWS = 8;
 void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t w_ptr, int64_t y_ptr, int64_t ldy,
               int64_t sum_ptr, int64_t lds, int64_t M, int64_t D, double eps) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
@@ -25,27 +27,35 @@ void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t 
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
   auto* y = reinterpret_cast<uint16_t*>(y_ptr);
   auto* sum = reinterpret_cast<uint16_t*>(sum_ptr);
-  maybe_parallel(M, 16, M * D * 2, [&](int64_t m0, int64_t m1) {
-    std::vector<float> h(D + 16);
-    for (int64_t m = m0; m < m1; ++m) {
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 mask = lanes16(D - d);
-        __m512 v = widen16(_mm256_maskz_loadu_epi16(mask, x + m * ldx + d));
-        if (res != nullptr) {
-          const __m256i rounded = narrow16(_mm512_add_ps(v, widen16(_mm256_maskz_loadu_epi16(mask, res + m * ldr + d))));
-          _mm256_mask_storeu_epi16(sum + m * lds + d, mask, rounded);
-          v = widen16(rounded);
+  const int64_t Dp = (D + 15) / 16 * 16;
+  maybe_parallel((M + NORM_ROWS - 1) / NORM_ROWS, 2, M * D * 2, [&](int64_t b0, int64_t b1) {
+    std::vector<float> h(NORM_ROWS * Dp);  // a block's rows h, widened
+    for (int64_t m0 = b0 * NORM_ROWS; m0 < std::min(M, b1 * NORM_ROWS); m0 += NORM_ROWS) {
+      const int64_t rows = std::min(NORM_ROWS, M - m0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < D; d += 16) {
+          const int64_t m = m0 + r;
+          const __mmask16 mask = lanes16(D - d);
+          __m512 v = widen16(_mm256_maskz_loadu_epi16(mask, x + m * ldx + d));
+          if (res != nullptr) {
+            const __m256i rounded =
+                narrow16(_mm512_add_ps(v, widen16(_mm256_maskz_loadu_epi16(mask, res + m * ldr + d))));
+            _mm256_mask_storeu_epi16(sum + m * lds + d, mask, rounded);
+            v = widen16(rounded);
+          }
+          _mm512_storeu_ps(&h[r * Dp + d], v);
         }
-        _mm512_storeu_ps(&h[d], v);
-        squares = _mm512_fmadd_ps(v, v, squares);  // lanes past D are zero
-      }
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(D) + float(eps)));
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 mask = lanes16(D - d);
-        const __m512 normed = widen16(narrow16(_mm512_mul_ps(_mm512_loadu_ps(&h[d]), scale)));
-        const __m512 wv = widen16(_mm256_maskz_loadu_epi16(mask, w + d));
-        _mm256_mask_storeu_epi16(y + m * ldy + d, mask, narrow16(_mm512_mul_ps(wv, normed)));
+      float squares[NORM_ROWS] = {};
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < rows; ++r) squares[r] += h[r * Dp + d] * h[r * Dp + d];
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(squares[r] / float(D) + float(eps)));
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 mask = lanes16(D - d);
+          const __m512 normed = widen16(narrow16(_mm512_mul_ps(_mm512_loadu_ps(&h[r * Dp + d]), scale)));
+          const __m512 wv = widen16(_mm256_maskz_loadu_epi16(mask, w + d));
+          _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + d, mask, narrow16(_mm512_mul_ps(wv, normed)));
+        }
       }
     }
   }, ROWS_OMP_MIN_BYTES);
