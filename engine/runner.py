@@ -237,20 +237,20 @@ class ModelRunner:
         )
 
     def _greedy_spec_step(
-        self, items: list[ScheduledRequest], batch: ForwardBatch, sample_rows: list[int], prompt_rows
+        self, items: list[ScheduledRequest], batch: ForwardBatch, sample_rows: list[int]
     ) -> RunnerOutput | None:
-        """A step of greedy decodes that all speculate, of one query length (each verifying its
-        drafts, or none), as one native call: the model's forward, verify_greedy and
-        draft_with_mtp's tokens, drafts and MTP cache rows in one (the model's greedy_spec_step).
-        At batch 1 their Python between the native calls cost a step with a draft twice a plain
-        step's. None: the step is not such a step, or the model does not run it in one call."""
+        """A step of greedy decodes (the caller has found every logits row's argmax all it needs)
+        that all speculate, of one query length (each verifying its drafts, or none), as one native
+        call: the model's forward, verify_greedy and draft_with_mtp's tokens, drafts and MTP cache
+        rows in one (the model's greedy_spec_step). At batch 1 their Python between the native calls
+        cost a step with a draft twice a plain step's. None: the step is not such a step, or the
+        model does not run it in one call."""
         if (
             batch.prefills
             or len(batch.decodes) != 1
             or not all(
                 it.request.spec_enabled and row >= 0 for it, row in zip(items, sample_rows, strict=True)
             )
-            or not self._argmax_only(items, sample_rows, prompt_rows)
         ):
             return None
         k, limit = self.spec.num_speculative_tokens, self.spec.disable_by_batch_size
@@ -276,13 +276,14 @@ class ModelRunner:
         batch, sample_rows, prompt_rows = self._build_batch(items)
         self._share_native_work(batch)
         filling = self._grammar_bitmask(items, sample_rows)
-        if self.spec is not None and filling is None:
-            out = self._greedy_spec_step(items, batch, sample_rows, prompt_rows)
+        argmax_only = filling is None and self._argmax_only(items, sample_rows, prompt_rows)
+        if argmax_only and self.spec is not None:
+            out = self._greedy_spec_step(items, batch, sample_rows)
             if out is not None:
                 return out
         hidden = self.model(batch, self.kv_caches)
         out = RunnerOutput()
-        if filling is None and self._argmax_only(items, sample_rows, prompt_rows):
+        if argmax_only:
             # The common greedy step (decodes, and greedy verifications of drafts): each logits
             # row's argmax, from the bf16 logits, nothing widened.
             greedy = self.model.greedy_tokens(hidden[batch.logits_indices], self.sampler.vocab_size)
