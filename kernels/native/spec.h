@@ -52,8 +52,8 @@ struct MtpRows {
 // before them) into accepted [R]. Its emitted tokens are then tokens[r*S .. r*S+a].
 // Then the MTP layer (its own plan, cache, final norm; the input from the norms and eh_proj as
 // mtp_input) over each request's known rows r*S .. r*S+a, each with its next token. A request
-// drafts room = min(K, caps[r] - (a + 1)) tokens (caps: what max_tokens and the model length
-// leave, as the drafter counts it). Its rows other than the newest (all of them where room is 0)
+// drafts room = min(K, caps[r] - (a + 1)) tokens (caps: engine/spec_decode/drafter.py's
+// draft_cap, what max_tokens and the model length leave). Its rows other than the newest (all of them where room is 0)
 // only get their MTP cache rows (the layer's norm, then store_latents: MTPLayer.store_kv), written
 // first; its newest row runs the whole layer and drafts the first token. Each further draft runs
 // the layer reused one position on (the previous draft, the previous output g), its slot from its
