@@ -157,7 +157,8 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
                       int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
                       double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
   const int64_t qk = nope + R, W = L + R;
-  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), q_lat(H * M * L), q_full(M * H * W), o_lat(M * H * L), o_v(H * M * v), o_heads(M * H * v), normed, attended;
+  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), q_lat(H * M * L), q_full(M * H * W), o_lat(M * H * L),
+      o_v(H * M * v), o_heads(M * H * v), normed, attended;
   auto at = [](std::vector<uint16_t>& b, int64_t offset = 0) { return int64_t(b.data() + offset); };
   if (pre_norm_ptr != 0) {  // x is the residual stream before the layer's input norm (added to res when given)
     normed.resize(M * hidden);
