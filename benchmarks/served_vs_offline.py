@@ -4,16 +4,23 @@ offline engine, in one run, reported as a ratio.
 C prompts of --input-len random token ids each generate exactly --output-len tokens (greedy,
 ignore_eos). Offline: one `LLM.generate` call over all C prompts (the engine batches them).
 Served: a stack (router + prefill worker + decode worker, as `pdserve serve` starts it) and C
-concurrent streams through the router, with the gRPC client (a thread per stream) or the `openai`
-client (AsyncOpenAI, every stream a task of one event loop, as vLLM's and SGLang's serving
-benchmarks drive a server; `openai-threads`: the synchronous client, a thread per stream); every
-stream opens at once. Each side first runs the whole workload once untimed (batch shapes, channels,
-client threads). Output tok/s = C * output_len / wall time of the whole workload, for both;
-served / offline is what the services cost (KV transfer, per-token messages, the router's
-re-streaming, the processes sharing the CPU). Each side runs --rounds times; the medians are
-compared; with --interleave both stay up and their rounds alternate, so a shared machine's drift
-over the run falls on both alike. Results go to
-benchmarks/results/served_vs_offline_<hardware>_<date>.json.
+concurrent streams through the router, every stream opened at once, with one of these clients:
+- `grpc`: the gRPC client, a thread per stream;
+- `openai`: `openai.AsyncOpenAI`, every stream a task of one event loop;
+- `openai-threads`: the synchronous `openai` client, a thread per stream;
+- `http`: aiohttp reading the SSE lines and parsing each with `json.loads`, one event loop, as
+  vLLM's and SGLang's serving benchmarks drive an OpenAI-compatible server. The `openai` library
+  builds a typed object per chunk: on the 2-core Zen 4 its client spent 0.30 ms of CPU per token
+  where this one spends 0.06, more than the router's 0.12, on the cores the stack is measured on.
+Each side first runs the workload once untimed (batch shapes, channels, client threads). Every
+round then has prompts of its own, the same on both sides, so each served round goes the whole
+way (the prefill worker, the KV transfer, the decode worker: a prompt the decode worker already
+holds would run colocated there) and neither side decodes from cached prefixes.
+Output tok/s = C * output_len / wall time of the whole workload, for both; served / offline is
+what the services cost (KV transfer, per-token messages, the router's re-streaming, the processes
+sharing the CPU). Each side runs --rounds times; the medians are compared; with --interleave both
+stay up and their rounds alternate, so a shared machine's drift over the run falls on both alike.
+Results go to benchmarks/results/served_vs_offline_<hardware>_<date>.json.
 
     python benchmarks/served_vs_offline.py --model models/pdserve-bench --concurrency 32
 """
@@ -55,12 +62,13 @@ class Rates:
 
 
 class Offline:
-    """The offline engine's side. Each round runs the workload twice: with max_tokens 1 (the
-    prefill and first token) and whole; decode tok/s = C * (output_len - 1) / the difference of
-    their wall times."""
+    """The offline engine's side. Each round runs twice: the prefill and first token of as many
+    other prompts of the same length (max_tokens 1), then the round's workload whole; decode
+    tok/s = C * (output_len - 1) / the difference of their wall times. Other prompts, so that
+    both runs prefill from an empty prefix cache."""
 
     def __init__(self, args, prompts: list[list[int]]):
-        self.args, self.prompts = args, prompts
+        self.args, self.prompts = args, prompts  # the warm-up's
         self.rates = Rates()
 
     def __enter__(self) -> Offline:
@@ -77,10 +85,10 @@ class Offline:
         )  # warm-up: the whole workload once
         return self
 
-    def round(self) -> None:
-        prompts, output_len = self.prompts, self.args.output_len
+    def round(self, prompts: list[list[int]], others: list[list[int]]) -> None:
+        output_len = self.args.output_len
         start = time.perf_counter()
-        self.llm.generate(prompt_token_ids=prompts, sampling_params=self.first)
+        self.llm.generate(prompt_token_ids=others, sampling_params=self.first)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=self.params)
@@ -155,6 +163,14 @@ def _openai_client(url: str, streams: int, asynchronous: bool):
     )
 
 
+async def _http_session(streams: int):
+    """One aiohttp session for every stream, a connection each (made inside the loop it runs on)."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=streams)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
+
+
 def _openai_request(model: str, prompt: list[int], output_len: int) -> dict:
     return dict(
         model=model,
@@ -182,6 +198,35 @@ async def _openai_streams(client, model: str, prompts: list[list[int]], output_l
         async for chunk in await client.completions.create(**_openai_request(model, prompt, output_len)):
             if chunk.choices and chunk.choices[0].text:
                 seen.seen()
+        return seen
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def _http_streams(
+    session, url: str, model: str, prompts: list[list[int]], output_len: int
+) -> list[Stream]:
+    """Every stream a POST to /v1/completions on one aiohttp session, its SSE lines parsed with
+    json.loads, as vLLM's serving benchmark reads an OpenAI-compatible server."""
+
+    async def one(prompt: list[int]) -> Stream:
+        seen = Stream()
+        body = _openai_request(model, prompt, output_len)
+        body |= body.pop("extra_body")
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[len(b"data: ") :].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    seen.seen()
         return seen
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
@@ -219,46 +264,51 @@ class Served:
             log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
         )
         self.name = model_name(args.model)
-        self.loop = asyncio.new_event_loop() if args.client == "openai" else None
-        self.pool = futures.ThreadPoolExecutor(len(self.prompts)) if self.loop is None else None
+        asynchronous = args.client in ("openai", "http")
+        self.loop = asyncio.new_event_loop() if asynchronous else None
+        self.pool = None if asynchronous else futures.ThreadPoolExecutor(len(self.prompts))
         self.client = None
         self.stack = Stack(cfg).__enter__()
         try:
-            if args.client.startswith("openai"):
-                asynchronous = self.loop is not None
+            if args.client == "http":
+                self.client = self.loop.run_until_complete(_http_session(len(self.prompts)))
+            elif args.client.startswith("openai"):
                 self.client = _openai_client(self.stack.http_url, len(self.prompts), asynchronous)
-            self._streams()  # warm-up: the whole workload once, as offline
+            self._streams(self.prompts)  # warm-up: the workload once, as offline
         except BaseException:
             self.__exit__(None, None, None)
             raise
         self.pids = {proc.name: proc.popen.pid for proc in self.stack.procs} | {"client": os.getpid()}
         return self
 
-    def _streams(self) -> list[Stream]:
+    def _streams(self, prompts: list[list[int]]) -> list[Stream]:
         """The workload once, every stream opened at once."""
-        output_len = self.args.output_len
-        if self.loop is not None:
+        output_len, client = self.args.output_len, self.args.client
+        if client == "http":
+            url = self.stack.http_url
             return self.loop.run_until_complete(
-                _openai_streams(self.client, self.name, self.prompts, output_len)
+                _http_streams(self.client, url, self.name, prompts, output_len)
             )
+        if client == "openai":
+            return self.loop.run_until_complete(_openai_streams(self.client, self.name, prompts, output_len))
 
         def one(prompt: list[int]) -> Stream:
             if self.client is not None:
                 return _openai_stream(self.client, self.name, prompt, output_len)
             return _grpc_stream(self.stack.grpc_endpoint, prompt, output_len)
 
-        return list(self.pool.map(one, self.prompts))
+        return list(self.pool.map(one, prompts))
 
-    def round(self) -> None:
+    def round(self, prompts: list[list[int]]) -> None:
         before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         start = time.perf_counter()
-        streams = self._streams()
+        streams = self._streams(prompts)
         seconds = time.perf_counter() - start
         for name, pid in self.pids.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + cpu_seconds(pid) - before[name]
         self.counts.append(sum(s.pieces for s in streams))
-        self.rates.tok_s.append(len(self.prompts) * self.args.output_len / seconds)
-        self.rates.decode_tok_s.append(len(self.prompts) / statistics.median(s.tpot for s in streams))
+        self.rates.tok_s.append(len(prompts) * self.args.output_len / seconds)
+        self.rates.decode_tok_s.append(len(prompts) / statistics.median(s.tpot for s in streams))
 
     def cpu_per_token(self) -> dict[str, float]:
         """CPU seconds per output token of each process, over the served rounds."""
@@ -267,7 +317,7 @@ class Served:
 
     def __exit__(self, *exc) -> None:
         if self.loop is not None:
-            if self.client is not None:
+            if self.client is not None:  # AsyncOpenAI and aiohttp's session both close this way
                 self.loop.run_until_complete(self.client.close())
             self.loop.close()
         if self.pool is not None:
@@ -287,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--client",
         default="grpc",
-        choices=["grpc", "openai", "openai-threads"],
+        choices=["grpc", "openai", "openai-threads", "http"],
         help="grpc: a thread per stream; openai: AsyncOpenAI, one event loop; "
-        "openai-threads: the synchronous client, a thread per stream",
+        "openai-threads: the synchronous client, a thread per stream; http: aiohttp and json.loads, "
+        "one event loop",
     )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
@@ -310,19 +361,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or args.rounds < 1 or args.output_len < 1 or args.input_len < 1:
         raise SystemExit("--concurrency, --rounds, --input-len and --output-len must be >= 1")
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    prompts = prompts_for(args.concurrency, args.input_len, vocab, args.seed)
+
+    def prompts(index: int) -> list[list[int]]:
+        """The warm-up's prompts (0), then each round's workload (odd) and the offline side's
+        first-token prompts (even)."""
+        return prompts_for(args.concurrency, args.input_len, vocab, args.seed + index)
+
     if args.interleave:  # both up at once, a round of each in turn: the machine's drift falls on both
-        with Offline(args, prompts) as off, Served(args, prompts) as srv:
-            for _ in range(args.rounds):
-                off.round()
-                srv.round()
+        with Offline(args, prompts(0)) as off, Served(args, prompts(0)) as srv:
+            for r in range(args.rounds):
+                off.round(prompts(2 * r + 1), prompts(2 * r + 2))
+                srv.round(prompts(2 * r + 1))
     else:
-        with Offline(args, prompts) as off:
-            for _ in range(args.rounds):
-                off.round()
-        with Served(args, prompts) as srv:
-            for _ in range(args.rounds):
-                srv.round()
+        with Offline(args, prompts(0)) as off:
+            for r in range(args.rounds):
+                off.round(prompts(2 * r + 1), prompts(2 * r + 2))
+        with Served(args, prompts(0)) as srv:
+            for r in range(args.rounds):
+                srv.round(prompts(2 * r + 1))
     offline, served, counts, cpu = off.rates, srv.rates, srv.counts, srv.cpu_per_token()
 
     def median(xs: list[float]) -> float:

@@ -14,8 +14,8 @@ from tests.bench_testing import run_benchmark
 
 @pytest.mark.parametrize(
     "client, interleave",
-    [("grpc", False), ("openai", False), ("openai-threads", False), ("grpc", True)],
-    ids=["grpc", "openai", "openai-threads", "interleaved"],
+    [("grpc", False), ("openai", False), ("openai-threads", False), ("http", False), ("grpc", True)],
+    ids=["grpc", "openai", "openai-threads", "http", "interleaved"],
 )
 def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave):
     out = tmp_path / "served.json"
