@@ -1,0 +1,54 @@
+"""The environment the stack launcher gives its workers: OpenMP's passive wait when the workers'
+threads together outnumber the CPUs, its default otherwise, and a policy the user names
+always wins. Read from the started worker process itself (/proc/<pid>/environ)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services import launcher
+from services.launcher import Stack, StackConfig
+
+
+def _worker_environ(cfg: StackConfig) -> dict[str, str]:
+    """The environment of a decode worker this config's stack starts (stopped right after)."""
+    stack = Stack(cfg)
+    try:
+        proc = stack.start_worker("decode", 0)
+        # Popen returns once the child has exec'd, so this is the worker's own environment.
+        raw = Path(f"/proc/{proc.popen.pid}/environ").read_bytes()
+    finally:
+        stack.stop()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+@pytest.mark.parametrize(
+    "cores, threads, colocated, policy",
+    [
+        (2, 2, 0, "PASSIVE"),  # a prefill and a decode worker of two threads each on two CPUs
+        (2, 1, 0, None),  # one thread each: the CPUs suffice
+        (4, 2, 0, None),
+        (4, 2, 1, "PASSIVE"),  # a third worker tips it
+    ],
+)
+def test_workers_wait_passively_only_when_they_share_the_cpus(
+    tiny_model, monkeypatch, cores, threads, colocated, policy
+):
+    monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: cores)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = StackConfig(tiny_model, threads_per_worker=threads, num_colocated=colocated)
+    assert Stack(cfg).workers_share_cpus() is (policy is not None)
+    environ = _worker_environ(cfg)
+    assert environ.get("OMP_WAIT_POLICY") == policy
+    assert environ["OMP_NUM_THREADS"] == str(threads)
+
+
+def test_a_policy_the_user_names_is_kept(tiny_model, monkeypatch):
+    monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 1)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert _worker_environ(StackConfig(tiny_model, threads_per_worker=2))["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    cfg = StackConfig(tiny_model, threads_per_worker=2, env={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert _worker_environ(cfg)["OMP_WAIT_POLICY"] == "ACTIVE"
