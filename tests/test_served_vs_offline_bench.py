@@ -42,3 +42,4 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave):
     else:
         assert 0 < result["served_pieces"][0] <= 3 * 8
     assert set(result["served_cpu_s_per_token"]) == {"prefill-0", "decode-0", "router", "client"}
+    assert result["offline_cpu_s_per_token"] > 0
