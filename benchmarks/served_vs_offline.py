@@ -249,10 +249,10 @@ class Served:
     their first (the batch the decode worker runs once every stream is in; the whole-workload rate
     also counts the prefill worker taking the C prompts in). Also kept: pieces per round, and the
     CPU seconds of each stack process and of the client (this process) over the served rounds
-    only."""
+    only. `stack`: more StackConfig fields (benchmarks/served_ab.py's arms)."""
 
-    def __init__(self, args, prompts: list[list[int]]):
-        self.args, self.prompts = args, prompts
+    def __init__(self, args, prompts: list[list[int]], **stack):
+        self.args, self.prompts, self.stack_fields = args, prompts, stack
         self.rates, self.counts = Rates(), []
         self.cpu_s: dict[str, float] = {}
 
@@ -261,7 +261,7 @@ class Served:
         from services.launcher import Stack, StackConfig
 
         args = self.args
-        cfg = StackConfig(
+        fields = dict(
             model=args.model,
             engine_args=["--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks)]
             + (["--kv-transport", args.kv_transport] if args.kv_transport else []),
@@ -269,6 +269,7 @@ class Served:
             router_args=["--colocate-max-tokens", "0"],
             log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
         )
+        cfg = StackConfig(**(fields | self.stack_fields))
         self.name = model_name(args.model)
         asynchronous = args.client in ("openai", "http")
         self.loop = asyncio.new_event_loop() if asynchronous else None
@@ -331,8 +332,8 @@ class Served:
         self.stack.__exit__(*exc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's and the stack's flags (this benchmark's and served_ab.py's)."""
     p.add_argument("--model", default="models/pdserve-bench")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--concurrency", type=int, default=32)
@@ -355,24 +356,34 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "nixl", "grpc"],
         help="the workers' (default: theirs)",
     )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="results JSON (default: benchmarks/results/...)")
+    p.add_argument("--log-dir", default=None, help="stack process logs (default: a temporary folder)")
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    if args.concurrency < 1 or args.rounds < 1 or args.output_len < 1 or args.input_len < 1:
+        raise SystemExit("--concurrency, --rounds, --input-len and --output-len must be >= 1")
+
+
+def workload(args: argparse.Namespace):
+    """index -> C prompts of the run: the warm-up's (0), then each round's workload (odd) and the
+    offline side's first-token prompts (even)."""
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    return lambda index: prompts_for(args.concurrency, args.input_len, vocab, args.seed + index)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    add_workload_args(p)
     p.add_argument(
         "--interleave",
         action="store_true",
         help="keep the offline engine and the stack up together and alternate their rounds",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="results JSON (default: benchmarks/results/...)")
-    p.add_argument("--log-dir", default=None, help="stack process logs (default: a temporary folder)")
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.rounds < 1 or args.output_len < 1 or args.input_len < 1:
-        raise SystemExit("--concurrency, --rounds, --input-len and --output-len must be >= 1")
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-
-    def prompts(index: int) -> list[list[int]]:
-        """The warm-up's prompts (0), then each round's workload (odd) and the offline side's
-        first-token prompts (even)."""
-        return prompts_for(args.concurrency, args.input_len, vocab, args.seed + index)
-
+    check_workload_args(args)
+    prompts = workload(args)
     if args.interleave:  # both up at once, a round of each in turn: the machine's drift falls on both
         with Offline(args, prompts(0)) as off, Served(args, prompts(0)) as srv:
             for r in range(args.rounds):

@@ -108,6 +108,11 @@ class StackConfig:
     cwd: str | None = None
     """Where the processes start, and so where `python -m services.cli` imports the code from
     (a git worktree of another revision, for an A/B run); None: this process's directory."""
+    omp_wait_policy: str = "auto"
+    """The workers' OMP_WAIT_POLICY: "auto" sets PASSIVE when their threads together outnumber
+    the CPUs (Stack.workers_share_cpus) and the environment names none; "inherit" leaves the
+    environment's (OpenMP's default: spin a while after each region, then sleep); another value
+    is set as it is."""
     api_key: str | None = field(default=None, repr=False)
     """A key the router's public API requires (passed as PDSERVE_API_KEY, out of process
     listings); None: whatever PDSERVE_API_KEY the environment holds, else an open API."""
@@ -144,14 +149,14 @@ class Stack:
 
     def workers_share_cpus(self) -> bool:
         """Whether the workers' torch threads together outnumber the CPUs this machine gives us.
-        Then each worker starts with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE) unless the
-        environment (or cfg.env) names a policy: OpenMP's threads otherwise spin for milliseconds
-        after every parallel region, taking turns the other processes need. A prefill's many small
-        regions left its second thread spinning for a quarter of the prefill worker's CPU time
-        (perf); on the 2-core Zen 4, bench model, 32 streams of 64 + 128 tokens, interleaved
-        against spinning stacks: served decode 1.09x, the whole workload 1.12x (2026-12-03). A
-        worker with CPUs of its own (a pod) keeps OpenMP's default, under which one prefill alone
-        ran 1.3-1.8x faster."""
+        Then each worker starts with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE, under
+        cfg.omp_wait_policy "auto") unless the environment names a policy: OpenMP's threads
+        otherwise spin for milliseconds after every parallel region, taking turns the other
+        processes need. A prefill's many small regions left its second thread spinning for a
+        quarter of the prefill worker's CPU time (perf). On the 2-core Zen 4, bench model, 32
+        streams of 64 + 128 tokens, interleaved against stacks that spin (benchmarks/served_ab.py):
+        served decode 1.03-1.09x, the whole workload 1.06-1.12x (2026-12-03). A worker with CPUs
+        of its own (a pod) keeps OpenMP's default, under which one prefill alone ran 1.3-2x faster."""
         cfg = self.cfg
         threads = cfg.threads_per_worker or env_vars.num_threads() or env_vars.available_cores()
         workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
@@ -202,8 +207,11 @@ class Stack:
         if cfg.threads_per_worker:
             args += ["--num-threads", str(cfg.threads_per_worker)]
             env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)
-        if self.workers_share_cpus():
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if cfg.omp_wait_policy == "auto":
+            if self.workers_share_cpus():
+                env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        elif cfg.omp_wait_policy != "inherit":
+            env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         metrics_url = None
         if cfg.worker_metrics:
             metrics_port = self._free_port()

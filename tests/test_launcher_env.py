@@ -4,6 +4,7 @@ always wins. Read from the started worker process itself (/proc/<pid>/environ)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,20 @@ def _worker_environ(cfg: StackConfig) -> dict[str, str]:
     stack = Stack(cfg)
     try:
         proc = stack.start_worker("decode", 0)
-        # Popen returns once the child has exec'd, so this is the worker's own environment.
-        raw = Path(f"/proc/{proc.popen.pid}/environ").read_bytes()
+        # Popen may return while the kernel is still building the new image: its environment reads
+        # empty until exec has set it up, so read until it is there.
+        deadline = time.monotonic() + 10
+        while not (raw := Path(f"/proc/{proc.popen.pid}/environ").read_bytes()):
+            assert proc.popen.poll() is None, (
+                f"the worker exited ({proc.popen.returncode}) before it was read"
+            )
+            assert time.monotonic() < deadline, "the worker's environment stayed empty"
+            time.sleep(0.001)
     finally:
         stack.stop()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    environ = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    assert environ.get(launcher.env_vars.INTERNAL_TOKEN_VAR) == stack.token  # the worker's own
+    return environ
 
 
 @pytest.mark.parametrize(
@@ -52,3 +62,12 @@ def test_a_policy_the_user_names_is_kept(tiny_model, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     cfg = StackConfig(tiny_model, threads_per_worker=2, env={"OMP_WAIT_POLICY": "ACTIVE"})
     assert _worker_environ(cfg)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("setting, policy", [("inherit", None), ("ACTIVE", "ACTIVE")])
+def test_the_stacks_own_setting(tiny_model, monkeypatch, setting, policy):
+    """omp_wait_policy "inherit" leaves OpenMP's default even on shared CPUs; a named one is set."""
+    monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 1)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cfg = StackConfig(tiny_model, threads_per_worker=2, omp_wait_policy=setting)
+    assert _worker_environ(cfg).get("OMP_WAIT_POLICY") == policy

@@ -43,3 +43,38 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave):
         assert 0 < result["served_pieces"][0] <= 3 * 8
     assert set(result["served_cpu_s_per_token"]) == {"prefill-0", "decode-0", "router", "client"}
     assert result["offline_cpu_s_per_token"] > 0
+
+
+def test_served_ab_smoke(tiny_model, tmp_path):
+    """`benchmarks/served_ab.py`: two stacks that differ in one launcher field, rounds alternating;
+    each arm's rates and its ratios to the first are written out, and each arm's workers got
+    the setting (their logs are apart)."""
+    out = tmp_path / "ab.json"
+    args = ["--model", tiny_model, "--dtype", "float32", "--concurrency", "2", "--input-len", "12"]
+    args += ["--output-len", "6", "--num-kv-blocks", "64", "--threads", "1", "--rounds", "2"]
+    args += ["--client", "http", "--output", str(out), "--log-dir", str(tmp_path / "logs")]
+    args += [
+        "--arm",
+        'spin={"omp_wait_policy": "inherit"}',
+        "--arm",
+        'passive={"omp_wait_policy": "PASSIVE"}',
+    ]
+    proc = run_benchmark("served_ab.py", *args, timeout=180)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["spin", "passive"]
+    assert arms["passive"]["stack"] == {"omp_wait_policy": "PASSIVE"}
+    for arm in arms.values():
+        assert len(arm["decode_tok_s"]) == len(arm["tok_s"]) == 2 and min(arm["decode_tok_s"]) > 0
+    median = statistics.median
+    assert arms["spin"]["decode_ratio"] == 1.0
+    ratio = median(arms["passive"]["decode_tok_s"]) / median(arms["spin"]["decode_tok_s"])
+    assert arms["passive"]["decode_ratio"] == pytest.approx(ratio)
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"spin", "passive"}
+
+
+def test_served_ab_refuses_a_bad_arm(tiny_model, tmp_path):
+    proc = run_benchmark(
+        "served_ab.py", "--model", tiny_model, "--arm", "only={}", "--arm", "x=[1]", timeout=60
+    )
+    assert proc.returncode != 0 and "--arm x: the JSON must be an object" in proc.stderr
