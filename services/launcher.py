@@ -70,6 +70,16 @@ def wait_ready(
             time.sleep(0.1)
 
 
+def _ranks(worker_args: list[str]) -> int:
+    """Rank processes a worker started with these flags runs: N with `--dp N`, else 1."""
+    for i, arg in enumerate(worker_args):
+        if arg == "--dp" and i + 1 < len(worker_args):
+            return int(worker_args[i + 1])
+        if arg.startswith("--dp="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
 @dataclass
 class Proc:
     name: str
@@ -148,8 +158,8 @@ class Stack:
         return f"http://{self.cfg.host}:{self.http_port}"
 
     def workers_share_cpus(self) -> bool:
-        """Whether the workers' torch threads together outnumber the CPUs this machine gives us.
-        Then each worker starts with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE, under
+        """Whether the workers' torch threads together (every rank of a `--dp N` worker's)
+        outnumber the CPUs this machine gives us. Then each worker starts with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE, under
         cfg.omp_wait_policy "auto") unless the environment names a policy: OpenMP's threads
         otherwise spin for milliseconds after every parallel region, taking turns the other
         processes need. A prefill's many small regions left its second thread spinning for a
@@ -162,8 +172,9 @@ class Stack:
         ran 1.3-2x faster."""
         cfg = self.cfg
         threads = cfg.threads_per_worker or env_vars.num_threads() or env_vars.available_cores()
-        workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
-        return workers * threads > env_vars.available_cores()
+        counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
+        ranks = sum(n * _ranks(cfg.engine_args + cfg.worker_args.get(role, [])) for role, n in counts.items())
+        return ranks * threads > env_vars.available_cores()
 
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.name != "router" and (role is None or p.name.startswith(role))]

@@ -71,3 +71,20 @@ def test_the_stacks_own_setting(tiny_model, monkeypatch, setting, policy):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cfg = StackConfig(tiny_model, threads_per_worker=2, omp_wait_policy=setting)
     assert _worker_environ(cfg).get("OMP_WAIT_POLICY") == policy
+
+
+@pytest.mark.parametrize(
+    "engine_args, worker_args, shared",
+    [
+        ([], {}, False),  # a prefill and a decode worker, a thread each, on 4 CPUs
+        (["--dp", "2"], {}, False),  # two ranks each: 4 threads
+        (["--dp=3"], {}, True),
+        ([], {"decode": ["--dp", "4"]}, True),  # 1 + 4 ranks
+        ([], {"prefill": ["--dp", "2"]}, False),
+    ],
+)
+def test_a_worker_counts_its_ranks(monkeypatch, engine_args, worker_args, shared):
+    """A worker started with --dp N runs N rank processes, each with the worker's threads."""
+    monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 4)
+    cfg = StackConfig("m", threads_per_worker=1, engine_args=engine_args, worker_args=worker_args)
+    assert Stack(cfg).workers_share_cpus() is shared
