@@ -71,13 +71,15 @@ def wait_ready(
 
 
 def _ranks(worker_args: list[str]) -> int:
-    """Rank processes a worker started with these flags runs: N with `--dp N`, else 1."""
+    """Rank processes a worker started with these flags runs: N with `--dp N` (the last one
+    given, as the worker's argparse reads it), else 1."""
+    ranks = 1
     for i, arg in enumerate(worker_args):
         if arg == "--dp" and i + 1 < len(worker_args):
-            return int(worker_args[i + 1])
-        if arg.startswith("--dp="):
-            return int(arg.split("=", 1)[1])
-    return 1
+            ranks = int(worker_args[i + 1])
+        elif arg.startswith("--dp="):
+            ranks = int(arg.split("=", 1)[1])
+    return ranks
 
 
 @dataclass
@@ -159,10 +161,10 @@ class Stack:
 
     def workers_share_cpus(self) -> bool:
         """Whether the workers' torch threads together (every rank of a `--dp N` worker's)
-        outnumber the CPUs this machine gives us. Then each worker starts with OpenMP's passive wait (OMP_WAIT_POLICY=PASSIVE, under
-        cfg.omp_wait_policy "auto") unless the environment names a policy: OpenMP's threads
-        otherwise spin for milliseconds after every parallel region, taking turns the other
-        processes need. A prefill's many small regions left its second thread spinning for a
+        outnumber the CPUs this machine gives us. Then each worker starts with OpenMP's passive
+        wait (OMP_WAIT_POLICY=PASSIVE, under cfg.omp_wait_policy "auto") unless the environment
+        names a policy: OpenMP's threads otherwise spin for milliseconds after every parallel
+        region, taking turns the other processes need. A prefill's many small regions left its second thread spinning for a
         quarter of the prefill worker's CPU time (perf). On the 2-core Zen 4, bench model, 32
         streams of 64 + 128 tokens, four runs interleaved against stacks that spin
         (benchmarks/served_ab.py and the script it grew from, 2026-12-03): the prefill worker's CPU
