@@ -6,9 +6,9 @@ Each arm is NAME=JSON, the JSON holding StackConfig fields (services/launcher.py
 `spin='{"omp_wait_policy": "inherit"}'` or `env='{"env": {"OMP_WAIT_POLICY": "PASSIVE"}}'`;
 `default={}` is the launcher as `pdserve serve` starts it. The workload and the clients are
 served_vs_offline.py's: C streams opened at once, fresh prompts every round (the same for every
-arm), decode tok/s = C / the streams' median time per piece after their first, output tok/s =
-C * output_len / the round's wall time. Every arm's stack stays up for the whole run (an idle
-stack's threads sleep), so the machine's drift over the run falls on every arm alike.
+arm), decode tok/s = C / the streams' median time per token after their first piece, output
+tok/s = C * output_len / the round's wall time. Every arm's stack stays up for the whole run (an
+idle stack's threads sleep), so the machine's drift over the run falls on every arm alike.
 
     python benchmarks/served_ab.py --client openai --rounds 8 \\
         --arm spin='{"omp_wait_policy": "inherit"}' --arm default='{}'

@@ -123,10 +123,10 @@ class Stream:
         self.last = now
         self.pieces += 1
 
-    @property
-    def tpot(self) -> float:
-        """Seconds per piece after the first."""
-        return (self.last - self.first) / max(self.pieces - 1, 1)
+    def tpot(self, tokens: int) -> float:
+        """Seconds per token after the first piece, of a stream of `tokens` tokens whose first piece
+        held one (a piece may hold several: the router's --stream-interval)."""
+        return (self.last - self.first) / max(tokens - 1, 1)
 
 
 def _grpc_stream(endpoint: str, prompt: list[int], output_len: int) -> Stream:
@@ -245,11 +245,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Served:
-    """The stack's side. Decode tok/s of a round = C / the streams' median time per piece after
-    their first (the batch the decode worker runs once every stream is in; the whole-workload rate
-    also counts the prefill worker taking the C prompts in). Also kept: pieces per round, and the
-    CPU seconds of each stack process and of the client (this process) over the served rounds
-    only. `stack`: more StackConfig fields (benchmarks/served_ab.py's arms)."""
+    """The stack's side. Decode tok/s of a round = C / the streams' median time per token after
+    their first piece (the batch the decode worker runs once every stream is in; the
+    whole-workload rate also counts the prefill worker taking the C prompts in). Also kept: pieces
+    per round, and the CPU seconds of each stack process and of the client (this process) over the
+    served rounds only. `stack`: more StackConfig fields (benchmarks/served_ab.py's arms)."""
 
     def __init__(self, args, prompts: list[list[int]], **stack):
         self.args, self.prompts, self.stack_fields = args, prompts, stack
@@ -266,7 +266,7 @@ class Served:
             engine_args=["--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks)]
             + (["--kv-transport", args.kv_transport] if args.kv_transport else []),
             threads_per_worker=args.threads,
-            router_args=["--colocate-max-tokens", "0"],
+            router_args=["--colocate-max-tokens", "0", "--stream-interval", str(args.stream_interval)],
             log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
         )
         cfg = StackConfig(**(fields | self.stack_fields))
@@ -315,7 +315,8 @@ class Served:
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + cpu_seconds(pid) - before[name]
         self.counts.append(sum(s.pieces for s in streams))
         self.rates.tok_s.append(len(prompts) * self.args.output_len / seconds)
-        self.rates.decode_tok_s.append(len(prompts) / statistics.median(s.tpot for s in streams))
+        tpot = statistics.median(s.tpot(self.args.output_len) for s in streams)
+        self.rates.decode_tok_s.append(len(prompts) / tpot)
 
     def cpu_per_token(self) -> dict[str, float]:
         """CPU seconds per output token of each process, over the served rounds."""
@@ -356,14 +357,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "nixl", "grpc"],
         help="the workers' (default: theirs)",
     )
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="the router's: tokens a stream's message gathers"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="results JSON (default: benchmarks/results/...)")
     p.add_argument("--log-dir", default=None, help="stack process logs (default: a temporary folder)")
 
 
 def check_workload_args(args: argparse.Namespace) -> None:
-    if args.concurrency < 1 or args.rounds < 1 or args.output_len < 1 or args.input_len < 1:
-        raise SystemExit("--concurrency, --rounds, --input-len and --output-len must be >= 1")
+    if min(args.concurrency, args.rounds, args.output_len, args.input_len, args.stream_interval) < 1:
+        raise SystemExit(
+            "--concurrency, --rounds, --input-len, --output-len and --stream-interval must be >= 1"
+        )
 
 
 def workload(args: argparse.Namespace):

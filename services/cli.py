@@ -301,6 +301,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         max_generations_per_request=args.max_generations_per_request,
         max_attempts=args.max_attempts,
         kv_redis_url=args.kv_redis_url,
+        stream_interval=args.stream_interval,
     )
     cfg = RouterServerConfig(
         model=args.model,
@@ -344,6 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             registry=args.registry,
             threads_per_worker=args.threads_per_worker,
             api_key=args.api_key,
+            router_args=["--stream-interval", str(args.stream_interval)],
         )
     )
     stop = threading.Event()
@@ -508,6 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")
     p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens a stream's message gathers before it goes out (first and last at once); "
+        "larger: less CPU per token in the router and the clients, later tokens",
+    )
+    p.add_argument(
         "--kv-redis-url", default=None, help="the workers' shared KV tier, for prefix-aware routing"
     )
     p.add_argument(
@@ -539,6 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens a stream's message gathers before it goes out (first and last at once); "
+        "larger: less CPU per token in the router and the clients, later tokens",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -145,3 +145,10 @@ def test_missing_model_folder_exits_2_naming_the_folder(tmp_path):
     assert res.stdout == ""
     assert _error_line(res.stderr) == f"error: model folder {str(missing)!r} does not exist"
     assert "Traceback" not in res.stderr
+
+
+def test_router_with_a_stream_interval_below_one_exits_2_naming_it(tiny_model):
+    res = pdserve("router", "--model", tiny_model, "--workers", "127.0.0.1:1", "--stream-interval", "0")
+    assert res.returncode == 2
+    assert _error_line(res.stderr) == "error: stream_interval must be >= 1, got 0"
+    assert "Traceback" not in res.stderr

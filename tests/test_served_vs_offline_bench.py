@@ -13,23 +13,30 @@ from tests.bench_testing import run_benchmark
 
 
 @pytest.mark.parametrize(
-    "client, interleave",
-    [("grpc", False), ("openai", False), ("openai-threads", False), ("http", False), ("grpc", True)],
-    ids=["grpc", "openai", "openai-threads", "http", "interleaved"],
+    "client, interleave, stream_interval",
+    [
+        ("grpc", False, 1),
+        ("openai", False, 1),
+        ("openai-threads", False, 1),
+        ("http", False, 1),
+        ("grpc", True, 3),
+    ],
+    ids=["grpc", "openai", "openai-threads", "http", "interleaved-stream-interval"],
 )
-def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave):
+def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave, stream_interval):
     out = tmp_path / "served.json"
     rounds = 2 if interleave else 1
     args = ["--model", tiny_model, "--dtype", "float32", "--concurrency", "3", "--input-len", "12"]
     args += ["--output-len", "8", "--num-kv-blocks", "64", "--threads", "1", "--rounds", str(rounds)]
     args += ["--client", client, "--output", str(out), "--log-dir", str(tmp_path / "logs")]
-    args += ["--interleave"] if interleave else []
+    args += ["--stream-interval", str(stream_interval)] + (["--interleave"] if interleave else [])
     proc = run_benchmark("served_vs_offline.py", *args, timeout=180)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     assert any(line.startswith("served / offline") for line in lines) and f"saved {out}" in lines
     result = json.loads(out.read_text())
     assert result["settings"]["interleave"] is interleave
+    assert result["settings"]["stream_interval"] == stream_interval
     assert len(result["offline_tok_s"]) == len(result["served_tok_s"]) == rounds
     assert min(result["offline_tok_s"]) > 0 and min(result["served_tok_s"]) > 0
     median = statistics.median

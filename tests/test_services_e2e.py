@@ -6,7 +6,8 @@ KV chunk leave no block behind.
 
 The shared stack's workers move KV over NIXL (--kv-transport auto, NIXL installed); the tests
 where the transport matters also run against a stack whose workers move it over the gRPC chunk
-stream (`transport_stack`), and give the same tokens.
+stream (`transport_stack`), and give the same tokens; that stack's router also gathers tokens
+into fewer messages (--stream-interval).
 """
 
 from __future__ import annotations
@@ -66,15 +67,19 @@ def stack(serving_stack):
     return serving_stack
 
 
+STREAM_INTERVAL = 3
+
+
 @pytest.fixture(scope="module")
 def grpc_stack(tiny_model, tmp_path_factory, stack):
     """A stack whose workers move KV over the gRPC chunk stream only (the shared stack's token:
-    its workers and the shared stack's may hand KV over to each other)."""
+    its workers and the shared stack's may hand KV over to each other), and whose router gathers
+    STREAM_INTERVAL tokens a message."""
     grpc_only = ["--kv-transport", "grpc"]
     st = start_stack(
         tiny_model,
         tmp_path_factory.mktemp("grpc-stack"),
-        router_args=["--colocate-max-tokens", "0"],
+        router_args=["--colocate-max-tokens", "0", "--stream-interval", str(STREAM_INTERVAL)],
         worker_args={"prefill": grpc_only, "decode": grpc_only},
         env={"PDSERVE_INTERNAL_TOKEN": stack.token},
     )
@@ -158,6 +163,9 @@ def test_grpc_batch_matches_the_offline_engine(transport_stack, transport, offli
         assert (last.usage.kv_transfer_bytes > 0) == (
             mode == "disaggregated"
         )  # fresh prompts: all of their KV moves
+        if transport == "grpc":  # its router gathers tokens; the first and the last go at once
+            assert all(len(m.token_ids) >= STREAM_INTERVAL for m in msgs[1:-1]), msgs
+            assert len(msgs) <= 2 + (12 - 1) // STREAM_INTERVAL
     if mode == "disaggregated":
         assert _moved_over(stack, transport)
 

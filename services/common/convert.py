@@ -125,7 +125,8 @@ def output_to_proto(out: RequestOutput, first: bool) -> pb.GenerateResponse:
 
 
 def merge(into: pb.GenerateResponse, more: pb.GenerateResponse) -> None:
-    """Append a later delta to an earlier one (several tokens ready together go in one message)."""
+    """Append a later delta to an earlier one (several tokens ready together go in one message);
+    what only a request's last message carries comes from `more`."""
     into.token_ids.extend(more.token_ids)
     into.text += more.text
     into.logprobs.extend(more.logprobs)
@@ -135,3 +136,7 @@ def merge(into: pb.GenerateResponse, more: pb.GenerateResponse) -> None:
     which = more.WhichOneof("stop_reason")
     if which:
         setattr(into, which, getattr(more, which))
+    for last_only in ("usage", "timings"):
+        if more.HasField(last_only):
+            getattr(into, last_only).CopyFrom(getattr(more, last_only))
+    into.disaggregated = into.disaggregated or more.disaggregated
