@@ -379,6 +379,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return serving_main(args.bench_args)
 
 
+def _add_stream_interval(p: argparse.ArgumentParser) -> None:
+    """The router's (`pdserve router`, and the router `pdserve serve` starts)."""
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens a stream's message gathers before it goes out (first and last at once); "
+        "larger: less CPU per token in the router and the clients, later tokens",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -509,13 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond those (then 429)")
     p.add_argument("--queue-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        default=1,
-        help="tokens a stream's message gathers before it goes out (first and last at once); "
-        "larger: less CPU per token in the router and the clients, later tokens",
-    )
+    _add_stream_interval(p)
     p.add_argument(
         "--kv-redis-url", default=None, help="the workers' shared KV tier, for prefix-aware routing"
     )
@@ -549,13 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
     )
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        default=1,
-        help="tokens a stream's message gathers before it goes out (first and last at once); "
-        "larger: less CPU per token in the router and the clients, later tokens",
-    )
+    _add_stream_interval(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

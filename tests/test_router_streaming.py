@@ -1,8 +1,8 @@
-"""The router's end of a Decode call on a worker's subscription (RouterCore._decode), against a
-fake worker: steps that queued up while the router was busy go out as one message, the router's
-stream_interval gathers tokens into fewer, larger messages (a colocated request's first and every
-request's last at once), and either way the client sees every token, its text, logprobs, usage and
-the finish, and the tokens before a worker's error."""
+"""The router's end of a Decode call (RouterCore._decode), on a worker's subscription or on the
+call, against a fake worker: steps that queued up while the router was busy go out as one message,
+the router's stream_interval gathers tokens into fewer, larger messages (a colocated request's
+first and every request's last at once), and either way the client sees every token, its text,
+logprobs, usage and the finish, and the tokens before a worker's error or a call's early end."""
 
 from __future__ import annotations
 
@@ -159,6 +159,39 @@ def test_tokens_before_a_worker_error_still_reach_the_client():
     deltas, error = asyncio.run(run())
     assert [t for d in deltas for t in d.token_ids] == [100, 101]
     assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and "too slow" in str(error)
+
+
+class _StreamingDecode(_Decode):
+    """A worker without subscriptions: the messages come on the Decode call, which then ends."""
+
+    def __init__(self, msgs: list[pb.GenerateResponse]):
+        super().__init__()
+        self.msgs = msgs
+
+    async def join(self, request_id: str):
+        return None
+
+    def Decode(self, req, timeout):  # noqa: N802 - the stub's name
+        msgs = self.msgs
+
+        class Call:
+            async def __aiter__(self):
+                for msg in msgs:
+                    yield msg
+
+            def cancel(self) -> bool:
+                return False
+
+        return Call()
+
+
+def test_tokens_gathered_when_a_call_ends_without_its_last_message_still_go_out():
+    async def run():
+        worker = _StreamingDecode([_step(0), _step(1), _step(2), _step(3)])
+        req = wpb.DecodeRequest(request_id="r")
+        return [d async for d in _core(3)._decode(worker, req, 1e9, Usage(), Timings(), True)]
+
+    assert [d.token_ids for d in asyncio.run(run())] == [[100, 101, 102], [103]]
 
 
 def test_stream_interval_below_one_is_refused():

@@ -26,7 +26,6 @@ import grpc
 from engine.kv_cache.hashing import hash_blocks, redis_key
 from engine.sampling_params import SamplingParams, validate_request
 from engine.tokenizer import Tokenizer
-from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common import convert
@@ -351,22 +350,14 @@ class RouterCore(Frontend):
         except grpc.aio.AioRpcError as e:
             raise self._check_rpc_error(w, e) from None
         timeout = max(deadline - time.monotonic(), 0.001)
-        yielded = False  # a colocated request's first message (its first token) goes out at once
         if joined is None:  # a worker without subscriptions: the messages come on the call
             messages = self._streamed(w, req, timeout)
         else:
             req.subscription_id, queue = joined
             messages = self._subscribed(w, req, timeout, queue)
-        interval = self.settings.stream_interval
-        held: pb.GenerateResponse | None = None  # tokens gathering towards stream_interval
+        if self.settings.stream_interval > 1:
+            messages = self._gathered(messages, first_at_once=not prefilled)
         async for msg in messages:
-            if held is not None:
-                convert.merge(held, msg)
-                msg, held = held, None
-            if len(msg.token_ids) < interval and not msg.HasField("usage") and (prefilled or yielded):
-                held = msg
-                continue
-            yielded = True
             delta = api_proto.delta_from_proto(msg)
             if prefilled:
                 delta.prompt_logprobs = None  # the prefill rank sent them
@@ -379,6 +370,22 @@ class RouterCore(Frontend):
                 timings.queue = msg.timings.queue_ns / 1e9
                 delta.usage = delta.timings = None
             yield delta
+
+    async def _gathered(self, messages, first_at_once: bool):
+        """The messages merged into runs of at least stream_interval tokens; the first at once
+        when first_at_once (a colocated request's first token), the request's last at once."""
+        interval, held = self.settings.stream_interval, None
+        async for msg in messages:
+            if held is not None:
+                convert.merge(held, msg)
+                msg, held = held, None
+            if len(msg.token_ids) < interval and not msg.HasField("usage") and not first_at_once:
+                held = msg
+                continue
+            first_at_once = False
+            yield msg
+        if held is not None:  # a stream that ended without its last message
+            yield held
 
     async def _streamed(self, w: WorkerHandle, req: wpb.DecodeRequest, timeout: float):
         call = w.worker.Decode(req, timeout=timeout)
