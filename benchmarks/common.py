@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -46,11 +47,17 @@ def hardware_slug() -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
 
 
-def git_revision() -> str:
+def git_revision(repo: Path = REPO) -> str:
+    """repo's HEAD as a short hash, with "-dirty" when tracked files differ from it (as `git
+    describe --dirty`): a result then names code that no commit holds."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True).strip()
+        dirty = (
+            subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=repo, check=False).returncode != 0
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def result_path(name: str, suffix: str = "json") -> Path:
