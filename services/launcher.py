@@ -164,14 +164,14 @@ class Stack:
         outnumber the CPUs this machine gives us. Then each worker starts with OpenMP's passive
         wait (OMP_WAIT_POLICY=PASSIVE, under cfg.omp_wait_policy "auto") unless the environment
         names a policy: OpenMP's threads otherwise spin for milliseconds after every parallel
-        region, taking turns the other processes need. A prefill's many small regions left its second thread spinning for a
-        quarter of the prefill worker's CPU time (perf). On the 2-core Zen 4, bench model, 32
-        streams of 64 + 128 tokens, four runs interleaved against stacks that spin
-        (benchmarks/served_ab.py and the script it grew from, 2026-12-03): the prefill worker's CPU
-        per output token 0.73-0.83 -> 0.50-0.57 ms, the whole workload 1.01-1.12x, decode
-        0.94-1.09x (the decode worker runs its own pool, not OpenMP; within the VM's noise). A
-        worker with CPUs of its own (a pod) keeps OpenMP's default, under which one prefill alone
-        ran 1.3-2x faster."""
+        region, taking turns the other processes need. A prefill's many small regions left its
+        second thread spinning for a quarter of the prefill worker's CPU time (perf). On the
+        2-core Zen 4, bench model, 32 streams of 64 + 128 tokens, four runs interleaved against
+        stacks that spin (benchmarks/served_ab.py and the script it grew from, 2026-12-03): the
+        prefill worker's CPU per output token 0.73-0.83 -> 0.50-0.57 ms, the whole workload
+        1.01-1.12x, decode 0.94-1.09x (the decode worker runs its own pool, not OpenMP; within the
+        VM's noise). A worker with CPUs of its own (a pod) keeps OpenMP's default, under which one
+        prefill alone ran 1.3-2x faster."""
         cfg = self.cfg
         threads = cfg.threads_per_worker or env_vars.num_threads() or env_vars.available_cores()
         counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
