@@ -90,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             "decode_ratio": median(rates.decode_tok_s) / median(base.decode_tok_s),
             "ratio": median(rates.tok_s) / median(base.tok_s),
             "cpu_s_per_token": cpu,
+            "first_pause_s": arm.pauses,
         }
+        pauses = [p for p in arm.pauses if p is not None]
         print(
             f"{name:12s} decode {median(rates.decode_tok_s):8.1f} tok/s ({results[name]['decode_ratio']:.3f}x), "
-            f"whole {median(rates.tok_s):8.1f} ({results[name]['ratio']:.3f}x); CPU ms per token: "
+            f"whole {median(rates.tok_s):8.1f} ({results[name]['ratio']:.3f}x); "
+            + (f"first pause {1000 * median(pauses):.0f} ms; " if pauses else "")
+            + "CPU ms per token: "
             + ", ".join(f"{proc} {1000 * s:.2f}" for proc, s in cpu.items())
         )
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "log_dir", "arm")}

@@ -111,17 +111,25 @@ class Offline:
 @dataclass
 class Stream:
     """What one stream's client saw: pieces (tokens over gRPC, text chunks over HTTP) and when
-    the first and the last arrived."""
+    the first, the second and the last arrived."""
 
     pieces: int = 0
     first: float = 0.0
+    second: float = 0.0
     last: float = 0.0
 
     def seen(self) -> None:
         now = time.perf_counter()
+        if self.pieces == 1:
+            self.second = now
         self.first = self.first or now
         self.last = now
         self.pieces += 1
+
+    def pause(self) -> float | None:
+        """Seconds between the first piece and the second: in a disaggregated stack the prefill
+        worker's token, then the decode worker's first (the handover of the KV between them)."""
+        return self.second - self.first if self.pieces > 1 else None
 
     def tpot(self, tokens: int) -> float:
         """Seconds per token after the first piece, of a stream of `tokens` tokens whose first piece
@@ -254,6 +262,7 @@ class Served:
     def __init__(self, args, prompts: list[list[int]], **stack):
         self.args, self.prompts, self.stack_fields = args, prompts, stack
         self.rates, self.counts = Rates(), []
+        self.pauses: list[float | None] = []  # per round, the streams' median Stream.pause()
         self.cpu_s: dict[str, float] = {}
 
     def __enter__(self) -> Served:
@@ -314,6 +323,8 @@ class Served:
         for name, pid in self.pids.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + cpu_seconds(pid) - before[name]
         self.counts.append(sum(s.pieces for s in streams))
+        pauses = [p for s in streams if (p := s.pause()) is not None]
+        self.pauses.append(statistics.median(pauses) if pauses else None)
         self.rates.tok_s.append(len(prompts) * self.args.output_len / seconds)
         tpot = statistics.median(s.tpot(self.args.output_len) for s in streams)
         self.rates.decode_tok_s.append(len(prompts) / tpot)
@@ -403,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 srv.round(prompts(2 * r + 1))
     offline, served, counts, cpu = off.rates, srv.rates, srv.counts, srv.cpu_per_token()
+    pauses = [p for p in srv.pauses if p is not None]
     offline_cpu = off.cpu_per_token()
 
     def median(xs: list[float]) -> float:
@@ -419,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"served / offline {ratio:.2f}x output, {decode_ratio:.2f}x decode ({args.client} client, {args.concurrency} streams)"
     )
+    if pauses:
+        print(f"served: a stream's second piece came a median {1000 * median(pauses):.0f} ms after its first")
     print(
         "CPU ms per output token, served: "
         + ", ".join(f"{name} {1000 * s:.2f}" for name, s in cpu.items())
@@ -435,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ratio": decode_ratio,
     }
     payload["served_pieces"] = counts  # tokens (gRPC) or text chunks (openai) the client saw
+    payload["served_first_pause_s"] = srv.pauses  # per round: first piece to second, the streams' median
     payload["served_cpu_s_per_token"] = cpu
     payload["offline_cpu_s_per_token"] = offline_cpu
     path = save("served_vs_offline", payload, Path(args.output) if args.output else None)

@@ -44,10 +44,14 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave, strea
     decode = median(result["served_decode_tok_s"]), median(result["offline_decode_tok_s"])
     assert decode[0] > 0 and decode[1] > 0
     assert result["decode_ratio"] == pytest.approx(decode[0] / decode[1])
+    pauses = result["served_first_pause_s"]  # per round, the streams' median first-to-second gap
+    assert len(pauses) == rounds
     if client == "grpc":
         assert result["served_pieces"] == [3 * 8] * rounds  # every token of every stream arrived
+        assert all(p > 0 for p in pauses)
     else:
         assert 0 < result["served_pieces"][0] <= 3 * 8
+        assert all(p is None or p > 0 for p in pauses)  # None: no stream had a second text piece
     assert set(result["served_cpu_s_per_token"]) == {"prefill-0", "decode-0", "router", "client"}
     assert result["offline_cpu_s_per_token"] > 0
 
@@ -72,7 +76,8 @@ def test_served_ab_smoke(tiny_model, tmp_path):
     assert list(arms) == ["spin", "passive"]
     assert arms["passive"]["stack"] == {"omp_wait_policy": "PASSIVE"}
     for arm in arms.values():
-        assert len(arm["decode_tok_s"]) == len(arm["tok_s"]) == 2 and min(arm["decode_tok_s"]) > 0
+        assert len(arm["decode_tok_s"]) == len(arm["tok_s"]) == len(arm["first_pause_s"]) == 2
+        assert min(arm["decode_tok_s"]) > 0
     median = statistics.median
     assert arms["spin"]["decode_ratio"] == 1.0
     ratio = median(arms["passive"]["decode_tok_s"]) / median(arms["spin"]["decode_tok_s"])
