@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_s_per_token": cpu,
             "first_pause_s": arm.pauses,
         }
-        pauses = [p for p in arm.pauses if p is not None]
+        pause = arm.median_pause()
         print(
             f"{name:12s} decode {median(rates.decode_tok_s):8.1f} tok/s ({results[name]['decode_ratio']:.3f}x), "
             f"whole {median(rates.tok_s):8.1f} ({results[name]['ratio']:.3f}x); "
-            + (f"first pause {1000 * median(pauses):.0f} ms; " if pauses else "")
+            + (f"first pause {1000 * pause:.0f} ms; " if pause is not None else "")
             + "CPU ms per token: "
             + ", ".join(f"{proc} {1000 * s:.2f}" for proc, s in cpu.items())
         )

@@ -329,6 +329,11 @@ class Served:
         tpot = statistics.median(s.tpot(self.args.output_len) for s in streams)
         self.rates.decode_tok_s.append(len(prompts) / tpot)
 
+    def median_pause(self) -> float | None:
+        """The rounds' median Stream.pause() (None when no stream had a second piece)."""
+        pauses = [p for p in self.pauses if p is not None]
+        return statistics.median(pauses) if pauses else None
+
     def cpu_per_token(self) -> dict[str, float]:
         """CPU seconds per output token of each process, over the served rounds."""
         tokens = len(self.rates.tok_s) * len(self.prompts) * self.args.output_len
@@ -414,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 srv.round(prompts(2 * r + 1))
     offline, served, counts, cpu = off.rates, srv.rates, srv.counts, srv.cpu_per_token()
-    pauses = [p for p in srv.pauses if p is not None]
+    pause = srv.median_pause()
     offline_cpu = off.cpu_per_token()
 
     def median(xs: list[float]) -> float:
@@ -431,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"served / offline {ratio:.2f}x output, {decode_ratio:.2f}x decode ({args.client} client, {args.concurrency} streams)"
     )
-    if pauses:
-        print(f"served: a stream's second piece came a median {1000 * median(pauses):.0f} ms after its first")
+    if pause is not None:
+        print(f"served: a stream's second piece came a median {1000 * pause:.0f} ms after its first")
     print(
         "CPU ms per output token, served: "
         + ", ".join(f"{name} {1000 * s:.2f}" for name, s in cpu.items())
