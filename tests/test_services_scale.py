@@ -96,6 +96,11 @@ def test_worker_metrics_count_what_moved(stack):
         assert metric(scraped[name], "pdserve_decode_subscriptions") == 1
     for name in ("prefill-0", "prefill-1"):
         assert metric(scraped[name], "pdserve_decode_subscriptions") == 0
+    # every process froze what it started with and times its collections, the router too
+    scraped["router"] = urllib.request.urlopen(stack.http_url + "/metrics").read().decode()
+    for name, text in scraped.items():
+        assert metric(text, "pdserve_gc_frozen_objects") > 10_000, name
+        assert metric(text, "pdserve_gc_pause_seconds_count", generation="2") >= 1, name  # the freeze's
 
 
 def test_a_shared_prefix_goes_back_to_the_rank_that_cached_it(stack, offline):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
+import gc
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class Metrics:
@@ -119,3 +124,59 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_gc(self) -> Callable[[], None]:
+        """Time every garbage collection of this process (GcPauses) -> a function that stops it."""
+        pauses = GcPauses(self.component)
+        self.registry.register(pauses)
+        gc.callbacks.append(pauses.callback)
+
+        def stop() -> None:
+            gc.callbacks.remove(pauses.callback)
+            self.registry.unregister(pauses)
+
+        return stop
+
+
+class GcPauses:
+    """pdserve_gc_pause_seconds{generation}: how long each collection held the GIL, which stops
+    every thread of the process (the event loop and the engine thread alike), and
+    pdserve_gc_frozen_objects: the objects taken out of the collections' scans
+    (engine/gc_heap.py). The collector's callback only counts into lists (it runs inside a
+    collection, on whichever thread set it off); a scrape reads a copy of them."""
+
+    def __init__(self, component: str):
+        self.component = component
+        self.counts = [[0] * (len(_GC_BUCKETS) + 1) for _ in range(3)]  # per generation, per bucket
+        self.sums = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        seconds, generation = time.perf_counter() - self._start, info["generation"]
+        self.counts[generation][bisect.bisect_left(_GC_BUCKETS, seconds)] += 1
+        self.sums[generation] += seconds
+
+    def collect(self):
+        pauses = HistogramMetricFamily(
+            "pdserve_gc_pause_seconds",
+            "Garbage collections by generation, how long each held the GIL (every thread waits)",
+            labels=["component", "generation"],
+        )
+        for generation in range(3):
+            counts, total = list(self.counts[generation]), 0
+            buckets = []
+            for bound, count in zip((*map(str, _GC_BUCKETS), "+Inf"), counts, strict=True):
+                total += count
+                buckets.append((bound, total))
+            pauses.add_metric([self.component, str(generation)], buckets, self.sums[generation])
+        yield pauses
+        frozen = GaugeMetricFamily(
+            "pdserve_gc_frozen_objects",
+            "Objects frozen out of the collector's scans at startup",
+            labels=["component"],
+        )
+        frozen.add_metric([self.component], gc.get_freeze_count())
+        yield frozen

@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.gc_heap import freeze_startup_heap
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common.grpc_utils import add_health_and_reflection, bind_public, new_server, set_health
@@ -70,6 +71,7 @@ class RouterServerConfig:
 
 async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     metrics = Metrics("router")
+    metrics.watch_gc()
     pool = WorkerPool(
         make_registry(cfg.registry, cfg.workers, key=cfg.security.token),
         probe_s=cfg.probe_interval_s,
@@ -125,6 +127,7 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await pool.start()
+    freeze_startup_heap()  # the tokenizer, the servers and their imports: kept until exit
 
     async def track_readiness() -> None:
         ready = None

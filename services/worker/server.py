@@ -20,6 +20,7 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.gc_heap import freeze_startup_heap
 from engine.kv_cache import nixl
 from engine.kv_cache.export import ExportTable
 from engine.kv_cache.transfer import KVPort
@@ -112,6 +113,7 @@ def start_nixl(
 async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     settings = cfg.settings
     metrics = Metrics(settings.role)
+    metrics.watch_gc()
     server = new_server(cfg.security)
     port = bind(server, cfg.host, cfg.port, cfg.security)
     endpoint = f"{cfg.host}:{port}"
@@ -245,6 +247,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     metrics_runner = (
         await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
     )
+    freeze_startup_heap()  # the engine, its services and their imports: kept until exit
     if not stop.is_set():  # a Drain that came while loading: never turn ready
         await set_health(health, live=True, ready=True)
         logger.info("%s worker ready on %s", settings.role, endpoint)
