@@ -1,6 +1,7 @@
 """Two or more stacks that differ in how they are started, up together, their served rounds
-alternating, reported as ratios to the first: what a launcher setting (the workers' OpenMP wait
-policy, their environment, their threads) buys when everything else is the same.
+alternating, reported as ratios to the first (of the arms' medians, and the median of each
+round's ratio to the first arm's round beside it): what a launcher setting (the workers' OpenMP
+wait policy, their environment, their threads) buys when everything else is the same.
 
 Each arm is NAME=JSON, the JSON holding StackConfig fields (services/launcher.py), e.g.
 `spin='{"omp_wait_policy": "inherit"}'` or `env='{"env": {"OMP_WAIT_POLICY": "PASSIVE"}}'`;
@@ -88,15 +89,22 @@ def main(argv: list[str] | None = None) -> int:
             "decode_tok_s": rates.decode_tok_s,
             "tok_s": rates.tok_s,
             "decode_ratio": median(rates.decode_tok_s) / median(base.decode_tok_s),
+            # each round's ratio to the first arm's round beside it (the same machine state), median
+            "paired_decode_ratio": median(
+                a / b for a, b in zip(rates.decode_tok_s, base.decode_tok_s, strict=True)
+            ),
             "ratio": median(rates.tok_s) / median(base.tok_s),
             "cpu_s_per_token": cpu,
             "first_pause_s": arm.pauses,
+            "longest_gap_s": arm.longest_gaps,
         }
         pause = arm.median_pause()
         print(
-            f"{name:12s} decode {median(rates.decode_tok_s):8.1f} tok/s ({results[name]['decode_ratio']:.3f}x), "
+            f"{name:12s} decode {median(rates.decode_tok_s):8.1f} tok/s ({results[name]['decode_ratio']:.3f}x, "
+            f"{results[name]['paired_decode_ratio']:.3f}x by round), "
             f"whole {median(rates.tok_s):8.1f} ({results[name]['ratio']:.3f}x); "
             + (f"first pause {1000 * pause:.0f} ms; " if pause is not None else "")
+            + f"longest gap {1000 * median(arm.longest_gaps):.0f} ms (rounds' median); "
             + "CPU ms per token: "
             + ", ".join(f"{proc} {1000 * s:.2f}" for proc, s in cpu.items())
         )

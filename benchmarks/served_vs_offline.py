@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save  # noqa: E402
+from engine.gc_heap import freeze_startup_heap  # noqa: E402
 
 FIRST_TOKEN_ID = 16
 
@@ -84,6 +85,7 @@ class Offline:
         self.llm.generate(
             prompt_token_ids=self.prompts, sampling_params=self.params
         )  # warm-up: the whole workload once
+        freeze_startup_heap()  # as the stack's processes do theirs once started
         return self
 
     def round(self, prompts: list[list[int]], others: list[list[int]]) -> None:
@@ -104,24 +106,29 @@ class Offline:
         return self.cpu_s / (len(self.rates.tok_s) * len(self.prompts) * self.args.output_len)
 
     def __exit__(self, *exc) -> None:
+        gc.unfreeze()  # the engine's reference cycles go too
         del self.llm
         gc.collect()
 
 
 @dataclass
 class Stream:
-    """What one stream's client saw: pieces (tokens over gRPC, text chunks over HTTP) and when
-    the first, the second and the last arrived."""
+    """What one stream's client saw: pieces (tokens over gRPC, text chunks over HTTP), when the
+    first, the second and the last arrived, and the longest wait between two pieces after the
+    second (a stall of the stack: a long step, a garbage collection)."""
 
     pieces: int = 0
     first: float = 0.0
     second: float = 0.0
     last: float = 0.0
+    longest_gap: float = 0.0
 
     def seen(self) -> None:
         now = time.perf_counter()
         if self.pieces == 1:
             self.second = now
+        elif self.pieces > 1:
+            self.longest_gap = max(self.longest_gap, now - self.last)
         self.first = self.first or now
         self.last = now
         self.pieces += 1
@@ -263,6 +270,7 @@ class Served:
         self.args, self.prompts, self.stack_fields = args, prompts, stack
         self.rates, self.counts = Rates(), []
         self.pauses: list[float | None] = []  # per round, the streams' median Stream.pause()
+        self.longest_gaps: list[float] = []  # per round, the longest Stream.longest_gap
         self.cpu_s: dict[str, float] = {}
 
     def __enter__(self) -> Served:
@@ -294,6 +302,9 @@ class Served:
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        # As vLLM's benchmark client does once set up; this process may also hold the offline
+        # engine, which every full collection of the client's would walk and no real client has.
+        freeze_startup_heap()
         self.pids = {proc.name: proc.popen.pid for proc in self.stack.procs} | {"client": os.getpid()}
         return self
 
@@ -325,6 +336,7 @@ class Served:
         self.counts.append(sum(s.pieces for s in streams))
         pauses = [p for s in streams if (p := s.pause()) is not None]
         self.pauses.append(statistics.median(pauses) if pauses else None)
+        self.longest_gaps.append(max(s.longest_gap for s in streams))
         self.rates.tok_s.append(len(prompts) * self.args.output_len / seconds)
         tpot = statistics.median(s.tpot(self.args.output_len) for s in streams)
         self.rates.decode_tok_s.append(len(prompts) / tpot)
@@ -439,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     if pause is not None:
         print(f"served: a stream's second piece came a median {1000 * pause:.0f} ms after its first")
     print(
+        "served: longest wait between two pieces after the second, per round: "
+        + ", ".join(f"{1000 * gap:.0f}" for gap in srv.longest_gaps)
+        + " ms"
+    )
+    print(
         "CPU ms per output token, served: "
         + ", ".join(f"{name} {1000 * s:.2f}" for name, s in cpu.items())
         + f"; offline engine {1000 * offline_cpu:.2f}"
@@ -455,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     payload["served_pieces"] = counts  # tokens (gRPC) or text chunks (openai) the client saw
     payload["served_first_pause_s"] = srv.pauses  # per round: first piece to second, the streams' median
+    payload["served_longest_gap_s"] = srv.longest_gaps  # per round, over every stream
     payload["served_cpu_s_per_token"] = cpu
     payload["offline_cpu_s_per_token"] = offline_cpu
     path = save("served_vs_offline", payload, Path(args.output) if args.output else None)

@@ -45,13 +45,15 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave, strea
     assert decode[0] > 0 and decode[1] > 0
     assert result["decode_ratio"] == pytest.approx(decode[0] / decode[1])
     pauses = result["served_first_pause_s"]  # per round, the streams' median first-to-second gap
-    assert len(pauses) == rounds
+    gaps = result["served_longest_gap_s"]  # per round, the longest wait between pieces after the second
+    assert len(pauses) == len(gaps) == rounds
     if client == "grpc":
         assert result["served_pieces"] == [3 * 8] * rounds  # every token of every stream arrived
-        assert all(p > 0 for p in pauses)
+        assert all(p > 0 for p in pauses) and all(g > 0 for g in gaps)
     else:
         assert 0 < result["served_pieces"][0] <= 3 * 8
         assert all(p is None or p > 0 for p in pauses)  # None: no stream had a second text piece
+        assert all(g >= 0 for g in gaps)  # 0: no stream had a third
     assert set(result["served_cpu_s_per_token"]) == {"prefill-0", "decode-0", "router", "client"}
     assert result["offline_cpu_s_per_token"] > 0
 
@@ -77,11 +79,17 @@ def test_served_ab_smoke(tiny_model, tmp_path):
     assert arms["passive"]["stack"] == {"omp_wait_policy": "PASSIVE"}
     for arm in arms.values():
         assert len(arm["decode_tok_s"]) == len(arm["tok_s"]) == len(arm["first_pause_s"]) == 2
+        assert len(arm["longest_gap_s"]) == 2 and min(arm["longest_gap_s"]) >= 0  # 0: no third piece
         assert min(arm["decode_tok_s"]) > 0
     median = statistics.median
     assert arms["spin"]["decode_ratio"] == 1.0
     ratio = median(arms["passive"]["decode_tok_s"]) / median(arms["spin"]["decode_tok_s"])
     assert arms["passive"]["decode_ratio"] == pytest.approx(ratio)
+    assert arms["spin"]["paired_decode_ratio"] == 1.0
+    by_round = [
+        p / s for p, s in zip(arms["passive"]["decode_tok_s"], arms["spin"]["decode_tok_s"], strict=True)
+    ]
+    assert arms["passive"]["paired_decode_ratio"] == pytest.approx(median(by_round))
     assert {p.name for p in (tmp_path / "logs").iterdir()} == {"spin", "passive"}
 
 
