@@ -44,6 +44,11 @@ def test_served_vs_offline_smoke(tiny_model, tmp_path, client, interleave, strea
     decode = median(result["served_decode_tok_s"]), median(result["offline_decode_tok_s"])
     assert decode[0] > 0 and decode[1] > 0
     assert result["decode_ratio"] == pytest.approx(decode[0] / decode[1])
+    if interleave:
+        pairs = zip(result["served_decode_tok_s"], result["offline_decode_tok_s"], strict=True)
+        assert result["decode_ratio_by_round"] == pytest.approx(median(s / o for s, o in pairs))
+    else:  # one side's rounds, then the other's: no pairs
+        assert "decode_ratio_by_round" not in result
     pauses = result["served_first_pause_s"]  # per round, the streams' median first-to-second gap
     gaps = result["served_longest_gap_s"]  # per round, the longest wait between pieces after the second
     assert len(pauses) == len(gaps) == rounds
