@@ -13,7 +13,8 @@ their imports (every one of them waited for it).
 scans (as vLLM's engine core and API server do once started); a full pass then walks only what
 was made since. Frozen objects are still freed by reference counting; only a reference cycle
 among them is never collected, which is why this is for processes that keep what they started
-with until they exit (the workers and the router), not for a library call.
+with until they exit (the workers, the router, a data-parallel engine's rank processes), not for
+a library call.
 """
 
 from __future__ import annotations

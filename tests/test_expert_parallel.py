@@ -85,6 +85,7 @@ def test_redundant_experts_static_placement_and_live_eplb_keep_the_tokens(tiny_m
     assert stats[0]["eplb_rebalances"] >= 1
     before, after = stats[0]["balance_ratio"]
     assert after <= before
+    assert all(s["gc_frozen_objects"] > 10_000 for s in stats.values())  # each rank's startup heap
 
 
 def test_a_rank_killed_mid_generation_fails_the_group_with_a_clear_error(tiny_model):

@@ -49,6 +49,7 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
     import torch
 
     from engine.engine_core import EngineCore
+    from engine.gc_heap import freeze_startup_heap
     from engine.parallel.groups import GroupConfig, ParallelGroup
 
     core = None
@@ -66,6 +67,9 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
                 torch.device(cfg.device),
             )
         core = EngineCore(cfg, group=group)
+        # A rank keeps its engine until it exits, and steps in lockstep with the others: a full
+        # collection walking its startup heap would stall every rank (engine/gc_heap.py).
+        frozen = freeze_startup_heap()
         conn.send(("ready", {"max_model_len": core.max_model_len, "num_kv_blocks": core.num_kv_blocks}))
         stop = False
 
@@ -94,7 +98,7 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
             stopping=lambda: stop,
             idle_wait_s=_IDLE_POLL_S,
         )
-        conn.send(("stopped", core.parallel_stats()))
+        conn.send(("stopped", core.parallel_stats() | {"gc_frozen_objects": frozen}))
     except BaseException as e:  # noqa: BLE001 - reported to the client, then the process exits 1
         try:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -253,7 +257,8 @@ class DPEngineClient:
         return outputs
 
     def shutdown(self, force: bool = False) -> None:
-        """Stop every rank together; `final_stats[rank]` then holds each rank's parallel_stats()."""
+        """Stop every rank together; `final_stats[rank]` then holds each rank's parallel_stats()
+        and gc_frozen_objects, the objects it froze out of the collector's scans at startup."""
         for conn, proc in zip(self.conns, self.procs, strict=True):
             if proc.is_alive() and not force:
                 try:
