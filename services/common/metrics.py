@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -126,7 +126,12 @@ class Metrics:
         return generate_latest(self.registry)
 
     def watch_gc(self) -> Callable[[], None]:
-        """Time every garbage collection of this process (GcPauses) -> a function that stops it."""
+        """Time every garbage collection of this process (GcPauses), and report the objects
+        frozen out of the collections' scans (engine/gc_heap.py) -> a function that stops the
+        timing."""
+        self.gauge(
+            "pdserve_gc_frozen_objects", "Objects frozen out of the collector's scans", gc.get_freeze_count
+        )
         pauses = GcPauses(self.component)
         self.registry.register(pauses)
         gc.callbacks.append(pauses.callback)
@@ -140,10 +145,9 @@ class Metrics:
 
 class GcPauses:
     """pdserve_gc_pause_seconds{generation}: how long each collection held the GIL, which stops
-    every thread of the process (the event loop and the engine thread alike), and
-    pdserve_gc_frozen_objects: the objects taken out of the collections' scans
-    (engine/gc_heap.py). The collector's callback only counts into lists (it runs inside a
-    collection, on whichever thread set it off); a scrape reads a copy of them."""
+    every thread of the process (the event loop and the engine thread alike). The collector's
+    callback only counts into lists (it runs inside a collection, on whichever thread set it
+    off); a scrape reads a copy of them."""
 
     def __init__(self, component: str):
         self.component = component
@@ -173,10 +177,3 @@ class GcPauses:
                 buckets.append((bound, total))
             pauses.add_metric([self.component, str(generation)], buckets, self.sums[generation])
         yield pauses
-        frozen = GaugeMetricFamily(
-            "pdserve_gc_frozen_objects",
-            "Objects frozen out of the collector's scans at startup",
-            labels=["component"],
-        )
-        frozen.add_metric([self.component], gc.get_freeze_count())
-        yield frozen
