@@ -443,13 +443,18 @@ def main(argv: list[str] | None = None) -> int:
     ratio = median(served.tok_s) / median(offline.tok_s)
     decode_ratio = median(served.decode_tok_s) / median(offline.decode_tok_s)
     # interleaved, each served round ran right after its offline round (the same machine state)
-    by_round = median(s / o for s, o in zip(served.decode_tok_s, offline.decode_tok_s, strict=True))
+    pairs = zip(served.decode_tok_s, offline.decode_tok_s, strict=True)
+    by_round = median(s / o for s, o in pairs) if args.interleave else None
     for label, side in (("offline", offline), ("served", served)):
         print(f"{label:8s} {median(side.tok_s):8.1f} output tok/s  (rounds: {rounds(side.tok_s)})")
         print(f"{'':8s} {median(side.decode_tok_s):8.1f} decode tok/s  (rounds: {rounds(side.decode_tok_s)})")
     print(
         f"served / offline {ratio:.2f}x output, {decode_ratio:.2f}x decode ({args.client} client, {args.concurrency} streams)"
-        + (f"; decode by round {by_round:.2f}x (the median of the rounds' ratios)" if args.interleave else "")
+        + (
+            f"; decode by round {by_round:.2f}x (the median of the rounds' ratios)"
+            if by_round is not None
+            else ""
+        )
     )
     if pause is not None:
         print(f"served: a stream's second piece came a median {1000 * pause:.0f} ms after its first")
@@ -473,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         "served_decode_tok_s": served.decode_tok_s,
         "decode_ratio": decode_ratio,
     }
-    if args.interleave:
+    if by_round is not None:
         payload["decode_ratio_by_round"] = by_round
     payload["served_pieces"] = counts  # tokens (gRPC) or text chunks (openai) the client saw
     payload["served_first_pause_s"] = srv.pauses  # per round: first piece to second, the streams' median
