@@ -6,6 +6,7 @@ engine crash and stall, graceful drain. After every test, every live worker's bl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import subprocess
@@ -339,6 +340,7 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
     blocks back within 5 s (the stack's lease is 2 s; the READ's hold on the blocks alone would
     last far longer), and serves the same request again with the offline tokens."""
     prefill = stack.workers("prefill")[0]
+    _every_decode_worker_reads_from(prefill, stack)
     free = load(prefill.endpoint, TOKEN).num_free_blocks
     # New to every decode worker: a READ of one block (the rest cached) is not held at the gate.
     prompt = [23 + len(policy) + (i * 17) % 3000 for i in range(40)]
@@ -358,7 +360,7 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
     try:
         stream = iter(stub.Generate(request, timeout=60))
         assert list(next(stream).token_ids) == ref[:1]  # from the prefill worker
-        assert wait_until(lambda: len(reading()) == 1, 30)
+        assert wait_until(lambda: len(reading()) == 1, 30), _log_tails(stack)
         victim = reading()[0]
         assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1  # under the READ
         _kill_and_expect_unavailable(stack, victim, stream)
@@ -376,6 +378,28 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         read_gate.unlink(missing_ok=True)
         if victim is not None:
             _restart(stack, victim)
+
+
+_WARM_UP_PROMPTS = itertools.count()
+
+
+def _every_decode_worker_reads_from(prefill, stack) -> None:
+    """Each decode worker takes one ungated handover from `prefill` (a prompt new to it), so a
+    gated request after this does not also carry the decode worker's first contact with a
+    restarted producer -- GetEngineInfo, loading its NIXL agent, UCX's wire-up -- inside the
+    stack's 2 s lease. A first contact that fails or hangs fails here, saying so."""
+    sampling = pb.SamplingParams(temperature=0, max_tokens=2)
+    for decode in stack.workers("decode"):
+        n = next(_WARM_UP_PROMPTS)
+        prompt = [2000 + (n * 31 + i * 7) % 900 for i in range(20)]
+        assert len(_handover(prefill, decode, prompt, sampling)) == 1, _log_tails(stack)
+
+
+def _log_tails(stack, lines: int = 12) -> str:
+    """The last lines of every stack process's log, for a failed wait's message."""
+    return "\n".join(
+        f"--- {p.name}:\n" + "\n".join(p.log_path.read_text().splitlines()[-lines:]) for p in stack.procs
+    )
 
 
 def _held_at_gate_from_now(stack):
@@ -403,15 +427,16 @@ def test_a_request_cancelled_in_the_middle_of_its_nixl_read(stack, offline, read
         mode=pb.SERVING_MODE_DISAGGREGATED,
     )
     ref = _offline_tokens(offline, prompt)
-    free = {p.name: load(p.endpoint, TOKEN).num_free_blocks for p in stack.workers()}
     prefill = stack.workers("prefill")[0]
+    _every_decode_worker_reads_from(prefill, stack)
+    free = {p.name: load(p.endpoint, TOKEN).num_free_blocks for p in stack.workers()}
     reading = _held_at_gate_from_now(stack)
     stub = inference(stack)
     read_gate.touch()
     try:
         call = stub.Generate(request, timeout=60)
         assert list(next(call).token_ids) == ref[:1]
-        assert wait_until(lambda: len(reading()) == 1, 30)
+        assert wait_until(lambda: len(reading()) == 1, 30), _log_tails(stack)
         assert load(prefill.endpoint, TOKEN).num_pinned_transfers == 1  # under the READ
         call.cancel()
         with pytest.raises(grpc.RpcError) as err:
