@@ -111,6 +111,17 @@ inline __mmask16 lanes16(int64_t left) {
 }
 
 
+// n elements of a call's scratch, not initialised, in `kept`: a buffer its call site keeps per
+// thread (thread_local) and only grows, so a decode step's working buffers cost neither an
+// allocation nor the zeroing a std::vector of n does (a layer's attention at 32 tokens zeroed
+// ~2 MB a step, all of it overwritten before it was read). Valid until the site's next call on
+// this thread.
+template <typename T>
+T* scratch(std::vector<T>& kept, int64_t n) {
+  if (int64_t(kept.size()) < n) kept.resize(n);
+  return kept.data();
+}
+
 // bf16 <-> float32, rounding to nearest even (as torch does; NaN stays NaN).
 inline float from_bf16(uint16_t h) {
   const uint32_t u = uint32_t(h) << 16;

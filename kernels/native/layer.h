@@ -157,11 +157,17 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
                       int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
                       double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
   const int64_t qk = nope + R, W = L + R;
-  std::vector<uint16_t> q(M * H * qk), q_pe(M * H * R), q_lat(H * M * L), q_full(M * H * W), o_lat(M * H * L),
-      o_v(H * M * v), o_heads(M * H * v), normed, attended;
-  auto at = [](std::vector<uint16_t>& b, int64_t offset = 0) { return int64_t(b.data() + offset); };
+  struct Kept {
+    std::vector<uint16_t> q, q_pe, q_lat, q_full, o_lat, o_v, o_heads, normed, attended, q_a, q_an;
+  };
+  thread_local Kept kept;  // every buffer below is written whole before it is read
+  uint16_t *q = scratch(kept.q, M * H * qk), *q_pe = scratch(kept.q_pe, M * H * R),
+           *q_lat = scratch(kept.q_lat, H * M * L), *q_full = scratch(kept.q_full, M * H * W),
+           *o_lat = scratch(kept.o_lat, M * H * L), *o_v = scratch(kept.o_v, H * M * v),
+           *o_heads = scratch(kept.o_heads, M * H * v), *normed = nullptr;
+  auto at = [](uint16_t* b, int64_t offset = 0) { return int64_t(b + offset); };
   if (pre_norm_ptr != 0) {  // x is the residual stream before the layer's input norm (added to res when given)
-    normed.resize(M * hidden);
+    normed = scratch(kept.normed, M * hidden);
     const int64_t sum_ptr = res_ptr != 0 ? res_out_ptr : 0;  // without a residual, x itself is the stream
     rms_norm(x_ptr, hidden, res_ptr, hidden, pre_norm_ptr, at(normed), hidden, sum_ptr, hidden, M, hidden, pre_eps);
     if (res_ptr == 0)
@@ -169,9 +175,9 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
     x_ptr = at(normed);
   }
   const int64_t final_out = out_ptr;
-  if (post_norm_ptr != 0) attended.resize(M * hidden), out_ptr = at(attended);
+  if (post_norm_ptr != 0) out_ptr = at(scratch(kept.attended, M * hidden));
   if (qa_ptr != 0) {
-    std::vector<uint16_t> q_a(M * q_lora), q_an(M * q_lora);
+    uint16_t *q_a = scratch(kept.q_a, M * q_lora), *q_an = scratch(kept.q_an, M * q_lora);
     linear_bf16(x_ptr, 0, hidden, qa_ptr, 0, hidden, at(q_a), 0, q_lora, 1, M, q_lora, hidden);
     rms_norm(at(q_a), q_lora, 0, 0, qa_norm_ptr, at(q_an), q_lora, 0, q_lora, M, q_lora, q_eps);
     linear_bf16(at(q_an), 0, q_lora, qb_ptr, 0, q_lora, at(q), 0, H * qk, 1, M, H * qk, q_lora);
