@@ -4,7 +4,7 @@
 For each weight of a decode step (the shapes of benchmarks/linear_orientation.py, plus the
 per-head absorbed-attention products as one batched call) both are timed with the weight out of
 cache, in alternating rounds; the table reports medians in µs, the native kernel's GB/s of weight
-read, and the speedup (torch / native). Needs a CPU with AVX512-BF16. Saves JSON under
+read, and the speedup (torch / native). Needs a CPU with AVX512F (AVX512-BF16 emulated where it lacks it). Saves JSON under
 benchmarks/results/.
 
     python benchmarks/linear_native.py --model models/pdserve-bench
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if not native.load(Path(env.native_build_dir())):
-        print("the native kernels do not run on this CPU (no AVX512-BF16) or did not build")
+    if not native.load(Path(env.native_build_dir()), bf16=env.native_bf16()):
+        print("the native kernels do not run on this CPU (no AVX512F) or did not build")
         return 1
     config = json.loads((Path(args.model) / "config.json").read_text())
     shapes = {name: (1, n, k) for name, (n, k) in model_shapes(config).items()}

@@ -70,7 +70,7 @@ def log_level() -> str:
 
 def native_kernels() -> bool:
     """PDSERVE_NATIVE_KERNELS: "0" keeps the engine on torch's CPU kernels instead of building and
-    loading its native ones (kernels/native; default on where the CPU has AVX512-BF16)."""
+    loading its native ones (kernels/native; default on where the CPU has AVX512F/BW/VL/DQ)."""
     return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") != "0"
 
 
@@ -78,6 +78,13 @@ def native_amx() -> bool:
     """PDSERVE_NATIVE_AMX: "0" keeps the native kernels' products on VDPBF16PS where the CPU also
     has the AMX tile unit (default: AMX where it is)."""
     return os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"
+
+
+def native_bf16() -> bool:
+    """PDSERVE_NATIVE_BF16: "0" builds the native kernels without the AVX512-BF16 instructions even
+    where the CPU has them: their AVX512F emulation, as a CPU without them (Skylake-SP to Ice Lake)
+    runs, for tests and measurements (default: the instructions where they are)."""
+    return os.environ.get("PDSERVE_NATIVE_BF16", "1") != "0"
 
 
 def native_build_dir() -> str:

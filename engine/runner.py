@@ -92,7 +92,7 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
-        """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512-BF16)."""
+        """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512F: engine/platform.py)."""
         self.threads = torch.get_num_threads()  # the engine's, set before the runner is built
         self.spec = cfg.spec
         self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)

@@ -12,7 +12,7 @@ are close for the layer weights; the wide LM head still reads faster as w @ x^T 
 logits, which DeepseekV2ForCausalLM.compute_logits keeps. GPUs always take x @ w^T (cuBLAS has its
 own small-M kernels).
 
-A single bf16 row, where the native kernels are loaded (kernels/native: AVX512-BF16 CPUs), takes
+A single bf16 row, where the native kernels are loaded (kernels/native: AVX512F CPUs), takes
 neither: their product reads the weight once, at 7-8 GB/s on one thread for a layer's 0.25-1 MB
 weights and ~17 GB/s on two for the LM head, against 4-5 and ~17 through torch (2-core Xeon,
 benchmarks/linear_native.py). Up to native.max_rows() rows the product stays native: 32 through

@@ -318,7 +318,7 @@ def routing(name: str, tokens: int, g: torch.Generator) -> torch.Tensor:
 def test_linear(rows, out_features, bias, dtype, monkeypatch):
     """Every row count and weight size against float64; on CPU, 2 to FEW_ROWS - 1 rows (and a single
     row through a large weight, padded to two) are taken as w @ x^T, the rest by F.linear; up to
-    native.max_rows() bf16 rows by the native kernel where it is loaded (an AVX512-BF16 CPU; see
+    native.max_rows() bf16 rows by the native kernel where it is loaded (an AVX512F CPU; see
     test_native_kernels for which weights), by torch's path otherwise."""
     g = gen(5)
     in_features = 64

@@ -35,7 +35,9 @@ SHAPES = [  # (B, M, N, K): odd sizes, exact tile multiples, the K tail under on
 def loaded() -> bool:
     from pathlib import Path
 
-    return native.load(Path(env.native_build_dir()))  # where the engines of the other tests build them
+    return native.load(
+        Path(env.native_build_dir()), bf16=env.native_bf16()
+    )  # where the engines of the other tests build them
 
 
 @pytest.fixture(params=["amx", "avx512"])
@@ -45,7 +47,7 @@ def products(request, loaded) -> str:
     if not loaded:
         yield request.param
         return
-    before = native.max_rows() == native.AMX_ROWS
+    before = native.uses_amx()
     amx = native.use_amx(request.param == "amx")
     # Only where asked and the CPU has the unit (Linux before 5.16 does not grant its state).
     assert amx <= (request.param == "amx" and native.AMX_FLAGS <= native.cpu_flags())
@@ -65,12 +67,12 @@ def test_loads_exactly_where_the_cpu_has_the_instructions(loaded):
     # The products take the AMX tile unit where the CPU has it and Linux (5.16 on) grants its state.
     linux = tuple(int(v) for v in os.uname().release.split(".")[:2])
     if loaded and native.AMX_FLAGS <= native.cpu_flags() and linux >= (5, 16) and env.native_amx():
-        assert native.max_rows() == native.AMX_ROWS
+        assert native.uses_amx() and native.max_rows() == native.AMX_ROWS
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-M{}-N{}-K{}".format(*s))
 def test_linear_bf16_equals_float32_sums_rounded(loaded, products, shape):
-    if not loaded:  # no AVX512-BF16 here: the torch path serves, and the native one refuses
+    if not loaded:  # no AVX512F here: the torch path serves, and the native one refuses
         with pytest.raises(AssertionError, match="load"):
             native.linear_bf16(
                 torch.zeros(1, 1, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.bfloat16)
@@ -197,7 +199,8 @@ def test_bad_operands_name_the_shape(loaded):
 
 def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
     """Up to max_rows() bf16 rows go native where loaded, through any weight: AMX_ROWS on the tile
-    unit, else FEW_ROWS; more rows, float32 and strided weights stay on torch."""
+    unit, FEW_ROWS through VDPBF16PS, EMULATED_ROWS through its emulation; more rows, float32 and
+    strided weights stay on torch."""
     calls = []
     real = native.few_rows_linear
 
@@ -218,8 +221,11 @@ def test_kernels_linear_takes_few_bf16_rows_natively(loaded, monkeypatch):
             torch.testing.assert_close(y.float(), F.linear(x.float(), weight.float()), rtol=2**-7, atol=1e-2)
     linear_mod.linear(torch.randn(1, 96), w.float())
     linear_mod.linear(torch.randn(1, 64).bfloat16(), w.t())
-    amx = native.max_rows() == native.AMX_ROWS
+    amx = native.uses_amx()
     assert amx <= (loaded and native.AMX_FLAGS <= native.cpu_flags())
+    if loaded:
+        rows = native.FEW_ROWS if native.bf16_instructions() else native.EMULATED_ROWS
+        assert native.max_rows() == (native.AMX_ROWS if amx else rows)
     expected = [(rows, 96) for rows in range(1, native.max_rows() + 1)] * 2
     assert calls == (expected if loaded else [])
 

@@ -19,8 +19,10 @@ ALONE = 1 << 62  # a threshold no call reaches: every call on its caller's threa
 
 @pytest.fixture(scope="module")
 def loaded() -> bool:
-    loaded = native.load(Path(env.native_build_dir()))  # where the engines of the other tests build them
-    assert loaded == native.supported()  # a CPU without AVX512-BF16 has no native kernels, no pool
+    loaded = native.load(
+        Path(env.native_build_dir()), bf16=env.native_bf16()
+    )  # where the engines of the other tests build them
+    assert loaded == native.supported()  # a CPU without AVX512F has no native kernels, no pool
     return loaded
 
 

@@ -102,7 +102,7 @@ def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k
     """A decode's accepted rows go through the MTP layer with its first draft, writing their MTP
     cache rows in that forward: every draft of every step is the one drafted with those rows
     stored apart first (mtp_store_kv), and the cache rows are the same: bit for bit in bf16 (on an
-    AVX512-BF16 CPU, the native one-call paths and the tile attention's 16-row blocks), up to
+    AVX512F CPU, the native one-call paths and the tile attention's 16-row blocks), up to
     float32 rounding in torch's float32 path.
     The trained model, whose drafts are mostly accepted, so that there are rows to fold."""
     real = drafter_module.draft_with_mtp

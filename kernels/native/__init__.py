@@ -10,8 +10,8 @@ torch version, so a stale build is never loaded.
 
 Process-wide, like torch.ops: `load` is called once by the engine (engine/engine_core.py, with the
 build folder and switch from engine/env.py), and the kernels (kernels/linear.py) ask `linear_bf16`
-only when `loaded()`. A machine without the instructions, or where the build fails (no compiler),
-keeps the torch path; the engine logs which it runs.
+only when `loaded()`. A machine without AVX512F, or where the build fails (no compiler), keeps
+the torch path; the engine logs which it runs.
 """
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ HEADERS = tuple(  # included by SOURCE: part of the build key
         "spec.h",
     )
 )
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-"""/proc/cpuinfo flags the compiled code needs: VDPBF16PS and the masked 16-bit loads and stores."""
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+"""/proc/cpuinfo flags the compiled code needs: 512-bit float32 arithmetic and the masked 16-bit
+loads and stores (Intel from Skylake-SP, AMD from Zen 4)."""
+BF16_FLAG = "avx512_bf16"
+"""Where the CPU has it, the build also takes `-mavx512bf16`: VDPBF16PS and VCVTNEPS2BF16. Without
+it (Skylake-SP to Ice Lake) the kernels compute the same bits from AVX512F instructions, each
+VDPBF16PS as two multiply-adds (kernels/native/common.h dot_bf16)."""
 
 FEW_ROWS = 128
 """Products of up to this many rows take the native kernel through VDPBF16PS (CPUs without AMX),
@@ -70,9 +75,17 @@ step in one native call (engine/models/deepseek_v2.py runs_in_one_call) gains mo
 between the products, and no oneDNN primitive created and cached per batch size (~1.5 ms and
 ~170 KiB each): a 256-sequence decode runs as fast and peaks ~200 MiB lower, 64 sequences 15%
 faster."""
+EMULATED_ROWS = 256
+"""Where the kernels emulate AVX512-BF16 (a CPU without it), so do torch's bf16 products (oneDNN on
+AVX512F, 1.2-1.75x slower than float32): there products of up to this many rows go native, and a
+decode step of up to 256 sequences runs as one call. Bench model, 256-token contexts, 2-core Zen 4
+built as such a CPU (oneDNN capped at AVX512_CORE_VNNI), ms a step at 192 / 256 sequences:
+126-137 / 178-187 against 204-226 / 258-270 with FEW_ROWS."""
 _max_rows = FEW_ROWS
 
 _library: ModuleType | None = None
+_bf16_instructions = False
+_amx = False
 
 
 @functools.cache
@@ -91,19 +104,22 @@ def supported() -> bool:
     return all(flag in cpu_flags() for flag in REQUIRED_FLAGS)
 
 
-def load(build_dir: Path, amx: bool = True) -> bool:
-    """Build (once per source and torch version, under a lock other processes wait on) and load
-    the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
-    without AVX512-BF16 or when the build fails. amx: products on the AMX tile unit where the CPU
-    has it (see use_amx)."""
-    global _library
+def load(build_dir: Path, amx: bool = True, bf16: bool = True) -> bool:
+    """Build (once per source, flags and torch version, under a lock other processes wait on) and
+    load the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
+    without AVX512F/BW/VL/DQ or when the build fails. amx: products on the AMX tile unit where the
+    CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the CPU has them (False
+    builds their emulation, as for a CPU without them: for tests and measurements)."""
+    global _library, _bf16_instructions
     if _library is not None:
         return True
     if not supported():
         logger.info("native CPU kernels: this CPU lacks %s; using torch's", "/".join(REQUIRED_FLAGS))
         return False
+    bf16 = bf16 and BF16_FLAG in cpu_flags()
+    cflags = CFLAGS + (["-mavx512bf16"] if bf16 else [])
     source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:16]
     name = f"pdserve_native_{key}"
     folder = Path(build_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -118,26 +134,37 @@ def load(build_dir: Path, amx: bool = True) -> bool:
             spec.loader.exec_module(_library)
         else:  # builds under the folder's lock file; another process building it waits
             _library = cpp_extension.load(
-                name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder), verbose=False
+                name, [str(SOURCE)], extra_cflags=cflags, build_directory=str(folder), verbose=False
             )
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path still works
         logger.warning("native CPU kernels: build failed (%s); using torch's", str(e).splitlines()[0][:200])
         return False
+    _bf16_instructions = bf16
     amx = use_amx(amx)
-    logger.info(
-        "native CPU kernels loaded from %s (%s)", folder, "AMX products" if amx else "AVX512-BF16 products"
-    )
+    products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F (AVX512-BF16 emulated)"
+    logger.info("native CPU kernels loaded from %s (%s products)", folder, products)
     return True
+
+
+def bf16_instructions() -> bool:
+    """Whether the loaded kernels use the AVX512-BF16 instructions (False: their emulation)."""
+    return _bf16_instructions
 
 
 def use_amx(on: bool) -> bool:
     """Products on the AMX tile unit (where the CPU has it and Linux grants it) or with VDPBF16PS;
     -> whether they now use AMX. Requires `loaded()`."""
-    global _max_rows
+    global _max_rows, _amx
     assert _library is not None, "kernels.native.load() first"
-    amx = bool(_library.use_amx(on and AMX_FLAGS <= cpu_flags()))
-    _max_rows = AMX_ROWS if amx else FEW_ROWS
+    amx = bool(_library.use_amx(on and _bf16_instructions and AMX_FLAGS <= cpu_flags()))
+    _max_rows = AMX_ROWS if amx else FEW_ROWS if _bf16_instructions else EMULATED_ROWS
+    _amx = amx
     return amx
+
+
+def uses_amx() -> bool:
+    """Whether the products run on the AMX tile unit now (see use_amx)."""
+    return _amx
 
 
 def use_pool(threads: int) -> int:
@@ -163,7 +190,8 @@ def loaded() -> bool:
 
 
 def max_rows() -> int:
-    """The most rows a product takes natively: AMX_ROWS on the tile unit, FEW_ROWS otherwise."""
+    """The most rows a product takes natively: AMX_ROWS on the tile unit, FEW_ROWS through
+    VDPBF16PS, EMULATED_ROWS through its emulation (native.EMULATED_ROWS)."""
     return _max_rows
 
 
@@ -223,6 +251,33 @@ def exp_f32(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     _library.exp_f32(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def dot_bf16_lanes(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernels' VDPBF16PS step (common.h dot_bf16; emulated where the build lacks the
+    instruction), lane by lane: acc [16n] float32, a and b [32n] bf16 -> acc[i] + a[2i + 1]
+    b[2i + 1] + a[2i] b[2i] in the instruction's roundings. For tests. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    n = acc.numel()
+    if not (acc.dtype == torch.float32 and a.dtype == b.dtype == _BF16 and n % 16 == 0):
+        raise ValueError("acc must be float32 of a multiple of 16 lanes, a and b bf16")
+    if a.numel() != 2 * n or b.numel() != 2 * n:
+        raise ValueError(f"a and b must hold 2 * {n} values, got {a.numel()} and {b.numel()}")
+    out, a, b = acc.contiguous().clone(), a.contiguous(), b.contiguous()
+    _library.dot_bf16_lanes(out.data_ptr(), a.data_ptr(), b.data_ptr(), n)
+    return out
+
+
+def narrow_f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bf16 as the kernels round (common.h narrow16: VCVTNEPS2BF16 or its emulation;
+    denormals become signed zeros). For tests. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if x.dtype != torch.float32 or x.numel() % 16:
+        raise ValueError("x must be float32 of a multiple of 16 values")
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=_BF16)
+    _library.narrow_f32(x.data_ptr(), y.data_ptr(), x.numel())
     return y
 
 

@@ -82,12 +82,12 @@ void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, 
       _mm_prefetch(reinterpret_cast<const char*>(pa + k), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(pb + k), _MM_HINT_T0);
       const __mmask32 m = lanes(W - k);
-      const __m512bh ka = (__m512bh)_mm512_maskz_loadu_epi16(m, a + k);
-      const __m512bh kb = (__m512bh)_mm512_maskz_loadu_epi16(m, b + k);
+      const __m512i ka = _mm512_maskz_loadu_epi16(m, a + k);
+      const __m512i kb = _mm512_maskz_loadu_epi16(m, b + k);
       for (int g = 0; g < G; ++g) {
-        const __m512bh qg = (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * q_h + k);
-        da[g] = _mm512_dpbf16_ps(da[g], ka, qg);
-        db[g] = _mm512_dpbf16_ps(db[g], kb, qg);
+        const __m512i qg = _mm512_maskz_loadu_epi16(m, q + g * q_h + k);
+        da[g] = dot_bf16(da[g], ka, qg);
+        db[g] = dot_bf16(db[g], kb, qg);
       }
     }
     if (n + 2 * G > 16) flush();
@@ -116,11 +116,11 @@ void attend_output(const uint32_t* pp, int64_t pairs, const uint16_t* const* row
     for (int64_t i = 0; i < pairs; ++i) {
       const __m512i a = _mm512_maskz_loadu_epi16(m, rows[2 * i] + l0);
       const __m512i b = _mm512_maskz_loadu_epi16(m, rows[2 * i + 1] + l0);
-      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      const __m512i ab_lo = _mm512_unpacklo_epi16(a, b), ab_hi = _mm512_unpackhi_epi16(a, b);
       for (int g = 0; g < G; ++g) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(int32_t(pp[g * pairs + i]));
-        lo[g] = _mm512_dpbf16_ps(lo[g], ab_lo, p);
-        hi[g] = _mm512_dpbf16_ps(hi[g], ab_hi, p);
+        const __m512i p = _mm512_set1_epi32(int32_t(pp[g * pairs + i]));
+        lo[g] = dot_bf16(lo[g], ab_lo, p);
+        hi[g] = dot_bf16(hi[g], ab_hi, p);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -340,7 +340,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
         }
         for (int64_t g = 0; g < group; ++g)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (h0 + g) * o_h + l0 + 16 * t),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + g * 16)));
+                              narrow16(_mm512_load_ps(c + g * 16)));
       }
     }
   }

@@ -1,4 +1,4 @@
-// Decode's CPU kernels in bf16, on x86 CPUs with AVX512-BF16: the few-row product (linear_bf16),
+// Decode's CPU kernels in bf16, on x86 CPUs with AVX512F (AVX512-BF16 where it is): the few-row product (linear_bf16),
 // the routed experts of a few tokens (moe_pairs, moe_topk), MLA decode attention over the paged
 // cache (mla_decode; on the AMX tile unit, for any batch, where it can), RMSNorm with its residual
 // add (rms_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
@@ -39,5 +39,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_spec_step", &greedy_spec_step, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("exp_f32", [](int64_t x_ptr, int64_t y_ptr, int64_t n) {
     exp_floats(reinterpret_cast<const float*>(x_ptr), reinterpret_cast<float*>(y_ptr), n);
+  });
+  m.def("dot_bf16_lanes", [](int64_t acc_ptr, int64_t a_ptr, int64_t b_ptr, int64_t n) {
+    auto* acc = reinterpret_cast<float*>(acc_ptr);
+    const auto *a = reinterpret_cast<const uint16_t*>(a_ptr), *b = reinterpret_cast<const uint16_t*>(b_ptr);
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(acc + i, dot_bf16(_mm512_loadu_ps(acc + i), _mm512_loadu_si512(a + 2 * i),
+                                         _mm512_loadu_si512(b + 2 * i)));
+  });
+  m.def("narrow_f32", [](int64_t x_ptr, int64_t y_ptr, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(y_ptr) + i),
+                          narrow16(_mm512_loadu_ps(reinterpret_cast<const float*>(x_ptr) + i)));
   });
 }

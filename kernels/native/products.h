@@ -46,15 +46,15 @@ inline void dot_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
     int64_t k = 0;
     for (; k + 128 <= K; k += 128)
       for (int i = 0; i < 4; ++i) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k + 32 * i);
+        const __m512i wv = _mm512_loadu_si512(row + k + 32 * i);
         for (int r = 0; r < ROWS; ++r)
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv, (__m512bh)_mm512_loadu_si512(x + r * ldx + k + 32 * i));
+          acc[r][i] = dot_bf16(acc[r][i], wv, _mm512_loadu_si512(x + r * ldx + k + 32 * i));
       }
     for (; k < K; k += 32) {
       const __mmask32 mask = lanes(K - k);
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, row + k);
       for (int r = 0; r < ROWS; ++r)
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * ldx + k));
+        acc[r][0] = dot_bf16(acc[r][0], wv, _mm512_maskz_loadu_epi16(mask, x + r * ldx + k));
     }
     for (int r = 0; r < ROWS; ++r)
       sums[r][c] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
@@ -79,8 +79,7 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
         default: dot_rows<4>(xm, ldx, wt, ldw, K, width, tile); break;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const __m256bh packed = _mm512_cvtneps_pbh(_mm512_load_ps(tile[r]));
-        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, out_mask, (__m256i)packed);
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, out_mask, narrow16(_mm512_load_ps(tile[r])));
       }
     }
   }
@@ -165,7 +164,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt
       const int64_t n_base = n + (t % 2) * 16, m_base = (t / 2) * 16;
       for (int64_t m = m_base; m < std::min(M, m_base + 16); ++m) {
         const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int(m - m_base))), c, 4);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n_base), (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + n_base), narrow16(v));
       }
     }
   }

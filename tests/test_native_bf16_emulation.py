@@ -1,0 +1,150 @@
+"""kernels/native built without the AVX512-BF16 instructions (PDSERVE_NATIVE_BF16=0: what a CPU
+with AVX512F but not them runs, Skylake-SP to Ice Lake) computes the bits the instructions do:
+VDPBF16PS and VCVTNEPS2BF16 lane by lane, the products at 1 to 128 rows, the MLA decode
+attention, and a whole decode step of a small model in one call (norms, rotary, products,
+attention, routing, experts) with its LM head and greedy tokens. The emulated build runs in a subprocess (the kernels are loaded once per process) and
+hands its tensors back as safetensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import env
+from kernels import native
+from tests.test_native_kernels import _decode_batch, _small_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@torch.inference_mode()
+def _outputs() -> dict[str, torch.Tensor]:
+    """The kernels' outputs on seeded inputs, the same in any process (VDPBF16PS products: the
+    emulated build has no AMX)."""
+    from kernels.mla import per_token_tables
+
+    native.use_amx(False)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    # The two instructions themselves, where a float32 difference is not hidden by a bf16 rounding:
+    # a million multiply-add lanes over a wide range of magnitudes, and 4M float32 bit patterns
+    # spread over all 2^32 (NaNs, infinities, denormals, ties) and their rounding.
+    lanes = 1 << 20
+    scale = 2.0 ** torch.randint(-20, 20, (2 * lanes,), generator=gen)
+    a = (torch.randn(2 * lanes, generator=gen) * scale).bfloat16()
+    b = torch.randn(2 * lanes, generator=gen).bfloat16()
+    acc = torch.randn(lanes, generator=gen) * 2.0 ** torch.randint(-20, 20, (lanes,), generator=gen)
+    out["dot_bf16"] = native.dot_bf16_lanes(acc, a, b)
+    patterns = torch.arange(1 << 22, dtype=torch.int64) * 1021 + torch.randint(
+        0, 1021, (1 << 22,), generator=gen
+    )
+    out["narrow"] = native.narrow_f32((patterns % (1 << 32)).to(torch.int32).view(torch.float32))
+    for rows in (1, 2, 3, 4, 5, 17, 64, 128):
+        for n, k in ((70, 100), (64, 512)):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            w = torch.randn(n, k, generator=gen).bfloat16() * k**-0.5
+            out[f"linear-{rows}x{n}x{k}"] = native.linear_bf16(x, w)
+    for heads, lat, rope, lens in ((9, 64, 32, [1, 17, 40, 130]), (3, 40, 8, [5, 2, 11])):
+        block_size, per_seq = 16, -(-max(lens) // 16)
+        cache = torch.randn(len(lens) * per_seq + 2, block_size, lat + rope, generator=gen).bfloat16()
+        table = torch.randperm(cache.shape[0], generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        q = torch.randn(len(lens), heads, lat + rope, generator=gen).bfloat16()
+        tables = per_token_tables(table.int(), seq_lens, 1)
+        out[f"mla_decode-{heads}x{lat}"] = native.mla_decode(q, cache, *tables, 0.2, lat)
+    for v2 in (False, True):
+        for seqs in (1, 3, 32):
+            cfg, model = _small_model(v2, seqs)
+            assert model.native_stack is not None
+            caches = [
+                torch.randn(seqs * 50 + 3, 4, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
+            ]
+            batch = _decode_batch(seqs, 1, 4, caches[0].shape[0], cfg.vocab_size, gen)
+            assert model.runs_in_one_call(batch, caches)
+            hidden = model(batch, caches)
+            name = f"{'v2' if v2 else 'v3'}-{seqs}"
+            out[f"hidden-{name}"] = hidden
+            out[f"logits-{name}"] = model.lm_head(hidden)
+            out[f"tokens-{name}"] = torch.tensor(model.greedy_tokens(hidden, cfg.vocab_size))
+            for i, cache in enumerate(caches):
+                out[f"cache{i}-{name}"] = cache
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as integers, so that NaNs compare too."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def test_the_emulation_computes_the_instructions_bits(tmp_path):
+    build = native.load(Path(env.native_build_dir()), bf16=env.native_bf16())
+    assert build == native.supported()
+    if not build:  # no AVX512F here: neither build loads
+        return
+    saved = tmp_path / "emulated.safetensors"
+    child_env = os.environ | {"PDSERVE_NATIVE_BF16": "0", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.test_native_bf16_emulation", str(saved)],
+        cwd=ROOT,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    emulated = load_file(saved)
+    before = native.uses_amx()
+    try:
+        ours = _outputs()
+    finally:
+        native.use_amx(before)
+    assert ours.keys() == emulated.keys()
+    different = [name for name, t in ours.items() if not torch.equal(_bits(t), _bits(emulated[name]))]
+    assert not different, f"the emulated build's bits differ in {different}"
+    # The child ran the emulation; this process runs the instructions where the CPU has them.
+    assert native.bf16_instructions() == (native.BF16_FLAG in native.cpu_flags() and env.native_bf16())
+
+
+AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+@pytest.mark.parametrize(
+    "flags, kernels, want",
+    [
+        (AVX512 | {"avx512_bf16"}, "1", torch.bfloat16),
+        (AVX512 | {"amx_bf16"}, "0", torch.bfloat16),  # native bf16 arithmetic: bf16 with or without them
+        (AVX512, "1", torch.bfloat16),  # the kernels' emulation
+        (AVX512, "0", torch.float32),  # torch's emulated bf16 products: float32 is faster
+        (frozenset({"avx2", "fma", "f16c"}), "1", torch.float32),
+    ],
+    ids=["avx512-bf16", "amx-kernels-off", "avx512f", "avx512f-kernels-off", "avx2"],
+)
+def test_a_bf16_model_computes_in_bf16_where_the_cpu_or_the_kernels_do(monkeypatch, flags, kernels, want):
+    from engine.platform import compute_dtype
+
+    runs_here = native.load(Path(env.native_build_dir()), bf16=env.native_bf16())
+    if not runs_here:  # the kernels cannot run on this CPU, whatever the flags say
+        monkeypatch.setattr(native, "load", lambda *a, **k: False)
+        want = torch.float32 if not flags & {"avx512_bf16", "amx_bf16"} else want
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", kernels)
+    compute_dtype.cache_clear()
+    try:
+        assert compute_dtype(torch.bfloat16, torch.device("cpu")) == want
+        assert compute_dtype(torch.float32, torch.device("cpu")) == torch.float32
+    finally:
+        compute_dtype.cache_clear()
+
+
+if __name__ == "__main__":  # the emulated build's side: PDSERVE_NATIVE_BF16=0
+    torch.set_num_threads(1)
+    assert (
+        native.load(Path(env.native_build_dir()), bf16=env.native_bf16()) and not native.bf16_instructions()
+    )
+    save_file({name: t.contiguous() for name, t in _outputs().items()}, sys.argv[1])
