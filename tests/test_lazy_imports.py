@@ -4,12 +4,9 @@ which moves token ids and text (~190 MiB less resident per router)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_testing import run_python
 
 SCRIPT = """
 import sys
@@ -25,16 +22,7 @@ print("triton" in sys.modules, "kernels.jit.norm" in sys.modules)
 
 
 def test_a_cpu_engine_never_imports_triton(tiny_model):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tiny_model],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = run_python("-c", SCRIPT, tiny_model, timeout=300, unset=("TRITON_INTERPRET",))
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["False", "False"]
 

@@ -7,8 +7,6 @@ hands its tensors back as safetensors."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import env
 from kernels import native
+from tests.bench_testing import run_python
 from tests.test_native_kernels import _decode_batch, _small_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.inference_mode()
@@ -88,14 +85,8 @@ def test_the_emulation_computes_the_instructions_bits(tmp_path):
     if not build:  # no AVX512F here: neither build loads
         return
     saved = tmp_path / "emulated.safetensors"
-    child_env = os.environ | {"PDSERVE_NATIVE_BF16": "0", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.test_native_bf16_emulation", str(saved)],
-        cwd=ROOT,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = run_python(
+        "-m", "tests.test_native_bf16_emulation", str(saved), timeout=600, env={"PDSERVE_NATIVE_BF16": "0"}
     )
     assert run.returncode == 0, run.stderr[-3000:]
     emulated = load_file(saved)
