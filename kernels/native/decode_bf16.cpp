@@ -1,5 +1,6 @@
-// Decode's CPU kernels in bf16, on x86 CPUs with AVX512F (AVX512-BF16 where it is): the few-row product (linear_bf16),
-// the routed experts of a few tokens (moe_pairs, moe_topk), MLA decode attention over the paged
+// Decode's CPU kernels in bf16, on x86 CPUs with AVX512F (with AVX512-BF16 where it is; common.h
+// emulates it elsewhere): the few-row product (linear_bf16), the routed experts of a few tokens
+// (moe_pairs, moe_topk), MLA decode attention over the paged
 // cache (mla_decode; on the AMX tile unit, for any batch, where it can), RMSNorm with its residual
 // add (rms_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
 // attention and MoE block in one call each (mla_attention, moe_block), a decode step's whole
