@@ -97,11 +97,17 @@ def _holds_nothing(endpoint: str, free: int) -> bool:
     return load_.num_pinned_transfers == 0 and load_.num_free_blocks == free
 
 
+def _every_worker_idle(stack) -> None:
+    """Within 5 s every live worker holds no block and pins no transfer (a handover's release
+    reaches its producer after the stream has ended)."""
+    for proc in _live_workers(stack):
+        assert wait_until(lambda p=proc: _idle(p.endpoint), 5.0), (proc.name, load(proc.endpoint, TOKEN))
+
+
 @pytest.fixture(autouse=True)
 def blocks_return_to_baseline(stack):
     yield
-    for proc in _live_workers(stack):
-        assert wait_until(lambda p=proc: _idle(p.endpoint), 5.0), (proc.name, load(proc.endpoint, TOKEN))
+    _every_worker_idle(stack)
 
 
 def _restart(stack, proc):
@@ -387,12 +393,16 @@ def _every_decode_worker_reads_from(prefill, stack) -> None:
     """Each decode worker takes one ungated handover from `prefill` (a prompt new to it), so a
     gated request after this does not also carry the decode worker's first contact with a
     restarted producer -- GetEngineInfo, loading its NIXL agent, UCX's wire-up -- inside the
-    stack's 2 s lease. A first contact that fails or hangs fails here, saying so."""
+    stack's 2 s lease. A first contact that fails or hangs fails here, saying so. Returns once
+    every worker is idle again, so a caller's baseline of free blocks is not read while the
+    prefill worker still pins a warm-up's export (its release comes after the stream ends: CI
+    at 124d9be read one such baseline and failed)."""
     sampling = pb.SamplingParams(temperature=0, max_tokens=2)
     for decode in stack.workers("decode"):
         n = next(_WARM_UP_PROMPTS)
         prompt = [2000 + (n * 31 + i * 7) % 900 for i in range(20)]
         assert len(_handover(prefill, decode, prompt, sampling)) == 1, _log_tails(stack)
+    _every_worker_idle(stack)
 
 
 def _log_tails(stack, lines: int = 12) -> str:
