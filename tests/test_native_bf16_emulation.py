@@ -2,8 +2,8 @@
 with AVX512F but not them runs, Skylake-SP to Ice Lake) computes the bits the instructions do:
 VDPBF16PS and VCVTNEPS2BF16 lane by lane, the products at 1 to 128 rows, the MLA decode
 attention, and a whole decode step of a small model in one call (norms, rotary, products,
-attention, routing, experts) with its LM head and greedy tokens. The emulated build runs in a subprocess (the kernels are loaded once per process) and
-hands its tensors back as safetensors."""
+attention, routing, experts) with its LM head and greedy tokens. The emulated build runs in a
+subprocess (the kernels are loaded once per process) and hands its tensors back as safetensors."""
 
 from __future__ import annotations
 
