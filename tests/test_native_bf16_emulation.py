@@ -102,7 +102,7 @@ def test_the_emulation_computes_the_instructions_bits(tmp_path):
     assert native.bf16_instructions() == (native.BF16_FLAG in native.cpu_flags() and env.native_bf16())
 
 
-AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX512 = frozenset(native.REQUIRED_FLAGS)
 
 
 @pytest.mark.parametrize(
