@@ -60,7 +60,7 @@ print("RESULT " + json.dumps({"tok_per_s": n * olen / seconds, "batch1_ms_per_to
 """
 
 
-def _checkout(rev: str, into: Path) -> Path:
+def checkout(rev: str, into: Path) -> Path:
     subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
         check=True,
@@ -149,8 +149,8 @@ def main() -> None:
     )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pdserve-ab-") as tmp:
-        base = _checkout(args.baseline, Path(tmp) / "baseline")
-        cand = _checkout(args.candidate, Path(tmp) / "candidate") if args.candidate else REPO
+        base = checkout(args.baseline, Path(tmp) / "baseline")
+        cand = checkout(args.candidate, Path(tmp) / "candidate") if args.candidate else REPO
         try:
             runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
             for r in range(args.rounds):
