@@ -81,11 +81,9 @@ void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, 
     for (int64_t k = 0; k < W; k += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(pa + k), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(pb + k), _MM_HINT_T0);
-      const __mmask32 m = lanes(W - k);
-      const __m512i ka = _mm512_maskz_loadu_epi16(m, a + k);
-      const __m512i kb = _mm512_maskz_loadu_epi16(m, b + k);
+      const __m512i ka = load32(a + k, W - k), kb = load32(b + k, W - k);
       for (int g = 0; g < G; ++g) {
-        const __m512i qg = _mm512_maskz_loadu_epi16(m, q + g * q_h + k);
+        const __m512i qg = load32(q + g * q_h + k, W - k);
         da[g] = dot_bf16(da[g], ka, qg);
         db[g] = dot_bf16(db[g], kb, qg);
       }
@@ -114,8 +112,7 @@ void attend_output(const uint32_t* pp, int64_t pairs, const uint16_t* const* row
     __m512 lo[G], hi[G];
     for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < pairs; ++i) {
-      const __m512i a = _mm512_maskz_loadu_epi16(m, rows[2 * i] + l0);
-      const __m512i b = _mm512_maskz_loadu_epi16(m, rows[2 * i + 1] + l0);
+      const __m512i a = load32(rows[2 * i] + l0, L - l0), b = load32(rows[2 * i + 1] + l0, L - l0);
       const __m512i ab_lo = _mm512_unpacklo_epi16(a, b), ab_hi = _mm512_unpackhi_epi16(a, b);
       for (int g = 0; g < G; ++g) {
         const __m512i p = _mm512_set1_epi32(int32_t(pp[g * pairs + i]));

@@ -105,6 +105,14 @@ inline __mmask32 lanes(int64_t left) {
   return left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
 }
 
+// One 32-element step of bf16 values from p: the first `left` (all 32 from 32 on), zeros after
+// them. A whole step is a plain load: on the 2-core Zen 4, in the build without AVX512-BF16, a
+// product through a 512 x 64 weight out of cache took 89 us with every step a masked load, 24 with
+// plain ones (22-25 either way with the instructions).
+inline __m512i load32(const uint16_t* p, int64_t left) {
+  return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(lanes(left), p);
+}
+
 // The lanes of one 16-wide float32 step: every lane, or the tail's first `left`.
 inline __mmask16 lanes16(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
