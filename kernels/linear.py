@@ -15,10 +15,10 @@ own small-M kernels).
 A single bf16 row, where the native kernels are loaded (kernels/native: AVX512F CPUs), takes
 neither: their product reads the weight once, at 7-8 GB/s on one thread for a layer's 0.25-1 MB
 weights and ~17 GB/s on two for the LM head, against 4-5 and ~17 through torch (2-core Xeon,
-benchmarks/linear_native.py). Up to native.max_rows() rows the product stays native: 32 through
-any weight where the CPU has AMX (the tile unit keeps it bound by the weight's bytes), else 3 (a
-speculative verification) through a layer's weights, from where VDPBF16PS turns compute-bound
-(native.FEW_ROWS and AMX_ROWS have the figures).
+benchmarks/linear_native.py). Up to native.max_rows() rows the product stays native: AMX_ROWS
+on the AMX tile unit, FEW_ROWS through VDPBF16PS (from there torch's oneDNN, with the same
+instructions, is as fast or faster), any number where the kernels emulate AVX512-BF16 (there
+torch's bf16 products are emulated too, and slower; native.EMULATED_ROWS has the figures).
 """
 
 from __future__ import annotations

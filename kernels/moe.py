@@ -280,8 +280,8 @@ against 1.99 / 2.40 / 3.10 / 5.98."""
 
 def native_pairs_per_expert() -> int:
     """NATIVE_PAIRS_PER_EXPERT_AMX wherever the products take more than FEW_ROWS rows natively: on
-    the tile unit, and where the kernels emulate AVX512-BF16 (native.EMULATED_ROWS; there torch's
-    bf16 GEMMs are emulated too; not measured on its own)."""
+    the tile unit, and where the kernels emulate AVX512-BF16 (native.EMULATED_ROWS: any number;
+    there torch's bf16 GEMMs are emulated too; not measured on its own)."""
     return NATIVE_PAIRS_PER_EXPERT_AMX if native.max_rows() > native.FEW_ROWS else NATIVE_PAIRS_PER_EXPERT
 
 

@@ -146,7 +146,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def runs_in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step runs the whole stack as one native call: decode tokens of one query
         length, as many as the native products take (native.max_rows(): FEW_ROWS through
-        VDPBF16PS, AMX_ROWS on the AMX tile unit)."""
+        VDPBF16PS, AMX_ROWS on the AMX tile unit, any number through VDPBF16PS's emulation)."""
         return self._takes(self.native_stack, batch, kv_caches[0])
 
     def _takes(self, stack: native.DecodeStack | None, batch: ForwardBatch, cache: torch.Tensor) -> bool:
