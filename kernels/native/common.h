@@ -106,9 +106,9 @@ inline __mmask32 lanes(int64_t left) {
 }
 
 // One 32-element step of bf16 values from p: the first `left` (all 32 from 32 on), zeros after
-// them. A whole step is a plain load: on the 2-core Zen 4, in the build without AVX512-BF16, a
-// product through a 512 x 64 weight out of cache took 89 us with every step a masked load, 24 with
-// plain ones (22-25 either way with the instructions).
+// them. A whole step is a plain load: on the 2-core Zen 4, in the build without AVX512-BF16, the
+// absorbed per-head products (8 heads' 512 x 64 weights, out of cache) took 89 us with every step
+// a masked load, 24 with plain ones (22-25 either way with the instructions).
 inline __m512i load32(const uint16_t* p, int64_t left) {
   return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(lanes(left), p);
 }
