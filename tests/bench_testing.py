@@ -3,6 +3,7 @@ scripts for their smoke tests, and modules or snippets a test needs in a process
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,3 +33,18 @@ def run_benchmark(
 ) -> subprocess.CompletedProcess:
     """`python benchmarks/<script> *args`, as run_python runs it."""
     return run_python(str(REPO / "benchmarks" / script), *args, timeout=timeout, env=env)
+
+
+def saved_result(proc: subprocess.CompletedProcess, out: Path) -> dict:
+    """The JSON a benchmark run saved at `out`: the run exited 0 and said where it saved (its
+    output in the assertion's message otherwise)."""
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert f"saved {out}" in proc.stdout.splitlines()
+    return json.loads(out.read_text())
+
+
+def head_revision() -> str:
+    """The repository's HEAD commit, in full."""
+    return subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()

@@ -3,26 +3,20 @@ checkouts, every round reports tokens/s, batch-1 latency and CPU time, and the r
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
 
-from tests.bench_testing import REPO, run_benchmark
+from tests.bench_testing import REPO, head_revision, run_benchmark, saved_result
 
 
 def test_ab_revisions_smoke(tiny_model, tmp_path):
     out = tmp_path / "ab.json"
-    head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-    )
-    args = ["--baseline", head.stdout.strip(), "--model", tiny_model, "--dtype", "float32", "--threads", "1"]
+    args = ["--baseline", head_revision(), "--model", tiny_model, "--dtype", "float32", "--threads", "1"]
     args += ["--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--rounds", "1"]
     args += ["--kv-cache-gib", "0.05", "--output", str(out)]
     proc = run_benchmark("ab_revisions.py", *args, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert f"saved {out}" in proc.stdout.splitlines()
-    result = json.loads(out.read_text())
+    result = saved_result(proc, out)
     assert result["candidate"].endswith("+ working tree")
     for side in ("baseline", "candidate"):
         [run] = result["runs"][side]

@@ -4,9 +4,7 @@ bytes, and the results land where --output says."""
 
 from __future__ import annotations
 
-import json
-
-from tests.bench_testing import run_benchmark
+from tests.bench_testing import run_benchmark, saved_result
 
 
 def test_kv_transfer_smoke(tiny_model, tmp_path):
@@ -14,9 +12,7 @@ def test_kv_transfer_smoke(tiny_model, tmp_path):
     args = ["--model", tiny_model, "--dtype", "float32", "--lengths", "20,40", "--rounds", "1"]
     args += ["--num-kv-blocks", "64", "--output", str(out)]
     proc = run_benchmark("kv_transfer.py", *args, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert f"saved {out}" in proc.stdout.splitlines()
-    result = json.loads(out.read_text())
+    result = saved_result(proc, out)
     rows = {(r["prompt_tokens"], r["transport"]): r for r in result["rows"]}
     assert set(rows) == {(n, t) for n in (20, 40) for t in ("nixl", "grpc")}
     for n in (20, 40):

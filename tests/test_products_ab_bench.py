@@ -3,29 +3,23 @@ kernels built in their own checkouts, every row count timed on each, and the rat
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
 
 from benchmarks.products_ab import step_products
 from kernels import native
-from tests.bench_testing import REPO, run_benchmark
+from tests.bench_testing import REPO, head_revision, run_benchmark, saved_result
 
 
 def test_products_ab_smoke(tiny_model, tmp_path):
     out = tmp_path / "products.json"
-    head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-    )
-    args = ["--baseline", head.stdout.strip(), "--model", tiny_model, "--rows", "1,3", "--rounds", "2"]
+    args = ["--baseline", head_revision(), "--model", tiny_model, "--rows", "1,3", "--rounds", "2"]
     proc = run_benchmark("products_ab.py", *args, "--threads", "1", "--output", str(out), timeout=600)
     if not native.supported():
         assert proc.returncode == 1 and "do not run on this CPU" in proc.stdout
         return
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert f"saved {out}" in proc.stdout.splitlines()
-    result = json.loads(out.read_text())
+    result = saved_result(proc, out)
     assert [row["rows"] for row in result["results"]] == [1, 3]
     for row in result["results"]:
         assert row["baseline_ms"] > 0 and row["candidate_ms"] > 0

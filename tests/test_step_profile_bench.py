@@ -3,9 +3,7 @@ its time by module region and its op counts, written where --output says."""
 
 from __future__ import annotations
 
-import json
-
-from tests.bench_testing import run_benchmark
+from tests.bench_testing import run_benchmark, saved_result
 
 
 def test_step_profile_smoke(tiny_model, tmp_path):
@@ -13,9 +11,7 @@ def test_step_profile_smoke(tiny_model, tmp_path):
     args = ["--model", tiny_model, "--dtype", "float32", "--batches", "1,3", "--context", "16"]
     args += ["--steps", "2", "--warmup", "1", "--kv-cache-gib", "0.05", "--output", str(out)]
     proc = run_benchmark("step_profile.py", *args, timeout=180)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert f"saved {out}" in proc.stdout.splitlines()
-    rows = json.loads(out.read_text())["rows"]
+    rows = saved_result(proc, out)["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert r["ms_per_step"] > 0 and r["aten_ops_per_step"] > 0

@@ -3,9 +3,7 @@ rates and their ratio, and the compile times, written where --output says."""
 
 from __future__ import annotations
 
-import json
-
-from tests.bench_testing import run_benchmark
+from tests.bench_testing import run_benchmark, saved_result
 
 
 def test_structured_output_bench_smoke(tiny_model, tmp_path):
@@ -13,9 +11,7 @@ def test_structured_output_bench_smoke(tiny_model, tmp_path):
     args = ["--model", tiny_model, "--dtype", "float32", "--batches", "1,3", "--prompt-len", "8"]
     args += ["--max-tokens", "6", "--rounds", "2", "--kv-cache-gib", "0.05", "--output", str(out)]
     proc = run_benchmark("structured_output.py", *args, timeout=180)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert f"saved {out}" in proc.stdout.splitlines()
-    result = json.loads(out.read_text())
+    result = saved_result(proc, out)
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     for r in result["rows"]:
         assert r["unconstrained_tok_per_s"] > 0 and r["json_schema_tok_per_s"] > 0
