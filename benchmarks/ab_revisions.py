@@ -23,6 +23,7 @@ says otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,13 +62,31 @@ print("RESULT " + json.dumps({"tok_per_s": n * olen / seconds, "batch1_ms_per_to
 """
 
 
-def checkout(rev: str, into: Path) -> Path:
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
-        check=True,
-        capture_output=True,
-    )
-    return into
+@contextlib.contextmanager
+def checkouts(
+    baseline: str, candidate: str | None, prefix: str = "pdserve-ab-"
+) -> Iterator[tuple[Path, Path]]:
+    """(baseline tree, candidate tree): git worktrees of the revisions in a temporary folder (the
+    candidate None: this working tree itself), removed again on the way out."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        trees: list[Path] = []
+        try:
+            for side, rev in (("baseline", baseline), ("candidate", candidate)):
+                if rev is None:
+                    continue
+                tree = Path(tmp) / side
+                subprocess.run(
+                    ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+                    check=True,
+                    capture_output=True,
+                )
+                trees.append(tree)
+            yield trees[0], trees[1] if candidate is not None else REPO
+        finally:
+            for tree in trees:
+                subprocess.run(
+                    ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False
+                )
 
 
 def _run_side(tree: Path, args) -> dict:
@@ -148,23 +168,14 @@ def main() -> None:
         "--output", default=None, help="JSON path (default: benchmarks/results/, by hardware and date)"
     )
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="pdserve-ab-") as tmp:
-        base = checkout(args.baseline, Path(tmp) / "baseline")
-        cand = checkout(args.candidate, Path(tmp) / "candidate") if args.candidate else REPO
-        try:
-            runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
-            for r in range(args.rounds):
-                order = [("baseline", base), ("candidate", cand)]
-                for side, tree in order if r % 2 == 0 else order[::-1]:
-                    run = _run_side if args.workload == "offline" else _run_serving
-                    runs[side].append(run(tree, args))
-                    print(f"round {r + 1} {side}: {runs[side][-1]}", flush=True)
-        finally:
-            for tree in (base, cand):
-                if tree != REPO:
-                    subprocess.run(
-                        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False
-                    )
+    with checkouts(args.baseline, args.candidate) as (base, cand):
+        runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
+        for r in range(args.rounds):
+            order = [("baseline", base), ("candidate", cand)]
+            for side, tree in order if r % 2 == 0 else order[::-1]:
+                run = _run_side if args.workload == "offline" else _run_serving
+                runs[side].append(run(tree, args))
+                print(f"round {r + 1} {side}: {runs[side][-1]}", flush=True)
     summary = {side: _summary(rs) for side, rs in runs.items()}
     ratios = _ratios(summary["baseline"], summary["candidate"])
     for side, values in summary.items():

@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,10 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ab_revisions import checkout  # noqa: E402
-from benchmarks.common import REPO, save  # noqa: E402
+from benchmarks.ab_revisions import checkouts  # noqa: E402
+from benchmarks.common import save  # noqa: E402
 from kernels import native  # noqa: E402
 
+# The loaded library's file, through the private module attribute: the baseline's own loader
+# prints it, and an older revision has no public accessor to ask.
 LIBRARY_PATH = r"""
 from pathlib import Path
 from engine import env
@@ -112,20 +113,8 @@ def main() -> int:
         return 1
     torch.set_num_threads(1)  # the kernels' own pool shares the work (use_pool)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="pdserve-products-ab-") as tmp:
-        base_tree = checkout(args.baseline, Path(tmp) / "baseline")
-        cand_tree = checkout(args.candidate, Path(tmp) / "candidate") if args.candidate else REPO
-        try:
-            paths = {
-                "baseline": build(base_tree, args.emulated),
-                "candidate": build(cand_tree, args.emulated),
-            }
-        finally:
-            for tree in (base_tree, cand_tree):
-                if tree != REPO:
-                    subprocess.run(
-                        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False
-                    )
+    with checkouts(args.baseline, args.candidate, prefix="pdserve-products-ab-") as (base_tree, cand_tree):
+        paths = {"baseline": build(base_tree, args.emulated), "candidate": build(cand_tree, args.emulated)}
     libraries = {side: load_library(path, args.threads) for side, path in paths.items()}
     shapes = step_products(json.loads((Path(args.model) / "config.json").read_text()))
     weights = [(torch.randn(b, n, k) * k**-0.5).bfloat16() for b, n, k in shapes]
