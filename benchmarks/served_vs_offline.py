@@ -78,7 +78,11 @@ class Offline:
 
         args = self.args
         self.llm = LLM(
-            args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, num_threads=args.threads
+            args.model,
+            dtype=args.dtype,
+            num_kv_blocks=args.num_kv_blocks,
+            num_threads=args.threads,
+            kv_prefault=args.kv_prefault,
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         self.first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -281,7 +285,8 @@ class Served:
         fields = dict(
             model=args.model,
             engine_args=["--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks)]
-            + (["--kv-transport", args.kv_transport] if args.kv_transport else []),
+            + (["--kv-transport", args.kv_transport] if args.kv_transport else [])
+            + (["--kv-prefault"] if args.kv_prefault else []),
             threads_per_worker=args.threads,
             router_args=["--colocate-max-tokens", "0", "--stream-interval", str(args.stream_interval)],
             log_dir=args.log_dir or tempfile.mkdtemp(prefix="pdserve-served-"),
@@ -387,6 +392,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-interval", type=int, default=1, help="the router's: tokens a stream's message gathers"
+    )
+    p.add_argument(
+        "--kv-prefault",
+        action="store_true",
+        help="every engine's KV cache resident from the start (the offline one's and the workers')",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="results JSON (default: benchmarks/results/...)")

@@ -237,6 +237,9 @@ class EngineConfig:
     """KV-cache blocks; derived from kv_cache_memory_gib when None."""
     kv_cache_memory_gib: float = 1.0
     """KV-cache size used when num_kv_blocks is None."""
+    kv_prefault: bool = False
+    """Make the whole KV cache resident at start (a server's: steady latency, and memory the
+    machine lacks fails then) instead of block by block as requests first write them."""
     enable_prefix_caching: bool = True
     """Reuse full KV blocks of identical prefixes across requests."""
     device: str = "cpu"

@@ -8,6 +8,7 @@ MLA path in batched calls.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -114,7 +115,14 @@ class ModelRunner:
         self.model.process_weights(arena.place)
         self.model.eval()
         self.kv_spec = kv_spec
-        self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device)  # the MTP layer's group last
+        start = time.perf_counter()
+        self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device, cfg.kv_prefault)  # the MTP group last
+        if cfg.kv_prefault:
+            logger.info(
+                "KV cache resident from the start: %d MiB in %.2f s",
+                sum(c.numel() * c.element_size() for c in self.kv_caches) >> 20,
+                time.perf_counter() - start,
+            )
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids)
         self.structured = structured
 

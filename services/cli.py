@@ -28,6 +28,9 @@ ENGINE_FLAGS: dict[str, dict] = {
     "kv_host_blocks": dict(type=int, default=4096),
     "kv_redis_url": dict(default=None, help="redis://host:port/db for the shared KV tier"),
     "kv_redis_ttl_s": dict(type=int, default=3600),
+    "kv_prefault": dict(
+        action="store_true", help="make the whole KV cache resident at start (a server's: steady latency)"
+    ),
     "heap_free_limit_mib": dict(
         type=int,
         default=256,

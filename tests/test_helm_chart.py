@@ -83,6 +83,7 @@ SCENARIOS: dict[str, dict] = {
     "nixl-ucx": {
         "kvTransfer": {"transport": "nixl", "checksum": True, "ucx": {"UCX_TLS": "rc,tcp,cuda_copy"}}
     },
+    "no-kv-prefault": {"kvCache": {"prefault": False}},
     "redis-existing-secret": {"redis": {"auth": {"existingSecret": "redis-pw", "secretKey": "pw"}}},
     "redis-no-auth": {"redis": {"auth": {"enabled": False}}},
     "monitoring": {"monitoring": {"enabled": True}},
@@ -124,6 +125,7 @@ BAD_VALUES: dict[str, tuple[dict, str]] = {
     "external-http-redis": ({"redis": {"enabled": False, "externalUrl": "http://redis:6379"}}, "externalUrl"),
     "unknown-kv-transport": ({"kvTransfer": {"transport": "rdma"}}, "transport"),
     "non-ucx-env-in-ucx": ({"kvTransfer": {"ucx": {"LD_PRELOAD": "x.so"}}}, "LD_PRELOAD"),
+    "kv-prefault-not-a-boolean": ({"kvCache": {"prefault": "yes"}}, "prefault"),
 }
 
 
@@ -730,3 +732,10 @@ def test_kv_transport_checksum_and_ucx_settings_reach_every_worker(name):
         (shm,) = [v for v in tpl["spec"]["volumes"] if v["name"] == "shm"]
         assert shm["emptyDir"]["medium"] == "Memory"
     assert workers >= 2
+
+
+@pytest.mark.parametrize("name, prefault", [("default", True), ("no-kv-prefault", False)])
+def test_kv_cache_prefault_reaches_every_worker(name, prefault):
+    workers = [parse(c) for _, _, c in pdserve_containers(scenario(name))]
+    workers = [args for args in workers if args.command == "worker"]
+    assert len(workers) >= 2 and all(args.kv_prefault is prefault for args in workers)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, hugepages
 from engine.hugepages import ALIGN, HUGE_PAGE, WeightArena, huge_empty, huge_zeros, place_parameters
 
 LINUX = sys.platform.startswith("linux")
@@ -107,6 +107,30 @@ def test_huge_zeros_is_zero_and_resident_only_where_written():
     assert not huge_zeros(1 << 16).any() and not huge_zeros(3 * HUGE_PAGE).any()
 
 
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+@pytest.mark.parametrize("populate_write", [True, False], ids=["madvise", "kernel-without-populate"])
+def test_huge_zeros_prefault_is_resident_whole_and_zero(populate_write, monkeypatch):
+    """prefault: every page resident before anything is written (on huge pages where the system
+    gives them), the values still zero; through madvise(MADV_POPULATE_WRITE), or a write to each
+    page where the kernel refuses it (before Linux 5.14)."""
+    if not populate_write:
+        real = hugepages._MADVISE
+
+        def refusing(addr, length, advice):
+            return -1 if advice == hugepages.MADV_POPULATE_WRITE else real(addr, length, advice)
+
+        monkeypatch.setattr(hugepages, "_MADVISE", refusing)
+    nbytes = 8 * HUGE_PAGE + 5000
+    t = huge_zeros(nbytes, prefault=True)
+    assert t.numel() == nbytes and advised(t)
+    assert resident_bytes(t) >= nbytes
+    if thp_on():
+        assert huge_page_bytes(t) >= 8 * HUGE_PAGE
+    assert not t.any()
+    lazy = huge_zeros(nbytes)
+    assert resident_bytes(lazy) < HUGE_PAGE
+
+
 def test_arena_packs_tensors_in_order_with_their_values():
     arena = WeightArena(region_bytes=HUGE_PAGE)
     a = torch.randn(3, 5, dtype=torch.bfloat16)
@@ -164,6 +188,7 @@ def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model, m
     assert advised(attn.w_uk) and advised(attn.w_uv_t)  # derived at load, placed too
     assert all(c.numel() * 2 >= HUGE_PAGE and advised(c) for c in runner.kv_caches)  # 2.5 MiB a layer
     assert all(int(c.abs().sum()) == 0 for c in runner.kv_caches)  # zeroed
+    assert all(resident_bytes(c) < HUGE_PAGE for c in runner.kv_caches)  # nothing written yet
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     placed = llm.generate(["The module provides"], params)[0].token_ids
     # The same model on plain allocations: the same tokens.
@@ -172,6 +197,19 @@ def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model, m
     plain_params = list(plain.engine.runner.model.parameters())
     assert len({p.untyped_storage().data_ptr() for p in plain_params}) == len(plain_params)  # each its own
     assert plain.generate(["The module provides"], params)[0].token_ids == placed
+
+
+@pytest.mark.skipif(not LINUX, reason="madvise and /proc/self/smaps are Linux's")
+def test_engine_kv_prefault_makes_the_whole_cache_resident_at_start(tiny_model):
+    llm = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024, kv_prefault=True)
+    caches = llm.engine.runner.kv_caches
+    assert all(resident_bytes(c) >= c.numel() * c.element_size() for c in caches)
+    assert all(int(c.abs().sum()) == 0 for c in caches)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    lazy = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
+    assert llm.generate(["The module provides"], params)[0].token_ids == (
+        lazy.generate(["The module provides"], params)[0].token_ids
+    )
 
 
 ALLOCATOR_PROBE = """

@@ -238,7 +238,9 @@ class KVCacheSpec:
                     "engine blocks is allocated and moved, but not attended yet"
                 )
 
-    def allocate(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+    def allocate(
+        self, num_blocks: int, device: torch.device | str, prefault: bool = False
+    ) -> list[torch.Tensor]:
         """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
         g.block_size, g.width] per layer of group g, in layer order.
 
@@ -246,12 +248,13 @@ class KVCacheSpec:
         cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower gather
         measured in a VM). Resident only where blocks have been written: the engine reuses the
         blocks freed last first when nothing is prefix-cached (block_pool.py), so a cache sized
-        for 256 sequences of 512 tokens costs what the sequences running hold."""
+        for 256 sequences of 512 tokens costs what the sequences running hold; or, prefault, all
+        of it from the start (engine/hugepages.py populate: a server's cache)."""
         caches = []
         for g in self.groups:
             shape = (num_blocks * self.sub_blocks(g), g.block_size, g.width)
             nbytes = math.prod(shape) * g.dtype.itemsize
-            caches += [huge_zeros(nbytes, device).view(g.dtype).view(shape) for _ in g.layers]
+            caches += [huge_zeros(nbytes, device, prefault).view(g.dtype).view(shape) for _ in g.layers]
         return caches
 
     def check_caches(self, caches: list[torch.Tensor]) -> None:

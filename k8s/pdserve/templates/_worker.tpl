@@ -65,6 +65,9 @@ spec:
         {{- if not $root.Values.kvTransfer.checksum }}
         - --no-kv-checksum
         {{- end }}
+        {{- if $root.Values.kvCache.prefault }}
+        - --kv-prefault
+        {{- end }}
         {{- if $group }}
         - --dp
         - "1"
