@@ -712,6 +712,27 @@ def test_unknown_route_is_json_404(server):
     assert json.loads(text)["error"]["message"].startswith("Not Found")
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "usage"])
+def test_stream_chunks_are_the_bytes_of_the_whole_chunk_encoded(chat, include_usage):
+    """_chunk_encoder encodes a stream's repeated fields once: every chunk is still exactly
+    _sse(chunk_json(...)), with "usage": null where stream_options.include_usage."""
+    from services.openai.responses import chunk_json
+    from services.openai.server import _chunk_encoder, _sse
+
+    rid, created, model = 'cmpl-"quoted"\u00e9', 1_700_000_000, "m\u00fcdel/\\x"
+    chunk = _chunk_encoder(rid, created, model, chat, include_usage)
+    usage_null = {"usage": None} if include_usage else {}
+    for choices in (
+        [{"index": 0, "text": 'caf\u00e9 \U0001f600 "\n', "logprobs": None, "finish_reason": None}],
+        [{"index": 1, "delta": {"content": "x"}, "logprobs": None, "finish_reason": "stop"}],
+        [],
+    ):
+        assert chunk(choices) == _sse(chunk_json(rid, created, model, chat, choices, **usage_null))
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunk([], usage=usage) == _sse(chunk_json(rid, created, model, chat, [], usage=usage))
+
+
 # ---- client disconnect ----------------------------------------------------------------------
 
 
@@ -731,12 +752,15 @@ def _wait_for(predicate, timeout: float) -> bool:
     return predicate()
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 @pytest.mark.parametrize("handler_cancellation", [True, False], ids=["start_http", "plain-runner"])
-def test_client_disconnect_cancels_generate(request, fake, stream, handler_cancellation):
+def test_client_disconnect_cancels_generate(request, fake, stream, handler_cancellation, n):
+    """One choice runs on the handler's task (_one_choice), several on a task each (_run_choices):
+    either way a client that goes away ends every generation within a second."""
     srv = request.getfixturevalue("server" if handler_cancellation else "server_without_cancellation")
     fake.hang = True
-    body = json.dumps({**CMPL, "stream": stream, "n": 2}).encode()
+    body = json.dumps({**CMPL, "stream": stream, "n": n}).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
         sock.sendall(head + body)
@@ -745,7 +769,7 @@ def test_client_disconnect_cancels_generate(request, fake, stream, handler_cance
             while b"data: " not in received:
                 received += sock.recv(65536)
         else:
-            assert _wait_for(lambda: len(fake.inputs) == 2, 5)
+            assert _wait_for(lambda: len(fake.inputs) == n, 5)
     closed_at = time.monotonic()
     rids = [inp.request_id for inp in fake.inputs]
     assert _wait_for(lambda: all(fake.ended.get(r) in ("cancelled", "closed") for r in rids), 1.0), fake.ended

@@ -19,7 +19,7 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import prometheus_client
 from aiohttp import web
@@ -185,10 +185,82 @@ def _sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _watch_connection(request: web.Request, queue: asyncio.Queue) -> None:
+def _chunk_encoder(
+    request_id: str, created: int, model: str, chat: bool, include_usage: bool
+) -> Callable[..., bytes]:
+    """-> chunk(choices, **extra): a stream's SSE event, _sse(chunk_json(...)) with "usage": null
+    where include_usage and no extra is given. The fields every chunk of the stream repeats are
+    encoded once; a token's chunk then encodes only its choices (the same bytes)."""
+    head = _sse(chunk_json(request_id, created, model, chat, []))[: -len(b"[]}\n\n")]  # ..."choices":
+    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+
+    def chunk(choices: list[dict], **extra) -> bytes:
+        if extra:
+            return _sse(chunk_json(request_id, created, model, chat, choices, **extra))
+        return head + json.dumps(choices, separators=(",", ":")).encode() + tail
+
+    return chunk
+
+
+async def _watch_connection(request: web.Request, gone: Callable[[], None]) -> None:
+    """Calls gone() once the client's connection is closed (checked every DISCONNECT_POLL_S)."""
     while request.transport is not None and not request.transport.is_closing():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    queue.put_nowait((-1, ClientGone()))
+    gone()
+
+
+def _choices(
+    request: web.Request, frontend: Frontend, inputs: list[GenerateInput]
+) -> AsyncGenerator[tuple[int, Delta], None]:
+    """Every choice's deltas as they come, as (choice index, delta): _one_choice or _run_choices."""
+    if len(inputs) == 1:
+        return _one_choice(request, frontend, inputs[0])
+    return _run_choices(request, frontend, inputs)
+
+
+async def _one_choice(
+    request: web.Request, frontend: Frontend, inp: GenerateInput
+) -> AsyncGenerator[tuple[int, Delta], None]:
+    """_run_choices for one choice, on the caller's task: the deltas straight from
+    frontend.generate, with no task and queue between (a token then costs the router's event loop
+    one task wake-up, not two). A client that disconnects while this waits on the generation
+    cancels that wait; while the caller is elsewhere (writing a chunk), it is found before the
+    next wait. Either way it comes out as ClientGone, the generation closed."""
+    task = asyncio.current_task()
+    waiting = gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        if waiting:
+            task.cancel()
+
+    stream: AsyncIterator[Delta] = frontend.generate(inp)
+    closing = contextlib.aclosing(stream) if isinstance(stream, AsyncGenerator) else contextlib.nullcontext()
+    watcher = asyncio.create_task(_watch_connection(request, on_gone))
+    finished = False
+    try:
+        async with closing:
+            while not gone:
+                waiting = True
+                try:
+                    delta = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if gone and task.uncancel() == 0:  # our cancel, and no one else's
+                        raise ClientGone() from None
+                    raise
+                finally:
+                    waiting = False
+                finished = finished or delta.finish_reason is not None
+                yield 0, delta
+        if gone:
+            raise ClientGone()
+        if not finished:
+            raise RuntimeError(f"generate for {inp.request_id} ended without a finish_reason")
+    finally:
+        watcher.cancel()
 
 
 async def _run_choices(
@@ -219,7 +291,7 @@ async def _run_choices(
             queue.put_nowait((index, e))
 
     tasks = [asyncio.create_task(pump(i, inp), name=inp.request_id) for i, inp in enumerate(inputs)]
-    watcher = asyncio.create_task(_watch_connection(request, queue))
+    watcher = asyncio.create_task(_watch_connection(request, lambda: queue.put_nowait((-1, ClientGone()))))
     running = len(tasks)
     try:
         while running:
@@ -299,7 +371,7 @@ class _Api:
             for i in range(len(inputs))
         ]
         logger.debug("request %s: %d choice(s), stream=%s", request_id, len(inputs), parsed.stream)
-        deltas = _run_choices(request, self.frontend, inputs)
+        deltas = _choices(request, self.frontend, inputs)
         if parsed.stream:
             return await self._stream(request, request_id, parsed, outputs, deltas)
         async with contextlib.aclosing(deltas):
@@ -323,11 +395,9 @@ class _Api:
         """SSE chunks. Headers go out with the first delta, so an error before it (overload, no
         worker) still gets its own HTTP status; a later one is sent as a `data: {"error": ...}`
         event that ends the stream."""
-        created, model, chat = int(time.time()), self.frontend.model_name, parsed.chat
-        usage_null = {"usage": None} if parsed.include_usage else {}
-
-        def chunk(choices: list[dict], **extra) -> bytes:
-            return _sse(chunk_json(request_id, created, model, chat, choices, **(extra or usage_null)))
+        chunk = _chunk_encoder(
+            request_id, int(time.time()), self.frontend.model_name, parsed.chat, parsed.include_usage
+        )
 
         resp: web.StreamResponse | None = None
         async with contextlib.aclosing(deltas):

@@ -233,6 +233,7 @@ class RouterCore(Frontend):
             shared_blocks=shared,
         )
         m = self.metrics
+        itl = m.labels(m.itl)  # observed every token: its labels looked up once
         first_token_time = last_token_time = None
         usage = Usage(prompt_tokens=len(prompt))
         timings = Timings(queue=inp.queued)
@@ -246,7 +247,7 @@ class RouterCore(Frontend):
                     elif last_token_time is not None:
                         gap = (now - last_token_time) / len(delta.token_ids)
                         for _ in delta.token_ids:
-                            m.labels(m.itl).observe(gap)
+                            itl.observe(gap)
                     last_token_time = now
                 if delta.finish_reason is not None:
                     timings.queue += inp.queued
