@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import engine
 from engine import env as env_vars
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,8 @@ class StackConfig:
     omp_wait_policy: str = "auto"
     """The workers' OMP_WAIT_POLICY: "auto" sets PASSIVE when their threads together outnumber
     the CPUs (Stack.workers_share_cpus) and the environment names none; "inherit" leaves the
-    environment's (OpenMP's default: spin a while after each region, then sleep); another value
-    is set as it is."""
+    environment's (else the engine's default: a short spin after each region, then sleep;
+    engine/__init__.py); another value is set as it is."""
     api_key: str | None = field(default=None, repr=False)
     """A key the router's public API requires (passed as PDSERVE_API_KEY, out of process
     listings); None: whatever PDSERVE_API_KEY the environment holds, else an open API."""
@@ -219,7 +220,7 @@ class Stack:
         ]
         if cfg.registry:
             args += ["--registry", cfg.registry]
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if engine.DEFAULTED_ENV.get(k) != v}  # theirs to set
         if cfg.threads_per_worker:
             args += ["--num-threads", str(cfg.threads_per_worker)]
             env["OMP_NUM_THREADS"] = str(cfg.threads_per_worker)

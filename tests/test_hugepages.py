@@ -14,6 +14,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams, hugepages
 from engine.hugepages import ALIGN, HUGE_PAGE, WeightArena, huge_empty, huge_zeros, place_parameters
+from tests.bench_testing import run_python
 
 LINUX = sys.platform.startswith("linux")
 
@@ -210,6 +211,30 @@ def test_engine_kv_prefault_makes_the_whole_cache_resident_at_start(tiny_model):
     assert llm.generate(["The module provides"], params)[0].token_ids == (
         lazy.generate(["The module provides"], params)[0].token_ids
     )
+
+
+SPIN_PROBE = """
+import os, engine
+print(os.environ.get("GOMP_SPINCOUNT"), sorted(engine.DEFAULTED_ENV))
+"""
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, "30000 ['GOMP_SPINCOUNT', 'THP_MEM_ALLOC_ENABLE']"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "None ['THP_MEM_ALLOC_ENABLE']"),
+        ({"GOMP_SPINCOUNT": "5"}, "5 ['THP_MEM_ALLOC_ENABLE']"),
+    ],
+    ids=["default", "a-policy-named", "a-spin-named"],
+)
+def test_importing_engine_shortens_openmps_spin_unless_the_environment_names_one(env, expected):
+    """GOMP_SPINCOUNT=30000 (libgomp reads it when torch loads it) where the environment names no
+    OpenMP wait policy and no spin count; engine.DEFAULTED_ENV lists what it set."""
+    unset = tuple({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE"} - set(env))
+    out = run_python("-c", SPIN_PROBE, env=env, unset=unset)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
 
 
 ALLOCATOR_PROBE = """

@@ -55,6 +55,22 @@ def test_workers_wait_passively_only_when_they_share_the_cpus(
     assert environ["OMP_NUM_THREADS"] == str(threads)
 
 
+def test_engines_own_defaults_stay_out_of_a_workers_environment(tiny_model, monkeypatch):
+    """What importing engine set for this process (GOMP_SPINCOUNT: a short OpenMP spin) is not
+    handed on: an inherited GOMP_SPINCOUNT would override the PASSIVE wait a worker on shared CPUs
+    gets. One the user set is handed on."""
+    import engine
+
+    monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 1)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(engine.DEFAULTED_ENV, "GOMP_SPINCOUNT", "30000")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "30000")
+    environ = _worker_environ(StackConfig(tiny_model, threads_per_worker=2))
+    assert environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "777")  # the user's own
+    assert _worker_environ(StackConfig(tiny_model, threads_per_worker=2))["GOMP_SPINCOUNT"] == "777"
+
+
 def test_a_policy_the_user_names_is_kept(tiny_model, monkeypatch):
     monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 1)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
