@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,16 @@ LIBGOMP_DEFAULT = "300000"
 
 
 def child(args: argparse.Namespace) -> None:
-    """One process's workloads (engine imported before torch, as a user's script would)."""
+    """One process's workloads, its setting in the environment it started with (libgomp reads it
+    when torch loads it, whatever is imported first)."""
+    from benchmarks.offline_throughput import random_prompts
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=1.0)
     vocab = llm.engine.model_cfg.vocab_size
 
     def prompts(seed: int) -> list[list[int]]:
-        rng = random.Random(seed)
-        return [[rng.randrange(16, vocab) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+        return random_prompts(args.concurrency, args.prompt_len, vocab, seed)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts(10_000)[:8], sampling_params=params)  # warm-up
