@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -87,6 +88,14 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def ratios(values: list[float], baseline: list[float]) -> tuple[float, float]:
+    """Runs of a candidate against a baseline's, run for run in alternation -> (the ratio of their
+    medians, the median of each run's ratio to the baseline's run beside it: the same machine
+    state)."""
+    median = statistics.median
+    return median(values) / median(baseline), median(v / b for v, b in zip(values, baseline, strict=True))
 
 
 def plot_decode_curves(series: dict[str, list[tuple[int, float]]], title: str, png: Path) -> Path:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = args.settings.split(",")
     if any(s != "passive" and not s.isdigit() for s in settings) or min(args.pairs, args.rounds) < 1:
         raise SystemExit("--settings: numbers (GOMP_SPINCOUNT) or passive; --pairs and --rounds >= 1")
-    from benchmarks.common import save
+    from benchmarks.common import ratios, save
 
     forwarded = argv if argv is not None else sys.argv[1:]  # a child ignores --output
     runs: dict[str, list[dict]] = {s: [] for s in settings}
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = [run[workload] for run in runs[setting]]
             base = [run[workload] for run in runs[first]]
             row[f"{workload}_tok_s"] = statistics.median(mine)
-            row[f"{workload}_ratio"] = statistics.median(mine) / statistics.median(base)
-            row[f"{workload}_paired_ratio"] = statistics.median(
-                m / b for m, b in zip(mine, base, strict=True)
-            )
+            row[f"{workload}_ratio"], row[f"{workload}_paired_ratio"] = ratios(mine, base)
         results.append(row)
         print(
             f"{setting:>8}: offline {row['offline_tok_s']:.1f} tok/s ({row['offline_ratio']:.3f}x, "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save  # noqa: E402
+from benchmarks.common import ratios, save  # noqa: E402
 from benchmarks.served_vs_offline import (  # noqa: E402
     Served,
     add_workload_args,
@@ -84,16 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, arm in zip(names, arms, strict=True):
         rates, cpu = arm.rates, arm.cpu_per_token()
+        decode_ratio, paired_decode_ratio = ratios(rates.decode_tok_s, base.decode_tok_s)
         results[name] = {
             "stack": dict(args.arm)[name],
             "decode_tok_s": rates.decode_tok_s,
             "tok_s": rates.tok_s,
-            "decode_ratio": median(rates.decode_tok_s) / median(base.decode_tok_s),
-            # each round's ratio to the first arm's round beside it (the same machine state), median
-            "paired_decode_ratio": median(
-                a / b for a, b in zip(rates.decode_tok_s, base.decode_tok_s, strict=True)
-            ),
-            "ratio": median(rates.tok_s) / median(base.tok_s),
+            "decode_ratio": decode_ratio,
+            "paired_decode_ratio": paired_decode_ratio,  # by round: beside the first arm's round
+            "ratio": ratios(rates.tok_s, base.tok_s)[0],
             "cpu_s_per_token": cpu,
             "first_pause_s": arm.pauses,
             "longest_gap_s": arm.longest_gaps,
