@@ -221,11 +221,11 @@ def _choices(
 async def _one_choice(
     request: web.Request, frontend: Frontend, inp: GenerateInput
 ) -> AsyncGenerator[tuple[int, Delta], None]:
-    """_run_choices for one choice, on the caller's task: the deltas straight from
-    frontend.generate, with no task and queue between (a token then costs the router's event loop
-    one task wake-up, not two). A client that disconnects while this waits on the generation
-    cancels that wait; while the caller is elsewhere (writing a chunk), it is found before the
-    next wait. Either way it comes out as ClientGone, the generation closed."""
+    """One choice's deltas on the caller's task, straight from frontend.generate (a single-choice
+    request's token then costs the router's event loop one task wake-up; _run_choices runs one of
+    these per choice on a task of its own). A client that disconnects while this waits on the
+    generation cancels that wait; while the caller is elsewhere (writing a chunk), it is found
+    before the next wait. Either way it comes out as ClientGone, the generation closed."""
     task = asyncio.current_task()
     waiting = gone = False
 
@@ -267,31 +267,20 @@ async def _run_choices(
     request: web.Request, frontend: Frontend, inputs: list[GenerateInput]
 ) -> AsyncGenerator[tuple[int, Delta], None]:
     """Every choice's deltas as they come, as (choice index, delta), until all generate iterators
-    end. Raises the first error (ClientGone when the client disconnects); on any exit, cancels the
-    choices still running."""
+    end: each choice's _one_choice on a task of its own. Raises the first error (ClientGone when
+    the client disconnects); on any exit, cancels the choices still running."""
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, inp: GenerateInput) -> None:
         try:
-            stream: AsyncIterator[Delta] = frontend.generate(inp)
-            closing = (
-                contextlib.aclosing(stream)
-                if isinstance(stream, AsyncGenerator)
-                else contextlib.nullcontext()
-            )
-            finished = False
-            async with closing:
-                async for delta in stream:
-                    finished = finished or delta.finish_reason is not None
+            async with contextlib.aclosing(_one_choice(request, frontend, inp)) as deltas:
+                async for _, delta in deltas:
                     queue.put_nowait((index, delta))
-            if not finished:
-                raise RuntimeError(f"generate for {inp.request_id} ended without a finish_reason")
             queue.put_nowait((index, None))
         except Exception as e:
             queue.put_nowait((index, e))
 
     tasks = [asyncio.create_task(pump(i, inp), name=inp.request_id) for i, inp in enumerate(inputs)]
-    watcher = asyncio.create_task(_watch_connection(request, lambda: queue.put_nowait((-1, ClientGone()))))
     running = len(tasks)
     try:
         while running:
@@ -306,9 +295,9 @@ async def _run_choices(
         running_ids = [task.get_name() for task in tasks if not task.done()]
         if running_ids:
             logger.info("cancelling %s", ", ".join(running_ids))
-        for task in (*tasks, watcher):
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, watcher, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Api:
