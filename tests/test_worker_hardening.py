@@ -448,7 +448,8 @@ def test_drain_needs_the_token_then_stops_the_worker_gracefully(workers):
     assert _readiness(endpoint) == health_pb2.HealthCheckResponse.SERVING
     assert not load(endpoint, TOKEN).draining
     stub = worker(endpoint, TOKEN)
-    long = pb.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    # Long enough to be still running when Drain lands (the colocated worker holds 1,024 tokens).
+    long = pb.SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
     stream = stub.Decode(
         wpb.DecodeRequest(request_id="in-flight", prompt_token_ids=_prompt(8, 20), sampling=long)
     )
@@ -461,7 +462,7 @@ def test_drain_needs_the_token_then_stops_the_worker_gracefully(workers):
     assert wait_until(lambda: _readiness(endpoint) == health_pb2.HealthCheckResponse.NOT_SERVING, 1.0)
     assert time.monotonic() - start < 1.0
     reader.join(timeout=30)
-    assert len(tokens + rest) == 60
+    assert len(tokens + rest) == 600
     assert w.colocated.popen.wait(timeout=15) == 0
 
 
