@@ -12,15 +12,18 @@ from kernels import native
 from tests.bench_testing import REPO, head_revision, run_benchmark, saved_result
 
 
-def test_products_ab_smoke(tiny_model, tmp_path):
+@pytest.mark.parametrize("warm", [False, True], ids=["weights-from-memory", "weights-in-cache"])
+def test_products_ab_smoke(tiny_model, tmp_path, warm):
     out = tmp_path / "products.json"
     args = ["--baseline", head_revision(), "--model", tiny_model, "--rows", "1,3", "--rounds", "2"]
+    args += ["--warm"] if warm else []
     proc = run_benchmark("products_ab.py", *args, "--threads", "1", "--output", str(out), timeout=600)
     if not native.supported():
         assert proc.returncode == 1 and "do not run on this CPU" in proc.stdout
         return
     result = saved_result(proc, out)
     assert [row["rows"] for row in result["results"]] == [1, 3]
+    assert result["weights_in_cache"] is warm
     for row in result["results"]:
         assert row["baseline_ms"] > 0 and row["candidate_ms"] > 0
         assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["candidate_ms"])
