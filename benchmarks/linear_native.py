@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save  # noqa: E402
 from benchmarks.linear_orientation import COLD_BYTES, model_shapes, time_cold  # noqa: E402
-from engine import env  # noqa: E402
+from engine.platform import load_native  # noqa: E402
 from kernels import native  # noqa: E402
 from kernels.linear import linear_torch  # noqa: E402
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if not native.load(Path(env.native_build_dir()), bf16=env.native_bf16()):
-        print("the native kernels do not run on this CPU (no AVX512F) or did not build")
+    if not load_native():
+        print("the native kernels do not run on this CPU (neither AVX512F nor AVX2) or did not build")
         return 1
     config = json.loads((Path(args.model) / "config.json").read_text())
     shapes = {name: (1, n, k) for name, (n, k) in model_shapes(config).items()}

@@ -70,7 +70,8 @@ def log_level() -> str:
 
 def native_kernels() -> bool:
     """PDSERVE_NATIVE_KERNELS: "0" keeps the engine on torch's CPU kernels instead of building and
-    loading its native ones (kernels/native; default on where the CPU has AVX512F/BW/VL/DQ)."""
+    loading its native ones (kernels/native; default on where the CPU has AVX512F/BW/VL/DQ, or
+    AVX2 and FMA)."""
     return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") != "0"
 
 
@@ -85,6 +86,13 @@ def native_bf16() -> bool:
     where the CPU has them: their AVX512F emulation, as a CPU without them (Skylake-SP to Ice Lake)
     runs, for tests and measurements (default: the instructions where they are)."""
     return os.environ.get("PDSERVE_NATIVE_BF16", "1") != "0"
+
+
+def native_avx512() -> bool:
+    """PDSERVE_NATIVE_AVX512: "0" builds the native kernels for AVX2 and FMA even where the CPU has
+    AVX-512: each 512-bit vector a pair of 256-bit registers, as a CPU without AVX-512 (AMD Zen 1
+    to 3, Intel client cores) runs, for tests and measurements (default: AVX-512 where it is)."""
+    return os.environ.get("PDSERVE_NATIVE_AVX512", "1") != "0"
 
 
 def native_build_dir() -> str:

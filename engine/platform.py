@@ -24,10 +24,14 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     through an emulation (~10x slower than float32 on AVX2, 1.2-1.75x with AVX512F), so there the
     checkpoint's half-precision weights are widened to float32 -- exactly, every bf16 value is a
     float32 value -- and the model computes in float32, as llama.cpp does on such machines. Except
-    a bf16 model on a CPU with AVX512F/BW/VL/DQ (Skylake-SP to Ice Lake), where the native kernels
-    load: they compute the AVX512-BF16 instructions' bits with AVX512F ones and read the weights
-    in bf16, half the bytes (on a 2-core Zen 4 built as such a CPU, against float32 through torch:
-    decode 3.2x faster at batch 1 and 2.5-4.9x at 8-256, offline throughput 1.8x; README).
+    a bf16 model where the native kernels load, which compute the AVX512-BF16 instructions' bits
+    without them and read the weights in bf16, half the bytes:
+    - with AVX512F/BW/VL/DQ (Skylake-SP to Ice Lake): on a 2-core Zen 4 built as such a CPU,
+      against float32 through torch, decode 3.2x faster at batch 1 and 2.5-4.9x at 8-256,
+      offline throughput 1.8x (README);
+    - with AVX2 and FMA only (AMD Zen 1 to 3, Intel client cores): the same Zen 4 built as such a
+      CPU, torch capped at AVX2 as well, decode 4.0x / 3.0x / 1.7x / 1.1x faster at batch 1 / 8 /
+      32 / 128, offline throughput 1.25x (README).
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
@@ -47,4 +51,13 @@ def use_native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     True when they are loaded; the engine otherwise runs torch's."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not env.native_kernels():
         return False
-    return native.load(Path(env.native_build_dir()), amx=env.native_amx(), bf16=env.native_bf16())
+    return load_native()
+
+
+def load_native() -> bool:
+    """native.load as the environment sets it up (engine/env.py: the build folder, PDSERVE_NATIVE_AMX,
+    _BF16 and _AVX512), whether or not a model would use the kernels: the engine's, the tests' and
+    the benchmarks' one way in. -> whether they are loaded."""
+    return native.load(
+        Path(env.native_build_dir()), amx=env.native_amx(), bf16=env.native_bf16(), avx512=env.native_avx512()
+    )

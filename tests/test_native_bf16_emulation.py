@@ -1,20 +1,22 @@
 """kernels/native built without the AVX512-BF16 instructions (PDSERVE_NATIVE_BF16=0: what a CPU
-with AVX512F but not them runs, Skylake-SP to Ice Lake) computes the bits the instructions do:
+with AVX512F but not them runs, Skylake-SP to Ice Lake), and built for AVX2 (PDSERVE_NATIVE_AVX512=0:
+what a CPU without AVX-512 runs, AMD Zen 1 to 3, Intel client cores), compute the bits the
+instructions do:
 VDPBF16PS and VCVTNEPS2BF16 lane by lane, the products at 1 to 128 rows, the MLA decode
 attention, and a whole decode step of a small model in one call (norms, rotary, products,
-attention, routing, experts) with its LM head and greedy tokens. The emulated build runs in a
+attention, routing, experts) with its LM head and greedy tokens. The other build runs in a
 subprocess (the kernels are loaded once per process) and hands its tensors back as safetensors."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine import env
+from engine.platform import load_native
 from kernels import native
 from tests.bench_testing import run_python
 from tests.test_native_kernels import _decode_batch, _small_model
@@ -79,15 +81,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def test_the_emulation_computes_the_instructions_bits(tmp_path):
-    build = native.load(Path(env.native_build_dir()), bf16=env.native_bf16())
+@pytest.mark.parametrize(
+    "child_env",
+    [{"PDSERVE_NATIVE_BF16": "0"}, {"PDSERVE_NATIVE_AVX512": "0"}],
+    ids=["avx512f-emulating-bf16", "avx2"],
+)
+def test_the_emulation_computes_the_instructions_bits(tmp_path, child_env):
+    build = load_native()
     assert build == native.supported()
-    if not build:  # no AVX512F here: neither build loads
+    if not build or not native.has_avx512():  # no AVX512F here: nothing to compare the build with
         return
     saved = tmp_path / "emulated.safetensors"
-    run = run_python(
-        "-m", "tests.test_native_bf16_emulation", str(saved), timeout=600, env={"PDSERVE_NATIVE_BF16": "0"}
-    )
+    run = run_python("-m", "tests.test_native_bf16_emulation", str(saved), timeout=600, env=child_env)
     assert run.returncode == 0, run.stderr[-3000:]
     emulated = load_file(saved)
     before = native.uses_amx()
@@ -97,7 +102,7 @@ def test_the_emulation_computes_the_instructions_bits(tmp_path):
         native.use_amx(before)
     assert ours.keys() == emulated.keys()
     different = [name for name, t in ours.items() if not torch.equal(_bits(t), _bits(emulated[name]))]
-    assert not different, f"the emulated build's bits differ in {different}"
+    assert not different, f"the {run_name(child_env)} build's bits differ in {different}"
     # The child ran the emulation; this process runs the instructions where the CPU has them.
     assert native.bf16_instructions() == (native.BF16_FLAG in native.cpu_flags() and env.native_bf16())
 
@@ -112,14 +117,24 @@ AVX512 = frozenset(native.REQUIRED_FLAGS)
         (AVX512 | {"amx_bf16"}, "0", torch.bfloat16),  # native bf16 arithmetic: bf16 with or without them
         (AVX512, "1", torch.bfloat16),  # the kernels' emulation
         (AVX512, "0", torch.float32),  # torch's emulated bf16 products: float32 is faster
-        (frozenset({"avx2", "fma", "f16c"}), "1", torch.float32),
+        (frozenset({"avx2", "fma", "f16c"}), "1", torch.bfloat16),  # the AVX2 build's emulation
+        (frozenset({"avx2", "fma", "f16c"}), "0", torch.float32),
+        (frozenset({"sse4_2", "avx"}), "1", torch.float32),  # no build runs there
     ],
-    ids=["avx512-bf16", "amx-kernels-off", "avx512f", "avx512f-kernels-off", "avx2"],
+    ids=[
+        "avx512-bf16",
+        "amx-kernels-off",
+        "avx512f",
+        "avx512f-kernels-off",
+        "avx2",
+        "avx2-kernels-off",
+        "avx",
+    ],
 )
 def test_a_bf16_model_computes_in_bf16_where_the_cpu_or_the_kernels_do(monkeypatch, flags, kernels, want):
     from engine.platform import compute_dtype
 
-    runs_here = native.load(Path(env.native_build_dir()), bf16=env.native_bf16())
+    runs_here = load_native()
     if not runs_here:  # the kernels cannot run on this CPU, whatever the flags say
         monkeypatch.setattr(native, "load", lambda *a, **k: False)
         want = torch.float32 if not flags & {"avx512_bf16", "amx_bf16"} else want
@@ -133,9 +148,12 @@ def test_a_bf16_model_computes_in_bf16_where_the_cpu_or_the_kernels_do(monkeypat
         compute_dtype.cache_clear()
 
 
-if __name__ == "__main__":  # the emulated build's side: PDSERVE_NATIVE_BF16=0
+def run_name(child_env: dict[str, str]) -> str:
+    return "AVX2" if "PDSERVE_NATIVE_AVX512" in child_env else "emulated"
+
+
+if __name__ == "__main__":  # the other build's side: PDSERVE_NATIVE_BF16=0 or PDSERVE_NATIVE_AVX512=0
     torch.set_num_threads(1)
-    assert (
-        native.load(Path(env.native_build_dir()), bf16=env.native_bf16()) and not native.bf16_instructions()
-    )
+    assert load_native() and not native.bf16_instructions()
+    assert native.avx512() == env.native_avx512()
     save_file({name: t.contiguous() for name, t in _outputs().items()}, sys.argv[1])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import env
+from engine.platform import load_native
 from kernels import native
 
 ALONE = 1 << 62  # a threshold no call reaches: every call on its caller's thread
@@ -19,10 +19,8 @@ ALONE = 1 << 62  # a threshold no call reaches: every call on its caller's threa
 
 @pytest.fixture(scope="module")
 def loaded() -> bool:
-    loaded = native.load(
-        Path(env.native_build_dir()), bf16=env.native_bf16()
-    )  # where the engines of the other tests build them
-    assert loaded == native.supported()  # a CPU without AVX512F has no native kernels, no pool
+    loaded = load_native()  # where the engines of the other tests build them
+    assert loaded == native.supported()  # a CPU without AVX2 or AVX512F has no native kernels, no pool
     return loaded
 
 

@@ -10,8 +10,9 @@ torch version, so a stale build is never loaded.
 
 Process-wide, like torch.ops: `load` is called once by the engine (engine/engine_core.py, with the
 build folder and switch from engine/env.py), and the kernels (kernels/linear.py) ask `linear_bf16`
-only when `loaded()`. A machine without AVX512F, or where the build fails (no compiler), keeps
-the torch path; the engine logs which it runs.
+only when `loaded()`. The build is for AVX-512 where the CPU has it, else for AVX2 and FMA (the same
+source on pairs of 256-bit registers: avx2.h). A machine with neither, or where the build fails
+(no compiler), keeps the torch path; the engine logs which it runs.
 """
 
 from __future__ import annotations
@@ -40,12 +41,18 @@ HEADERS = tuple(  # included by SOURCE: part of the build key
         "layer.h",
         "argmax.h",
         "spec.h",
+        "avx2.h",
     )
 )
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-"""/proc/cpuinfo flags the compiled code needs: 512-bit float32 arithmetic and the masked 16-bit
+"""/proc/cpuinfo flags the AVX-512 build needs: 512-bit float32 arithmetic and the masked 16-bit
 loads and stores (Intel from Skylake-SP, AMD from Zen 4)."""
+AVX2_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+AVX2_FLAGS = ("avx2", "fma")
+"""A CPU with these but not REQUIRED_FLAGS (AMD Zen 1 to 3, Intel client cores) gets the AVX2
+build: the same source, each 512-bit vector a pair of 256-bit registers (kernels/native/avx2.h),
+the same bits as the AVX-512 build with AVX512-BF16 emulated."""
 BF16_FLAG = "avx512_bf16"
 """Where the CPU has it, the build also takes `-mavx512bf16`: VDPBF16PS and VCVTNEPS2BF16. Without
 it (Skylake-SP to Ice Lake) the kernels compute the same bits from AVX512F instructions, each
@@ -89,6 +96,7 @@ _max_rows = FEW_ROWS
 
 _library: ModuleType | None = None
 _bf16_instructions = False
+_avx512 = False
 _amx = False
 
 
@@ -104,24 +112,36 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def supported() -> bool:
+def has_avx512() -> bool:
+    """Whether this CPU runs the AVX-512 build."""
     return all(flag in cpu_flags() for flag in REQUIRED_FLAGS)
 
 
-def load(build_dir: Path, amx: bool = True, bf16: bool = True) -> bool:
+def supported() -> bool:
+    """Whether this CPU runs a build: the AVX-512 one, else the AVX2 one."""
+    return has_avx512() or all(flag in cpu_flags() for flag in AVX2_FLAGS)
+
+
+def load(build_dir: Path, amx: bool = True, bf16: bool = True, avx512: bool = True) -> bool:
     """Build (once per source, flags and torch version, under a lock other processes wait on) and
     load the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
-    without AVX512F/BW/VL/DQ or when the build fails. amx: products on the AMX tile unit where the
-    CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the CPU has them (False
-    builds their emulation, as for a CPU without them: for tests and measurements)."""
-    global _library, _bf16_instructions
+    with neither AVX512F/BW/VL/DQ nor AVX2 and FMA, or when the build fails. amx: products on the
+    AMX tile unit where the CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the
+    CPU has them (False builds their emulation, as for a CPU without them); avx512: the AVX-512
+    build where the CPU has it (False builds the AVX2 one, as for a CPU without it). The last two
+    for tests and measurements."""
+    global _library, _bf16_instructions, _avx512
     if _library is not None:
         return True
     if not supported():
-        logger.info("native CPU kernels: this CPU lacks %s; using torch's", "/".join(REQUIRED_FLAGS))
+        logger.info(
+            "native CPU kernels: this CPU lacks %s and %s; using torch's",
+            *map("/".join, (REQUIRED_FLAGS, AVX2_FLAGS)),
+        )
         return False
-    bf16 = bf16 and BF16_FLAG in cpu_flags()
-    cflags = CFLAGS + (["-mavx512bf16"] if bf16 else [])
+    avx512 = avx512 and has_avx512()
+    bf16 = bf16 and avx512 and BF16_FLAG in cpu_flags()
+    cflags = (CFLAGS + (["-mavx512bf16"] if bf16 else [])) if avx512 else AVX2_CFLAGS
     source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     key = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:16]
     name = f"pdserve_native_{key}"
@@ -143,11 +163,17 @@ def load(build_dir: Path, amx: bool = True, bf16: bool = True) -> bool:
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path still works
         logger.warning("native CPU kernels: build failed (%s); using torch's", str(e).splitlines()[0][:200])
         return False
-    _bf16_instructions = bf16
+    _bf16_instructions, _avx512 = bf16, avx512
     amx = use_amx(amx)
-    products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F (AVX512-BF16 emulated)"
+    products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F" if avx512 else "AVX2"
+    products += "" if bf16 else " (AVX512-BF16 emulated)"
     logger.info("native CPU kernels loaded from %s (%s products)", folder, products)
     return True
+
+
+def avx512() -> bool:
+    """Whether the loaded kernels are the AVX-512 build (False: the AVX2 one)."""
+    return _avx512
 
 
 def bf16_instructions() -> bool:

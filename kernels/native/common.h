@@ -6,6 +6,9 @@
 #include <ATen/Parallel.h>
 #include <pthread.h>
 #include <immintrin.h>
+#ifndef __AVX512F__
+#include "avx2.h"  // the AVX-512 intrinsics below on pairs of AVX2 registers
+#endif
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
