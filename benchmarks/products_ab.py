@@ -2,6 +2,7 @@
 
     python benchmarks/products_ab.py --baseline e7420c2 --rows 1,4,32
     python benchmarks/products_ab.py --baseline e7420c2 --emulated   # the build without AVX512-BF16
+    python benchmarks/products_ab.py --baseline e7420c2 --avx2       # the build for AVX2 (no AVX-512)
 
 Each side's kernels (kernels/native: a git checkout of `--baseline`, and the working tree or
 `--candidate REV`) are built by that side's own loader in a subprocess, then both libraries are
@@ -42,14 +43,22 @@ LIBRARY_PATH = r"""
 from pathlib import Path
 from engine import env
 from kernels import native
-assert native.load(Path(env.native_build_dir()), bf16=env.native_bf16()), "the native kernels did not load"
+try:
+    from engine.platform import load_native
+except ImportError:  # a revision before it (and before the AVX2 build)
+    load_native = lambda: native.load(Path(env.native_build_dir()), bf16=env.native_bf16())
+assert load_native(), "the native kernels did not load"
 print(native._library.__file__)
 """
 
 
-def build(tree: Path, emulated: bool) -> Path:
+def build(tree: Path, emulated: bool, avx2: bool = False) -> Path:
     """Path of `tree`'s native library, built by its own loader (in the shared build cache)."""
-    env = {**os.environ, "PDSERVE_NATIVE_BF16": "0" if emulated else "1"}
+    env = {
+        **os.environ,
+        "PDSERVE_NATIVE_BF16": "0" if emulated else "1",
+        "PDSERVE_NATIVE_AVX512": "0" if avx2 else "1",
+    }
     out = subprocess.run(
         [sys.executable, "-c", LIBRARY_PATH], cwd=tree, env=env, check=True, capture_output=True, text=True
     )
@@ -104,6 +113,7 @@ def main() -> int:
     p.add_argument("--baseline", required=True, help="git revision to compare against")
     p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
     p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
+    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
     p.add_argument("--model", default="models/pdserve-bench", help="its config.json gives the shapes")
     p.add_argument("--rows", default="1,4,32", help="rows of x (tokens in the step)")
     p.add_argument("--rounds", type=int, default=40)
@@ -122,7 +132,10 @@ def main() -> int:
     torch.set_num_threads(1)  # the kernels' own pool shares the work (use_pool)
     torch.manual_seed(0)
     with checkouts(args.baseline, args.candidate, prefix="pdserve-products-ab-") as (base_tree, cand_tree):
-        paths = {"baseline": build(base_tree, args.emulated), "candidate": build(cand_tree, args.emulated)}
+        paths = {
+            side: build(tree, args.emulated, args.avx2)
+            for side, tree in (("baseline", base_tree), ("candidate", cand_tree))
+        }
     libraries = {side: load_library(path, args.threads) for side, path in paths.items()}
     shapes = step_products(json.loads((Path(args.model) / "config.json").read_text()))
     weights = [(torch.randn(b, n, k) * k**-0.5).bfloat16() for b, n, k in shapes]
@@ -145,13 +158,19 @@ def main() -> int:
         print(
             f"{rows:4d} rows: baseline {base_ms:7.3f} ms  candidate {cand_ms:7.3f} ms  {base_ms / cand_ms:.3f}x"
         )
-    kind = ("emulated" if args.emulated else "native") + ("_warm" if args.warm else "")
+    kind = ("avx2" if args.avx2 else "emulated" if args.emulated else "native") + (
+        "_warm" if args.warm else ""
+    )
     path = save(
         f"products_ab_{kind}",
         {
             "baseline": args.baseline,
             "candidate": args.candidate or "working tree",
-            "build": "AVX512-BF16 emulated" if args.emulated else "this CPU's instructions",
+            "build": "AVX2"
+            if args.avx2
+            else "AVX512-BF16 emulated"
+            if args.emulated
+            else "this CPU's instructions",
             "weights_mb": megabytes,
             "threads": args.threads,
             "weights_in_cache": args.warm,

@@ -12,18 +12,20 @@ from kernels import native
 from tests.bench_testing import REPO, head_revision, run_benchmark, saved_result
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["weights-from-memory", "weights-in-cache"])
-def test_products_ab_smoke(tiny_model, tmp_path, warm):
+@pytest.mark.parametrize(
+    "flags", [[], ["--warm"], ["--avx2"]], ids=["weights-from-memory", "weights-in-cache", "avx2-build"]
+)
+def test_products_ab_smoke(tiny_model, tmp_path, flags):
     out = tmp_path / "products.json"
-    args = ["--baseline", head_revision(), "--model", tiny_model, "--rows", "1,3", "--rounds", "2"]
-    args += ["--warm"] if warm else []
+    args = ["--baseline", head_revision(), "--model", tiny_model, "--rows", "1,3", "--rounds", "2", *flags]
     proc = run_benchmark("products_ab.py", *args, "--threads", "1", "--output", str(out), timeout=600)
     if not native.supported():
         assert proc.returncode == 1 and "do not run on this CPU" in proc.stdout
         return
     result = saved_result(proc, out)
     assert [row["rows"] for row in result["results"]] == [1, 3]
-    assert result["weights_in_cache"] is warm
+    assert result["weights_in_cache"] is ("--warm" in flags)
+    assert (result["build"] == "AVX2") is ("--avx2" in flags)
     for row in result["results"]:
         assert row["baseline_ms"] > 0 and row["candidate_ms"] > 0
         assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["candidate_ms"])
