@@ -11,10 +11,10 @@ layer the attention's projections, the absorbed per-head products, and the dense
 and shared experts; then the LM head), each through its own weight, so the weights come from
 memory as in a step. The sides alternate sweep by sweep, which goes first swapping each round, and
 a 64 MB buffer is rewritten before each sweep (not with `--warm`: a small model's weights stay in
-cache from step to step, and its products are bound by the core, not the memory). Reported per row count: each side's median ms a
-sweep and baseline / candidate (> 1: the candidate is faster). This isolates the products from
-the rest of a step (Python, attention, the scheduler), whose noise on a shared VM is larger than
-a kernel change's effect.
+cache from step to step, and its products are bound by the core, not the memory). Reported per
+row count: each side's median ms a sweep and baseline / candidate (> 1: the candidate is
+faster). This isolates the products from the rest of a step (Python, attention, the scheduler),
+whose noise on a shared VM is larger than a kernel change's effect.
 """
 
 from __future__ import annotations
