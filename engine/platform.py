@@ -30,8 +30,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
       against float32 through torch, decode 3.2x faster at batch 1 and 2.5-4.9x at 8-256,
       offline throughput 1.8x (README);
     - with AVX2 and FMA only (AMD Zen 1 to 3, Intel client cores): the same Zen 4 built as such a
-      CPU, torch capped at AVX2 as well, decode 4.0x / 3.0x / 1.7x / 1.1x faster at batch 1 / 8 /
-      32 / 128, offline throughput 1.25x (README).
+      CPU, torch capped at AVX2 as well, decode 3.96x faster at batch 1 and 1.11-3.27x at 8-256,
+      offline throughput 1.15x, 0.57x the memory (README).
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype

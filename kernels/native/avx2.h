@@ -217,6 +217,8 @@ inline F16 permutex2var_ps(F16 a, I16 idx, F16 b) {
   };
   return {half(idx.lo), half(idx.hi)};
 }
+// The next two are called only on the AMX paths: they compile here and never run (a CPU with AMX
+// has AVX-512).
 // 16-bit lane i: a[idx[i] & 31].
 inline I16 permutexvar_epi16(I16 idx, I16 a) {
   alignas(32) uint16_t i[32], v[32], out[32];

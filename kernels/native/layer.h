@@ -17,8 +17,8 @@ namespace {
 // order: the output agrees to one bf16 rounding); the rest runs 16 lanes at a time too. (Summed
 // one after another, a row's chain of additions waited on itself: 3.8 % of a batch-1 MTP step's
 // samples on the 2-core Zen 4.) Rows go in blocks of NORM_ROWS, and a prefill's thousands of
-// rows are shared over the threads; each row's arithmetic is the same whatever the rows. sum may be res (the stream updated in
-// place), y may be x.
+// rows are shared over the threads; each row's arithmetic is the same whatever the rows. sum may
+// be res (the stream updated in place), y may be x.
 constexpr int64_t NORM_ROWS = 8;
 void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t w_ptr, int64_t y_ptr, int64_t ldy,
               int64_t sum_ptr, int64_t lds, int64_t M, int64_t D, double eps) {
