@@ -36,6 +36,7 @@ HEADERS = tuple(  # included by SOURCE: part of the build key
         "pool.h",
         "common.h",
         "products.h",
+        "products_avx2.h",
         "experts.h",
         "attention.h",
         "layer.h",

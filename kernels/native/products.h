@@ -17,9 +17,13 @@
 #pragma once
 
 #include "common.h"
+#ifndef __AVX512F__
+#include "products_avx2.h"  // the AVX2 build's `columns` and its order of additions
+#endif
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
 constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
 // dot_rows prefetches the weight this many elements (8 KB) ahead of each step it reads: a tile's
@@ -91,6 +95,8 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
     }
   }
 }
+
+#endif  // __AVX512F__ (the AVX2 build's `columns`: products_avx2.h)
 
 // ---- AMX: the same product on the tile unit, where the CPU has it (AMX-BF16) ----------------
 //
@@ -193,9 +199,9 @@ inline bool amx_takes(int64_t K) { return g_amx && K % AMX_K == 0; }
 
 // Columns [n0, n1) of y = x w^T, all M rows: on the tile unit where it can (amx_takes, whole
 // 32-column steps), `columns` for the rest. xt: x already packed by pack_pairs, or null to pack
-// here.
+// here; xs (the AVX2 build): x already split by split_rows, or null to split here.
 void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uint16_t* y, int64_t ldy, int64_t M,
-             int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr) {
+             int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr, const float* xs = nullptr) {
   const int64_t n_amx = amx_takes(K) ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
   if (n_amx > n0) {
     amx_configure();
@@ -205,7 +211,11 @@ void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
       amx_columns(xt + (m0 / AMX_M) * (K / 2) * AMX_M, w, ldw, y + m0 * ldy, ldy, std::min(AMX_M, M - m0), K, n0,
                   n_amx);
   }
+#ifdef __AVX512F__
   if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
+#else
+  if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1, xs);
+#endif
 }
 
 // Rows per block of a product with many rows (a prefill's, where the products without AVX512-BF16
@@ -220,7 +230,8 @@ constexpr int64_t ROW_BLOCK = 256;
 // strides, so this file needs neither torch's tensor headers nor their build time. B products
 // y[b] = x[b] @ w[b]^T (B = 1 for a plain linear; the heads of attention's absorbed products
 // otherwise), their columns shared over the threads together in chunks of whole AMX steps; on
-// the tile unit, each x[b] is packed once before (all its rows). Rows in blocks of ROW_BLOCK.
+// the tile unit, each x[b] is packed once before (all its rows), in the AVX2 build split once.
+// Rows in blocks of ROW_BLOCK.
 void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int64_t w_batch, int64_t ldw,
                  int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
   const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
@@ -232,6 +243,15 @@ void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int
     auto* y = reinterpret_cast<uint16_t*>(y_ptr) + m0 * ldy;
     std::vector<std::vector<uint32_t>> packed(amx_takes(K) && N >= AMX_N ? B : 0);
     for (int64_t b = 0; b < int64_t(packed.size()); ++b) pack_pairs(x + b * x_batch, ldx, rows, K, packed[b]);
+#ifdef __AVX512F__
+    const float* split = nullptr;
+    const int64_t split_size = 0;
+#else  // each x[b] split once for all its chunks' columns
+    thread_local std::vector<float> kept;
+    const int64_t split_size = rows * split_width(K);
+    float* split = scratch(kept, B * split_size);
+    for (int64_t b = 0; b < B; ++b) split_rows(x + b * x_batch, ldx, rows, K, split + b * split_size);
+#endif
     // Up to AMX_M rows a product costs reading its weight; each further pass of AMX_M rows costs
     // about as much again in arithmetic, so the threads start as if that much more were read.
     const int64_t passes = (rows + AMX_M - 1) / AMX_M;
@@ -239,7 +259,8 @@ void linear_bf16(int64_t x_ptr, int64_t x_batch, int64_t ldx, int64_t w_ptr, int
       for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
         const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
         product(x + b * x_batch, ldx, w + b * w_batch, ldw, y + b * y_batch, ldy, rows, K, s0 * AMX_N,
-                std::min(N, s1 * AMX_N), packed.empty() ? nullptr : packed[b].data());
+                std::min(N, s1 * AMX_N), packed.empty() ? nullptr : packed[b].data(),
+                split ? split + b * split_size : nullptr);
         i += s1 - s0;
       }
     });
