@@ -53,7 +53,8 @@ AVX2_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
 AVX2_FLAGS = ("avx2", "fma")
 """A CPU with these but not REQUIRED_FLAGS (AMD Zen 1 to 3, Intel client cores) gets the AVX2
 build: the same source, each 512-bit vector a pair of 256-bit registers (kernels/native/avx2.h),
-the same bits as the AVX-512 build with AVX512-BF16 emulated."""
+the same bits as the AVX-512 build with AVX512-BF16 emulated, except the products: they sum in
+an order of their own that fits AVX2's 16 registers (kernels/native/products_avx2.h)."""
 BF16_FLAG = "avx512_bf16"
 """Where the CPU has it, the build also takes `-mavx512bf16`: VDPBF16PS and VCVTNEPS2BF16. Without
 it (Skylake-SP to Ice Lake) the kernels compute the same bits from AVX512F instructions, each

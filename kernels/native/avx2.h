@@ -4,7 +4,9 @@
 // name pairs of 256-bit registers, and each intrinsic is a function of the same name's meaning
 // on the two halves. Every lane computes what the AVX-512 instruction computes (the same IEEE
 // operations in the same order: the horizontal reductions in GCC's own order, VSCALEFPS in one
-// rounding), so this build's bits are the AVX-512 build's (tests/test_native_bf16_emulation.py).
+// rounding), so the kernels written with them (attention, norms, rotary, routing) compute the
+// AVX-512 build's bits (tests/test_native_bf16_emulation.py). The products are the exception:
+// they sum in an order of their own, written for 16 registers (products_avx2.h).
 // Masked 16-bit loads and stores have no AVX2 form: a whole vector is a plain load or store, a
 // tail goes through a small buffer, never touching memory outside its lanes.
 
