@@ -24,14 +24,16 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     through an emulation (~10x slower than float32 on AVX2, 1.2-1.75x with AVX512F), so there the
     checkpoint's half-precision weights are widened to float32 -- exactly, every bf16 value is a
     float32 value -- and the model computes in float32, as llama.cpp does on such machines. Except
-    a bf16 model where the native kernels load, which compute the AVX512-BF16 instructions' bits
-    without them and read the weights in bf16, half the bytes:
+    a bf16 model where the native kernels load, which compute in bf16 without those instructions
+    (their bits; the AVX2 build's products in an order of their own) and read the weights in bf16,
+    half the bytes:
     - with AVX512F/BW/VL/DQ (Skylake-SP to Ice Lake): on a 2-core Zen 4 built as such a CPU,
       against float32 through torch, decode 3.2x faster at batch 1 and 2.5-4.9x at 8-256,
       offline throughput 1.8x (README);
     - with AVX2 and FMA only (AMD Zen 1 to 3, Intel client cores): the same Zen 4 built as such a
       CPU, torch capped at AVX2 as well, decode 3.96x faster at batch 1 and 1.11-3.27x at 8-256,
-      offline throughput 1.15x, 0.57x the memory (README).
+      offline throughput 1.15x, 0.57x the memory (README, at 568ea82; the AVX2 products' own
+      order then took B = 64-256 another 1.4-1.5x and offline 1.5x).
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
