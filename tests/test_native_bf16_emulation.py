@@ -8,7 +8,7 @@ The build for AVX2 (PDSERVE_NATIVE_AVX512=0: what a CPU without AVX-512 runs, AM
 Intel client cores) computes the same bits for the instructions and the attention, and its products
 in an order of its own (kernels/native/products_avx2.h), bit for bit as a float32 reference of
 that order here computes them; its decode steps agree with the AVX-512 build's to the difference
-that order makes, with the same tokens.
+that order makes, with the same tokens wherever the top two logits are clearly apart.
 
 The other build runs in a subprocess (the kernels are loaded once per process) and hands its
 tensors back as safetensors."""
@@ -117,10 +117,8 @@ def _avx2_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     parts = torch.zeros(x.shape[0], w.shape[0], 2, 8)
     for step in range(0, padded, 32):
         for register in range(2):
-            for odd in range(2):
-                ks = (
-                    step + 16 * register + 2 * torch.arange(8) + odd
-                )  # lane l: pair step / 2 + 8 register + l
+            for odd in range(2):  # lane l holds pair step / 2 + 8 register + l
+                ks = step + 16 * register + 2 * torch.arange(8) + odd
                 parts[:, :, register] += xf[:, None, ks] * wf[None, :, ks]
     s = parts[:, :, 0] + parts[:, :, 1]
     lane = s.unbind(-1)
