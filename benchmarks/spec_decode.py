@@ -9,7 +9,9 @@ Acceptance per draft position and the mean accept length come from the engine's 
 time to first token of a `--prompt-tokens` prompt, per k in interleaved rounds as well, shows
 what the MTP layer's pass over a prompt adds. `--step-by-step` adds each k > 0 again with the
 one-call greedy speculative step off (rows "k s": the forward, the verification and the drafter's
-passes one by one), the baseline of that step in the same run. Saves JSON under benchmarks/results/.
+passes one by one), the baseline of that step in the same run. `--draft-vocab FILE` adds each
+k > 0 again drafting from that draft vocabulary's tokens alone (rows "k v"; `pdserve draft-vocab`
+writes the file). Saves JSON under benchmarks/results/.
 
     python benchmarks/spec_decode.py --model assets/pdserve-tiny
 """
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         "verification and the drafter's passes one by one: the baseline of that step)",
     )
     p.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="also run each k > 0 drafting from this draft vocabulary file's tokens alone",
+    )
+    p.add_argument(
         "--output",
         type=Path,
         default=None,
@@ -129,52 +136,58 @@ def main(argv: list[str] | None = None) -> int:
     ks = [0, 1] if args.smoke else [int(k) for k in args.ks.split(",")]
     max_tokens = 8 if args.smoke else args.max_tokens
     repeats = 1 if args.smoke else args.repeats
-    # Each variant: (k, whether greedy speculative steps may run as one native call).
-    variants = [(k, True) for k in ks] + [(k, False) for k in ks if k and args.step_by_step]
+    # Each variant: (k, whether greedy speculative steps may run as one native call, whether the
+    # drafts come from the draft vocabulary).
+    variants = [(k, True, False) for k in ks]
+    variants += [(k, False, False) for k in ks if k and args.step_by_step]
+    variants += [(k, True, True) for k in ks if k and args.draft_vocab]
     llms = {}
-    for k, one_call in variants:
+    for k, one_call, vocab in variants:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         if spec and args.disable_by_batch_size:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
+        if vocab:
+            spec["draft_vocab"] = args.draft_vocab
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, speculative_config=spec)
         if not one_call:
             llm.engine.runner._greedy_spec_step = lambda *a: None  # every step through the Python path
-        llms[k, one_call] = llm
+        llms[k, one_call, vocab] = llm
         run(llm, 1, 4)  # warm-up
     rows = []
     for batch in batches:
         # Rounds interleave the k values, so drift in the machine's speed (it is shared) hits every
         # k alike; each speedup is the median of the per-round ratios to k = 0.
-        runs: dict[tuple[int, bool], list[dict]] = {v: [] for v in variants}
-        for k, one_call in variants:  # counters of this batch size only
-            llms[k, one_call].engine.spec_stats = SpecStats(k)
+        runs: dict[tuple[int, bool, bool], list[dict]] = {v: [] for v in variants}
+        for v in variants:  # counters of this batch size only
+            llms[v].engine.spec_stats = SpecStats(v[0])
         for _ in range(repeats):
             for v in variants:
                 runs[v].append(run(llms[v], batch, max_tokens))
-        for k, one_call in variants:
-            st = llms[k, one_call].engine.spec_stats
-            tps = [r["decode_tok_per_s"] for r in runs[k, one_call]]
+        for v in variants:
+            k, one_call, vocab = v
+            st = llms[v].engine.spec_stats
+            tps = [r["decode_tok_per_s"] for r in runs[v]]
             row = {
                 "batch": batch,
                 "k": k,
                 "one_call_step": one_call,
+                "draft_vocab": args.draft_vocab if vocab else None,
                 "decode_tok_per_s": statistics.median(tps),
                 "decode_tok_per_s_min_max": [min(tps), max(tps)],
-                "ms_per_token": statistics.median(r["ms_per_token"] for r in runs[k, one_call]),
+                "ms_per_token": statistics.median(r["ms_per_token"] for r in runs[v]),
                 "rounds": repeats,
                 "verifications": st.num_drafts,
                 "mean_accept_length": st.mean_accept_length if st.num_drafts else 1.0,
                 "acceptance_per_position": st.per_position(),
             }
-            if (0, True) in runs:
+            if (0, True, False) in runs:
                 # Greedy: drafts only change how many tokens a step yields, never which.
-                base = runs[0, True]
+                base = runs[0, True, False]
                 row["same_tokens_as_k0"] = all(
-                    r["tokens"] == b["tokens"] for r, b in zip(runs[k, one_call], base, strict=True)
+                    r["tokens"] == b["tokens"] for r, b in zip(runs[v], base, strict=True)
                 )
                 row["speedup"] = statistics.median(
-                    r["decode_tok_per_s"] / b["decode_tok_per_s"]
-                    for r, b in zip(runs[k, one_call], base, strict=True)
+                    r["decode_tok_per_s"] / b["decode_tok_per_s"] for r, b in zip(runs[v], base, strict=True)
                 )
             rows.append(row)
     ttft_rows = []
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ttfts: dict[int, list[float]] = {k: [] for k in ks}
         for r in range(repeats):
             for k in ks:
-                ttfts[k].append(time_to_first_token(llms[k, True], args.prompt_tokens, f"{r}-{k}"))
+                ttfts[k].append(time_to_first_token(llms[k, True, False], args.prompt_tokens, f"{r}-{k}"))
         for k in ks:
             row = {"k": k, "prompt_tokens": args.prompt_tokens, "ttft_ms": 1000 * statistics.median(ttfts[k])}
             if 0 in ttfts:
@@ -194,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) if r["verifications"] else "-"
         print(
-            f"{r['batch']:>5} {str(r['k']) + ('' if r['one_call_step'] else 's'):>3} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
+            f"{r['batch']:>5} {_label(r):>3} {r['decode_tok_per_s']:>13.1f} {r['ms_per_token']:>9.1f} "
             f"{(r.get('speedup') or 0):>6.2f}x {r['mean_accept_length']:>10.2f} {str(r.get('same_tokens_as_k0', '-')):>11}  {pos}"
         )
     for r in ttft_rows:
@@ -207,12 +220,18 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "max_tokens": max_tokens,
             "disable_by_batch_size": args.disable_by_batch_size,
+            "draft_vocab": args.draft_vocab,
             "rows": rows,
             "ttft": ttft_rows,
         }
         name = "spec_decode_disable_by_batch" if args.disable_by_batch_size else "spec_decode"
         print(f"saved {save(name, result, args.output)}")
     return 0
+
+
+def _label(row: dict) -> str:
+    """k, then s (step by step) or v (drafts from the draft vocabulary)."""
+    return f"{row['k']}{'' if row['one_call_step'] else 's'}{'v' if row['draft_vocab'] else ''}"
 
 
 if __name__ == "__main__":

@@ -278,9 +278,10 @@ class EngineConfig:
     """Free host heap kept for reuse between steps; above it the allocator's free pages go back to
     the system after a step (0: never). See engine/heap.py."""
     speculative_config: dict | None = None
-    """{"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": n (optional)}: draft
-    k tokens per step with the checkpoint's MTP layer and verify them in one forward, except in
-    steps that run n or more requests (None: off). See engine/spec_decode/config.py."""
+    """{"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": n (optional),
+    "draft_vocab": path (optional)}: draft k tokens per step with the checkpoint's MTP layer (from
+    the draft vocabulary's tokens alone, where one is given) and verify them in one forward, except
+    in steps that run n or more requests (None: off). See engine/spec_decode/config.py."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

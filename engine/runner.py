@@ -23,6 +23,7 @@ from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, use_native_kernels
 from engine.sampler import Sampler, argmax, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.draft_vocab import load_draft_vocab
 from engine.spec_decode.drafter import draft_cap, draft_with_mtp
 from engine.spec_decode.verify import verify_greedy, verify_sampled
 from engine.structured.bitmask import TokenBitmask
@@ -98,6 +99,9 @@ class ModelRunner:
         self.spec = cfg.spec
         self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)
         self.max_model_len = max_model_len
+        draft_vocab = None  # read before the weights, so a bad file fails fast
+        if self.spec is not None and self.spec.draft_vocab is not None:
+            draft_vocab = load_draft_vocab(self.spec.draft_vocab, model_cfg.vocab_size)
         model_cls = get_model_class(model_cfg.architecture)
         with torch.device(self.device):
             self.model = model_cls(
@@ -113,6 +117,8 @@ class ModelRunner:
         arena = WeightArena()  # the weights on huge pages, a layer's together (engine/hugepages.py)
         place_parameters(self.model, arena)
         self.model.process_weights(arena.place)
+        if draft_vocab is not None:
+            self.model.use_draft_vocab(draft_vocab)
         self.model.eval()
         self.kv_spec = kv_spec
         start = time.perf_counter()

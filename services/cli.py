@@ -69,6 +69,11 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="steps running at least this many requests draft nothing",
     )
+    p.add_argument(
+        "--speculative-draft-vocab",
+        default=None,
+        help="draft from this file's tokens alone (pdserve draft-vocab writes it)",
+    )
 
 
 def _spec_config(args: argparse.Namespace) -> dict:
@@ -77,6 +82,8 @@ def _spec_config(args: argparse.Namespace) -> dict:
     spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
     if args.speculative_disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.speculative_disable_by_batch_size
+    if args.speculative_draft_vocab is not None:
+        spec["draft_vocab"] = args.speculative_draft_vocab
     return {"speculative_config": spec}
 
 
@@ -112,6 +119,33 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
         return 2
 
     print(f"trained: {run(args, shlex.join(['pdserve', *args.argv]))}")
+    return 0
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from engine.config import ModelConfig
+    from engine.spec_decode.draft_vocab import corpus_texts, count_tokens, most_frequent, write_draft_vocab
+    from engine.tokenizer import Tokenizer
+
+    if not args.corpus and not args.stdlib_docs:
+        print("pdserve draft-vocab: give --corpus files, --stdlib-docs, or both", file=sys.stderr)
+        return 2
+    cfg = ModelConfig.from_pretrained(args.model)
+    tokenizer = Tokenizer(args.model)
+    texts = list(corpus_texts(args.corpus))
+    if args.stdlib_docs:
+        from modelkit.training.data import split_documents
+
+        texts += [d.text for d in split_documents()[0]]
+    counts = count_tokens(texts, lambda t: tokenizer.encode(t, add_special_tokens=False), cfg.vocab_size)
+    ids = most_frequent(counts, args.size, always=cfg.eos_token_ids)
+    total = int(counts.sum())
+    coverage = int(counts[ids].sum()) / total if total else 0.0
+    corpus = [*args.corpus, *(["stdlib-docs"] if args.stdlib_docs else [])]
+    write_draft_vocab(
+        args.out, ids, model=str(args.model), corpus=corpus, corpus_tokens=total, coverage=coverage
+    )
+    print(f"{args.out}: {len(ids)} of {cfg.vocab_size} tokens, {coverage:.1%} of the corpus's {total} tokens")
     return 0
 
 
@@ -409,6 +443,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     p.set_defaults(func=cmd_train_tiny)
+
+    p = sub.add_parser(
+        "draft-vocab", help="the most frequent tokens of a corpus, for MTP drafts (--speculative-draft-vocab)"
+    )
+    p.add_argument("--model", required=True, help="HF-format model folder (its tokenizer and vocabulary)")
+    p.add_argument("--size", type=int, required=True, help="tokens kept (end-of-sentence always among them)")
+    p.add_argument("--corpus", nargs="*", default=[], help="text files; .jsonl: each line's 'text'")
+    p.add_argument(
+        "--stdlib-docs",
+        action="store_true",
+        help="add the stdlib docs pdserve-tiny was trained on to the corpus",
+    )
+    p.add_argument("--out", required=True, help="the JSON file to write")
+    p.set_defaults(func=cmd_draft_vocab)
 
     p = sub.add_parser("generate", help="stream one completion to the terminal")
     p.add_argument("--model", required=True, help="HF-format model folder")

@@ -21,7 +21,7 @@ from engine.models.mtp import make_mtp_layer
 from engine.models.registry import register_model
 from engine.sampler import argmax
 from kernels import native
-from kernels.linear import FEW_ROWS
+from kernels.linear import FEW_ROWS, linear
 from kernels.rotary import rope_cos_sin_cache
 
 
@@ -88,6 +88,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.native_stack: native.DecodeStack | None = None  # the one-call decode's, set by process_weights
         self.mtp_stack: native.DecodeStack | None = None  # the first MTP layer's, after its input
         self.mtp_drafter: native.MTPDrafter | None = None  # greedy_spec_step's, with both stacks
+        self.draft_ids: torch.Tensor | None = None  # a draft vocabulary's tokens (use_draft_vocab)
+        self.draft_head: torch.Tensor | None = None  # [len(draft_ids), H]: their LM head rows
 
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
@@ -120,7 +122,23 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.cfg.vocab_size,
             self.rope_cos,
             self.rope_sin,
+            self.draft_head,
+            self.draft_ids,
         )
+
+    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft from these tokens alone (int64 [N], each in [0, vocab)): the MTP layer's argmax
+        reads the logits of their LM head rows, copied here as draft_head [N, H], instead of the
+        whole vocabulary's (FR-Spec's frequency-ranked drafting, SGLang's speculative token map). A
+        draft outside them is never proposed; the verification keeps every output token the
+        target's."""
+        if self.draft_ids is not None:
+            raise ValueError("a draft vocabulary is already in use")
+        weight = self.lm_head.weight
+        self.draft_ids = token_ids.to(device=weight.device, dtype=torch.long).contiguous()
+        self.draft_head = weight[self.draft_ids].contiguous()
+        if self.mtp_drafter is not None:
+            self.mtp_drafter = self._mtp_drafter()
 
     def _native_stack(self, decoder_layers, norm: RMSNorm) -> native.DecodeStack | None:
         """Decoder layers and the norm after them as one native call (native.decode_stack) for a
@@ -231,3 +249,15 @@ class DeepseekV2ForCausalLM(nn.Module):
         if native.loaded() and native.takes(hidden, self.lm_head.weight):
             return native.argmax_bf16(self.lm_head(hidden)[:, :vocab_size]).tolist()  # [M, V] bf16
         return argmax(self.compute_logits(hidden)[:, :vocab_size]).tolist()
+
+    def draft_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
+        """The MTP layer's greedy drafts from its outputs hidden [M, hidden]: greedy_tokens, or with
+        a draft vocabulary (use_draft_vocab) the argmax of its tokens' logits alone, as token ids."""
+        if self.draft_head is None:
+            return self.greedy_tokens(hidden, vocab_size)
+        logits = linear(hidden, self.draft_head)  # [M, N]
+        if native.loaded() and native.takes(logits):
+            best = native.argmax_bf16(logits)
+        else:
+            best = argmax(logits.float())
+        return self.draft_ids[best].tolist()

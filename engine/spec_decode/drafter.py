@@ -158,7 +158,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
         if j == 0 and len(rows) > len(drafting):  # rows were folded: each request's newest row
             newest = [end - 1 for end in accumulate(len(i) for i in inputs)]
             g = take_rows(g, newest)  # [D, H]
-        tokens = model.greedy_tokens(g, runner.sampler.vocab_size)
+        tokens = model.draft_tokens(g, runner.sampler.vocab_size)
         for i, token in zip(live, tokens, strict=True):
             drafts[i].append(token)
         keep = [m for m, i in enumerate(live) if drafting[i].room > j + 1]

@@ -529,7 +529,9 @@ class MTPDrafter:
     """What greedy_spec_step runs besides the target's stack: the MTP layer as a one-layer stack
     (its final norm the shared head's), its input's norms and eh_proj [H, 2H] (as mtp_input takes
     them), the LM head [V', H] with the vocabulary its argmax reads (the first `vocab` logits), and
-    the rope tables [P, R/2] float32 its later drafts' positions are read from. Built by
+    the rope tables [P, R/2] float32 its later drafts' positions are read from; with a draft
+    vocabulary, the LM head's rows of its tokens draft_ids [N] (int64, each in [0, vocab)) as
+    draft_head [N, H], whose argmax the drafts take instead of the whole vocabulary's. Built by
     engine/models/deepseek_v2.py once the weights are loaded."""
 
     stack: DecodeStack
@@ -540,6 +542,8 @@ class MTPDrafter:
     vocab: int
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    draft_head: torch.Tensor | None = None
+    draft_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         h = self.stack.hidden
@@ -562,6 +566,18 @@ class MTPDrafter:
             raise ValueError("an MTP drafter's norms, eh_proj and LM head must be contiguous CPU bfloat16")
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (self.rope_cos, self.rope_sin)):
             raise ValueError("an MTP drafter's rope tables must be contiguous float32")
+        if (self.draft_head is None) != (self.draft_ids is None):
+            raise ValueError("an MTP drafter's draft vocabulary needs both draft_head and draft_ids")
+        if self.draft_head is not None:
+            ids, head = self.draft_ids, self.draft_head
+            if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or ids.numel() < 1:
+                raise ValueError("an MTP drafter's draft_ids must be a non-empty contiguous int64 vector")
+            if head.shape != (ids.numel(), h) or not (native.takes(head) and head.is_contiguous()):
+                raise ValueError(
+                    "an MTP drafter's draft_head must be contiguous CPU bfloat16 [len(draft_ids), H]"
+                )
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
+                raise ValueError(f"an MTP drafter's draft_ids must lie in [0, vocab={self.vocab})")
 
 
 def greedy_spec_step(
@@ -619,6 +635,8 @@ def greedy_spec_step(
         return tokens, accepted, drafts
     norm, norm_eps = target.norm
     mtp_norm, mtp_eps = drafter.stack.norm
+    draft_head = drafter.lm_head[: drafter.vocab] if drafter.draft_head is None else drafter.draft_head
+    draft_ids = 0 if drafter.draft_ids is None else drafter.draft_ids.data_ptr()
     bad = native._library.greedy_spec_step(
         target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
         target.hidden, target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0], shape[1], slots.data_ptr(),
@@ -628,7 +646,8 @@ def greedy_spec_step(
         drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
         drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
         drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),
-        caps_t.data_ptr(), k, tokens.data_ptr(), accepted.data_ptr(), drafts.data_ptr(),
+        caps_t.data_ptr(), k, draft_head.data_ptr(), draft_head.shape[0], draft_ids, tokens.data_ptr(),
+        accepted.data_ptr(), drafts.data_ptr(),
     )  # fmt: skip
     if bad < 0:
         raise ValueError(f"{-bad} token ids lie outside [0, {target.vocab})")

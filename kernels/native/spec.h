@@ -53,11 +53,14 @@ struct MtpRows {
 // Then the MTP layer (its own plan, cache, final norm; the input from the norms and eh_proj as
 // mtp_input) over each request's known rows r*S .. r*S+a, each with its next token. A request
 // drafts room = min(K, caps[r] - (a + 1)) tokens (caps: engine/spec_decode/drafter.py's
-// draft_cap, what max_tokens and the model length leave). Its rows other than the newest (all of them where room is 0)
-// only get their MTP cache rows (the layer's norm, then store_latents: MTPLayer.store_kv), written
-// first; its newest row runs the whole layer and drafts the first token. Each further draft runs
-// the layer reused one position on (the previous draft, the previous output g), its slot from its
-// own block table. drafts [R, K] gets them, -1 past room.
+// draft_cap, what max_tokens and the model length leave). Its rows other than the newest (all of
+// them where room is 0) only get their MTP cache rows (the layer's norm, then store_latents:
+// MTPLayer.store_kv), written first; its newest row runs the whole layer and drafts the first
+// token. Each further draft runs the layer reused one position on (the previous draft, the
+// previous output g), its slot from its own block table. A draft is the argmax of the draft
+// head's logits (its weights [draft_rows, H]: the LM head's first `vocab` rows, or a draft
+// vocabulary's rows of it), the row mapped to its token through draft_ids [draft_rows] where they
+// are given (0: the row is the token). drafts [R, K] gets them, -1 past room.
 // -> 0; the count of block ids and slots outside the cache (nothing after it ran), or of positions
 // past the rope tables (nothing ran) or the block table (a draft's: the passes before it ran); or
 // minus the count of ids outside [0, V) (nothing ran).
@@ -68,8 +71,8 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
                          int64_t mtp_kv_ptrs_ptr, int64_t mtp_norm_ptr, double mtp_norm_eps, int64_t enorm_ptr,
                          double e_eps, int64_t hnorm_ptr, double h_eps, int64_t eh_ptr, int64_t rope_cos_ptr,
                          int64_t rope_sin_ptr, int64_t num_positions, int64_t half, int64_t R, int64_t S,
-                         int64_t positions_ptr, int64_t caps_ptr, int64_t K, int64_t tokens_ptr, int64_t accepted_ptr,
-                         int64_t drafts_ptr) {
+                         int64_t positions_ptr, int64_t caps_ptr, int64_t K, int64_t draft_ptr, int64_t draft_rows,
+                         int64_t draft_ids_ptr, int64_t tokens_ptr, int64_t accepted_ptr, int64_t drafts_ptr) {
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   const auto* positions = reinterpret_cast<const int64_t*>(positions_ptr);
   const auto* caps = reinterpret_cast<const int64_t*>(caps_ptr);
@@ -79,6 +82,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
   const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
   const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
   const auto* mtp_plan = reinterpret_cast<const LayerPlan*>(mtp_plan_ptr);
+  const auto* draft_ids = reinterpret_cast<const int64_t*>(draft_ids_ptr);
   auto* tokens = reinterpret_cast<int64_t*>(tokens_ptr);
   auto* accepted = reinterpret_cast<int64_t*>(accepted_ptr);
   auto* drafts = reinterpret_cast<int64_t*>(drafts_ptr);
@@ -145,7 +149,9 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     for (int64_t r = 0; r < R; ++r)
       if (room[r] > j) drafting.push_back(r);  // the rows of this pass, in order
     drafted.resize(n);
-    greedy_rows(g.data(), n, H, lm_ptr, lm_rows, vocab, drafted.data());
+    greedy_rows(g.data(), n, H, draft_ptr, draft_rows, draft_rows, drafted.data());
+    if (draft_ids != nullptr)
+      for (auto& d : drafted) d = draft_ids[d];
     rows.clear();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = drafting[i];
