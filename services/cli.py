@@ -87,6 +87,18 @@ def _spec_config(args: argparse.Namespace) -> dict:
     return {"speculative_config": spec}
 
 
+def _spec_args(args: argparse.Namespace) -> list[str]:
+    """The speculative flags as `pdserve worker` takes them (`pdserve serve` passes them on)."""
+    if not args.speculative:
+        return []
+    flags = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.speculative_disable_by_batch_size is not None:
+        flags += ["--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size)]
+    if args.speculative_draft_vocab is not None:  # the workers may start elsewhere: an absolute path
+        flags += ["--speculative-draft-vocab", str(Path(args.speculative_draft_vocab).resolve())]
+    return flags
+
+
 def _add_flags(p: argparse.ArgumentParser, flags: dict[str, dict]) -> None:
     for name, options in flags.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, **options)
@@ -370,6 +382,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = ["--dtype", args.dtype]
     if args.num_kv_blocks:
         engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    engine_args += _spec_args(args)  # every worker: a prefill worker writes the MTP layer's KV too
     stack = Stack(
         StackConfig(
             model=model,
@@ -606,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
     )
     _add_stream_interval(p)
+    _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -23,7 +23,7 @@ from engine.spec_decode.draft_vocab import (
 )
 from engine.tokenizer import Tokenizer
 from kernels import native
-from services.cli import _spec_config, build_parser
+from services.cli import _spec_args, _spec_config, build_parser
 
 TRAINED = "assets/pdserve-tiny"
 TEXTS = ["The module provides", "This function returns a", "def main():"]
@@ -264,3 +264,33 @@ def test_cli_writes_the_corpus_top_tokens_and_the_flag_reaches_the_engine(tmp_pa
     assert _spec_config(spec)["speculative_config"]["draft_vocab"] == str(out)
     missing = build_parser().parse_args(["draft-vocab", "--model", TRAINED, "--size", "8", "--out", str(out)])
     assert missing.func(missing) == 2
+
+
+def test_serve_passes_the_speculative_flags_to_its_workers(tmp_path):
+    """`pdserve serve --speculative ...` gives every worker the flags that make the same
+    speculative_config (the draft vocabulary by its absolute path)."""
+    vocab = tmp_path / "v.json"
+    flags = [
+        "--speculative",
+        "mtp",
+        "--num-speculative-tokens",
+        "2",
+        "--speculative-disable-by-batch-size",
+        "8",
+    ]
+    serve = build_parser().parse_args(["serve", *flags, "--speculative-draft-vocab", str(vocab)])
+    passed = _spec_args(serve)
+    worker = build_parser().parse_args(["worker", "--role", "decode", "--model", TRAINED, *passed])
+    assert (
+        _spec_config(worker)
+        == _spec_config(serve)
+        == {
+            "speculative_config": {
+                "method": "mtp",
+                "num_speculative_tokens": 2,
+                "disable_by_batch_size": 8,
+                "draft_vocab": str(vocab),
+            }
+        }
+    )
+    assert _spec_args(build_parser().parse_args(["serve"])) == []

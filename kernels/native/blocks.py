@@ -635,8 +635,11 @@ def greedy_spec_step(
         return tokens, accepted, drafts
     norm, norm_eps = target.norm
     mtp_norm, mtp_eps = drafter.stack.norm
-    draft_head = drafter.lm_head[: drafter.vocab] if drafter.draft_head is None else drafter.draft_head
-    draft_ids = 0 if drafter.draft_ids is None else drafter.draft_ids.data_ptr()
+    if drafter.draft_head is None:  # the whole vocabulary's argmax, as the target's tokens take it
+        draft_head, draft_vocab, draft_ids = drafter.lm_head, drafter.vocab, 0
+    else:
+        draft_head, draft_vocab = drafter.draft_head, drafter.draft_head.shape[0]
+        draft_ids = drafter.draft_ids.data_ptr()
     bad = native._library.greedy_spec_step(
         target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
         target.hidden, target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0], shape[1], slots.data_ptr(),
@@ -646,8 +649,8 @@ def greedy_spec_step(
         drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
         drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
         drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),
-        caps_t.data_ptr(), k, draft_head.data_ptr(), draft_head.shape[0], draft_ids, tokens.data_ptr(),
-        accepted.data_ptr(), drafts.data_ptr(),
+        caps_t.data_ptr(), k, draft_head.data_ptr(), draft_head.shape[0], draft_vocab, draft_ids,
+        tokens.data_ptr(), accepted.data_ptr(), drafts.data_ptr(),
     )  # fmt: skip
     if bad < 0:
         raise ValueError(f"{-bad} token ids lie outside [0, {target.vocab})")

@@ -57,9 +57,9 @@ struct MtpRows {
 // them where room is 0) only get their MTP cache rows (the layer's norm, then store_latents:
 // MTPLayer.store_kv), written first; its newest row runs the whole layer and drafts the first
 // token. Each further draft runs the layer reused one position on (the previous draft, the
-// previous output g), its slot from its own block table. A draft is the argmax of the draft
-// head's logits (its weights [draft_rows, H]: the LM head's first `vocab` rows, or a draft
-// vocabulary's rows of it), the row mapped to its token through draft_ids [draft_rows] where they
+// previous output g), its slot from its own block table. A draft is the argmax of the first
+// draft_vocab of the draft head's logits (its weights [draft_rows, H]: the LM head, or a draft
+// vocabulary's rows of it), the row mapped to its token through draft_ids [draft_vocab] where they
 // are given (0: the row is the token). drafts [R, K] gets them, -1 past room.
 // -> 0; the count of block ids and slots outside the cache (nothing after it ran), or of positions
 // past the rope tables (nothing ran) or the block table (a draft's: the passes before it ran); or
@@ -72,7 +72,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
                          double e_eps, int64_t hnorm_ptr, double h_eps, int64_t eh_ptr, int64_t rope_cos_ptr,
                          int64_t rope_sin_ptr, int64_t num_positions, int64_t half, int64_t R, int64_t S,
                          int64_t positions_ptr, int64_t caps_ptr, int64_t K, int64_t draft_ptr, int64_t draft_rows,
-                         int64_t draft_ids_ptr, int64_t tokens_ptr, int64_t accepted_ptr, int64_t drafts_ptr) {
+                         int64_t draft_vocab, int64_t draft_ids_ptr, int64_t tokens_ptr, int64_t accepted_ptr, int64_t drafts_ptr) {
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   const auto* positions = reinterpret_cast<const int64_t*>(positions_ptr);
   const auto* caps = reinterpret_cast<const int64_t*>(caps_ptr);
@@ -149,7 +149,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     for (int64_t r = 0; r < R; ++r)
       if (room[r] > j) drafting.push_back(r);  // the rows of this pass, in order
     drafted.resize(n);
-    greedy_rows(g.data(), n, H, draft_ptr, draft_rows, draft_rows, drafted.data());
+    greedy_rows(g.data(), n, H, draft_ptr, draft_rows, draft_vocab, drafted.data());
     if (draft_ids != nullptr)
       for (auto& d : drafted) d = draft_ids[d];
     rows.clear();
