@@ -277,6 +277,13 @@ class EngineConfig:
     heap_free_limit_mib: int = 256
     """Free host heap kept for reuse between steps; above it the allocator's free pages go back to
     the system after a step (0: never). See engine/heap.py."""
+    batch_invariant: bool = False
+    """Each request's tokens independent of what else its steps hold (vLLM's batch-invariant mode):
+    every product and MoE in the native kernels, whose rows never depend on each other, at any
+    batch size and in prefill chunks. Needs the native bf16 kernels (dtype bfloat16 on a CPU with
+    AVX512F or AVX2). Off (default): steps of up to 128 decodes (256 on AMX) and verifications
+    are invariant, but larger steps and prefill chunks take torch's oneDNN products, whose bits
+    depend on the batch (README: Batch invariance)."""
     speculative_config: dict | None = None
     """{"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": n (optional),
     "draft_vocab": path (optional)}: draft k tokens per step with the checkpoint's MTP layer (from
@@ -295,6 +302,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         SpeculativeConfig.parse(self.speculative_config)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         tiers = self.offload_tiers
         if "redis" in tiers and not self.kv_redis_url:
             raise ValueError("kv_offload 'redis' needs kv_redis_url")

@@ -95,6 +95,11 @@ class ModelRunner:
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
         """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512F: engine/platform.py)."""
+        if cfg.batch_invariant and not self.native_kernels:
+            raise ValueError(
+                "batch_invariant needs the native bf16 kernels (dtype bfloat16 on a CPU with AVX512F or AVX2); "
+                f"this engine computes in {str(self.dtype).removeprefix('torch.')} on {self.device.type}"
+            )
         self.threads = torch.get_num_threads()  # the engine's, set before the runner is built
         self.spec = cfg.spec
         self.num_mtp_layers = num_mtp_layers(model_cfg, cfg)
@@ -238,6 +243,7 @@ class ModelRunner:
         Process-wide, like torch's thread count; set every step, so engines sharing a process
         each get theirs."""
         if self.native_kernels:
+            native.set_batch_invariant(self.cfg.batch_invariant)
             few = not batch.prefills and batch.input_ids.numel() <= NATIVE_MAX_BATCH
             native_step = few or self.model.runs_in_one_call(batch, self.kv_caches)
             native.use_pool(self.threads if native_step else 0)

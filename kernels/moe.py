@@ -24,6 +24,8 @@ experts, as in decode, it groups the pairs on the host).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -281,7 +283,10 @@ against 1.99 / 2.40 / 3.10 / 5.98."""
 def native_pairs_per_expert() -> int:
     """NATIVE_PAIRS_PER_EXPERT_AMX wherever the products take more than FEW_ROWS rows natively: on
     the tile unit, and where the kernels emulate AVX512-BF16 (native.EMULATED_ROWS: any number;
-    there torch's bf16 GEMMs are emulated too; not measured on its own)."""
+    there torch's bf16 GEMMs are emulated too; not measured on its own); any number in a
+    batch-invariant step (native.set_batch_invariant)."""
+    if native.batch_invariant():  # every MoE the same way, whatever the step holds
+        return sys.maxsize
     return NATIVE_PAIRS_PER_EXPERT_AMX if native.max_rows() > native.FEW_ROWS else NATIVE_PAIRS_PER_EXPERT
 
 

@@ -31,6 +31,10 @@ ENGINE_FLAGS: dict[str, dict] = {
     "kv_prefault": dict(
         action="store_true", help="make the whole KV cache resident at start (a server's: steady latency)"
     ),
+    "batch_invariant": dict(
+        action="store_true",
+        help="each request's tokens independent of the rest of its batch (every product in the native kernels)",
+    ),
     "heap_free_limit_mib": dict(
         type=int,
         default=256,
@@ -372,6 +376,17 @@ def cmd_router(args: argparse.Namespace) -> int:
     return asyncio.run(serve(cfg))
 
 
+def _serve_engine_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags `pdserve serve` gives every worker it starts (a prefill worker writes the
+    MTP layer's KV too, so the speculative flags go to all)."""
+    engine_args = ["--dtype", args.dtype]
+    if args.num_kv_blocks:
+        engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.batch_invariant:
+        engine_args.append("--batch-invariant")
+    return engine_args + _spec_args(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -379,10 +394,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.launcher import Stack, StackConfig
 
     model = args.model or str(default_model(env.model_cache_dir()))
-    engine_args = ["--dtype", args.dtype]
-    if args.num_kv_blocks:
-        engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    engine_args += _spec_args(args)  # every worker: a prefill worker writes the MTP layer's KV too
     stack = Stack(
         StackConfig(
             model=model,
@@ -391,7 +402,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_decode=args.num_decode,
             grpc_port=args.grpc_port,
             http_port=args.http_port,
-            engine_args=engine_args,
+            engine_args=_serve_engine_args(args),
             registry=args.registry,
             threads_per_worker=args.threads_per_worker,
             api_key=args.api_key,
@@ -618,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
     )
+    p.add_argument("--batch-invariant", **ENGINE_FLAGS["batch_invariant"])
     _add_stream_interval(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)

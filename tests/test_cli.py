@@ -152,3 +152,21 @@ def test_router_with_a_stream_interval_below_one_exits_2_naming_it(tiny_model):
     assert res.returncode == 2
     assert _error_line(res.stderr) == "error: stream_interval must be >= 1, got 0"
     assert "Traceback" not in res.stderr
+
+
+def test_batch_invariant_flag_reaches_the_engine_config(tiny_model):
+    """--batch-invariant: the worker's engine config has it; `pdserve serve` passes it to its workers."""
+    from services.cli import _engine_config, _serve_engine_args, build_parser
+
+    worker = build_parser().parse_args(
+        ["worker", "--role", "decode", "--model", tiny_model, "--batch-invariant"]
+    )
+    assert _engine_config(worker).batch_invariant is True
+    plain = build_parser().parse_args(["worker", "--role", "decode", "--model", tiny_model])
+    assert _engine_config(plain).batch_invariant is False
+    serve = build_parser().parse_args(["serve", "--batch-invariant", "--num-kv-blocks", "64"])
+    started = build_parser().parse_args(
+        ["worker", "--role", "prefill", "--model", tiny_model, *_serve_engine_args(serve)]
+    )
+    config = _engine_config(started)
+    assert config.batch_invariant is True and config.num_kv_blocks == 64 and config.dtype == "bfloat16"

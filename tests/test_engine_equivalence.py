@@ -14,6 +14,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 
+TRAINED = "assets/pdserve-tiny"
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -150,3 +152,49 @@ def test_the_runners_own_argmax_gives_the_samplers_tokens(tiny_model, monkeypatc
     monkeypatch.setattr(Sampler, "only_argmax", lambda self, rows: False)
     assert _tokens(llm, prompts) == fast
     assert sum(rows) == 9 * GREEDY.max_tokens  # the sampler took them all this time
+
+
+def _alone_and_among_others(llm: LLM, seed: int) -> tuple:
+    """A 600-token prompt's greedy tokens and logprobs alone, then among 150 others: long prompts
+    whose chunks share its steps (a 256-token budget) and short ones that decode beside it, more
+    than 128 rows a step."""
+    rng = random.Random(seed)
+    target = [rng.randrange(5, 4000) for _ in range(600)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0]
+    others = [[rng.randrange(5, 4000) for _ in range(rng.randrange(100, 300))] for _ in range(10)]
+    others += [[rng.randrange(5, 4000) for _ in range(rng.randrange(1, 8))] for _ in range(140)]
+    rest = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 24), ignore_eos=True) for _ in others]
+    outs = llm.generate(
+        prompt_token_ids=[*others[:5], target, *others[5:]], sampling_params=[*rest[:5], params, *rest[5:]]
+    )
+    among = outs[5]
+    return (alone.token_ids, alone.logprobs), (among.token_ids, among.logprobs)
+
+
+def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
+    """batch_invariant=True (bf16, every product and MoE in the native kernels): a request's tokens
+    and logprobs bit for bit the same alone and among others, its prompt chunked beside theirs and
+    its decodes in steps of over 128 rows, where the default's bits move (torch's oneDNN products
+    above FEW_ROWS rows). Both engines share the process: each step sets its own."""
+    from kernels import native
+
+    kw = dict(
+        dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256
+    )
+    if not native.loaded():
+        with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels"):
+            LLM(TRAINED, batch_invariant=True, **kw)
+        return
+    default = LLM(TRAINED, **kw)
+    invariant = LLM(TRAINED, batch_invariant=True, **kw)
+    alone, among = _alone_and_among_others(default, seed=1)
+    assert alone[1] != among[1], "the scenario should move the default's bits (else it tests nothing)"
+    alone, among = _alone_and_among_others(invariant, seed=1)
+    assert alone == among
+    default.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
+    assert not native.batch_invariant()  # the default engine's step turned it off again
+    with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels.*float32 on cpu"):
+        LLM(TRAINED, dtype="float32", batch_invariant=True, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        LLM(TRAINED, batch_invariant="yes", num_kv_blocks=64)

@@ -316,6 +316,39 @@ def test_moe_pairs_equal_the_torch_loop(loaded, products, monkeypatch, tokens, s
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * float(want.abs().max()))
 
 
+def test_batch_invariant_moe_gives_each_token_its_own_bits(loaded, monkeypatch):
+    """In a batch-invariant step (native.set_batch_invariant) the MoE takes the native kernel
+    whatever the number of pairs per expert, so each token's output is bit for bit its output
+    alone; 200 tokens of top-2 over 4 experts (100 pairs an expert, over the 64 the default
+    takes natively) would otherwise run the torch loop."""
+    from kernels.moe import fused_moe_ref, native_pairs_per_expert
+
+    if not loaded:
+        return
+    gen = torch.Generator().manual_seed(5)
+    tokens, experts, hidden, inter = 200, 4, 64, 32
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    calls = []
+    real = native.moe_topk
+    monkeypatch.setattr(native, "moe_topk", lambda *a: calls.append(len(a[0])) or real(*a))
+    try:
+        native.set_batch_invariant(True)
+        assert native_pairs_per_expert() >= tokens
+        batched = fused_moe_ref(x, w13, w2, weights, ids)
+        alone = torch.cat(
+            [fused_moe_ref(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1]) for i in range(tokens)]
+        )
+    finally:
+        native.set_batch_invariant(False)
+    assert calls[0] == tokens  # the whole batch in the native kernel
+    assert torch.equal(batched, alone)
+    assert native_pairs_per_expert() < tokens * 2 // experts  # the default's limit, restored
+
+
 @pytest.mark.parametrize("tokens", [1, 3], ids=lambda t: f"T{t}")
 def test_the_shared_expert_in_the_same_call_equals_adding_its_mlp(loaded, products, monkeypatch, tokens):
     """fused_moe's shared expert (its own intermediate size) goes into the routed experts' native

@@ -95,6 +95,8 @@ x 128-token prompts 2.50 s against 2.83 with products of up to 256 rows native (
 alternating rounds in one process); decode steps (256-token contexts) at 192 / 256 sequences
 126-137 / 178-187 ms against 204-226 / 258-270 with FEW_ROWS."""
 _max_rows = FEW_ROWS
+_machine_rows = FEW_ROWS  # max_rows() outside batch-invariant steps (use_amx sets it)
+_batch_invariant = False
 
 _library: ModuleType | None = None
 _bf16_instructions = False
@@ -186,12 +188,30 @@ def bf16_instructions() -> bool:
 def use_amx(on: bool) -> bool:
     """Products on the AMX tile unit (where the CPU has it and Linux grants it) or with VDPBF16PS;
     -> whether they now use AMX. Requires `loaded()`."""
-    global _max_rows, _amx
+    global _machine_rows, _amx
     assert _library is not None, "kernels.native.load() first"
     amx = bool(_library.use_amx(on and _bf16_instructions and AMX_FLAGS <= cpu_flags()))
-    _max_rows = AMX_ROWS if amx else FEW_ROWS if _bf16_instructions else EMULATED_ROWS
+    _machine_rows = AMX_ROWS if amx else FEW_ROWS if _bf16_instructions else EMULATED_ROWS
     _amx = amx
+    set_batch_invariant(_batch_invariant)
     return amx
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch invariance (EngineConfig.batch_invariant): every product here, whatever its number of
+    rows, and every MoE in the native kernel (kernels/moe.py), so each row of a step gets the
+    operations it would get alone, whatever else the step holds (the native kernels' rows never
+    depend on each other). Off: products of up to the machine's limit (AMX_ROWS, FEW_ROWS or
+    EMULATED_ROWS), torch's oneDNN beyond, where a row's bits depend on the rows beside it.
+    Process-wide; the runner sets it every step, so engines sharing a process each get theirs."""
+    global _max_rows, _batch_invariant
+    _batch_invariant = on
+    _max_rows = EMULATED_ROWS if on else _machine_rows
+
+
+def batch_invariant() -> bool:
+    """Whether steps run batch-invariant now (set_batch_invariant)."""
+    return _batch_invariant
 
 
 def uses_amx() -> bool:
