@@ -304,6 +304,8 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.enable_expert_parallel:
+            raise ValueError("batch_invariant with enable_expert_parallel is not supported (not checked yet)")
         tiers = self.offload_tiers
         if "redis" in tiers and not self.kv_redis_url:
             raise ValueError("kv_offload 'redis' needs kv_redis_url")

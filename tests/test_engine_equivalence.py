@@ -13,6 +13,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 
 TRAINED = "assets/pdserve-tiny"
 
@@ -179,6 +180,10 @@ def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
     above FEW_ROWS rows). Both engines share the process: each step sets its own."""
     from kernels import native
 
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        EngineConfig(model=TRAINED, batch_invariant="yes")
+    with pytest.raises(ValueError, match="batch_invariant with enable_expert_parallel is not supported"):
+        EngineConfig(model=TRAINED, batch_invariant=True, enable_expert_parallel=True)
     kw = dict(
         dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256
     )
@@ -196,5 +201,3 @@ def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
     assert not native.batch_invariant()  # the default engine's step turned it off again
     with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels.*float32 on cpu"):
         LLM(TRAINED, dtype="float32", batch_invariant=True, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
-        LLM(TRAINED, batch_invariant="yes", num_kv_blocks=64)
