@@ -11,8 +11,8 @@
 // Layout: the N output columns are shared over threads (torch's, or the kernels' own pool: see
 // use_pool) when the weight is large enough to pay for it, in chunks of whole column steps;
 // within a chunk, columns go in tiles of TILE_N, and each tile for every row of x in blocks of
-// ROWS_PER_PASS (dot_rows), so a weight row is read from memory once and from L1 for the
-// following blocks. x is small (M rows of K) and stays in L1.
+// FIRST_PASS_ROWS, then ROWS_PER_PASS (dot_rows), so a weight row is read from memory once and
+// from cache for the following blocks. x is small (M rows of K) and stays in L1.
 
 #pragma once
 
@@ -25,7 +25,19 @@ namespace {
 
 #ifdef __AVX512F__
 constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
-constexpr int64_t ROWS_PER_PASS = 4;  // rows of x accumulated at once per weight row
+// Rows of x accumulated at once per weight row: 4 in a tile's first pass, which reads the weight
+// from memory, then ROWS_PER_PASS from cache. A VDPBF16PS's result comes many cycles after it
+// starts (on the 2-core Zen 4, 8 / 16 / 24 independent sums ran 2.0 / 3.8 / 4.2 G instructions/s),
+// so the 24 sums of 6 rows keep the unit busier than 4 rows' 16: a step's products at 32 / 64 / 128 /
+// 256 rows 1.02 / 1.03 / 1.04 / 1.05x (products_ab.py against 01dd21d, 2026-12-05), 1.00x up to
+// 8 rows. The emulation (two float32 multiply-adds and their operands per VDPBF16PS) ran 0.97x
+// with 6, so that build keeps 4.
+constexpr int64_t FIRST_PASS_ROWS = 4;
+#ifdef __AVX512BF16__
+constexpr int64_t ROWS_PER_PASS = 6;
+#else
+constexpr int64_t ROWS_PER_PASS = 4;
+#endif
 // dot_rows prefetches the weight this many elements (8 KB) ahead of each step it reads: a tile's
 // weight rows lie one after another, so that is a few rows on. The hardware's prefetchers alone
 // fell behind: all of a bench-model decode step's products (87 MB, weights out of cache, 2-core
@@ -80,14 +92,20 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
   for (int64_t t0 = n0; t0 < n1; t0 += TILE_N) {
     const int64_t width = n1 - t0 < TILE_N ? n1 - t0 : TILE_N;
     const __mmask16 out_mask = width == TILE_N ? __mmask16(0xFFFF) : (__mmask16(1) << width) - 1;
-    for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
-      const int64_t rows = M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS;
+    for (int64_t m0 = 0, rows; m0 < M; m0 += rows) {
+      rows = std::min(M - m0, m0 == 0 ? FIRST_PASS_ROWS : ROWS_PER_PASS);
       const uint16_t *xm = x + m0 * ldx, *wt = w + t0 * ldw;
       switch (rows) {
         case 1: dot_rows<1>(xm, ldx, wt, ldw, K, width, tile); break;
         case 2: dot_rows<2>(xm, ldx, wt, ldw, K, width, tile); break;
         case 3: dot_rows<3>(xm, ldx, wt, ldw, K, width, tile); break;
+#ifdef __AVX512BF16__
+        case 4: dot_rows<4>(xm, ldx, wt, ldw, K, width, tile); break;
+        case 5: dot_rows<5>(xm, ldx, wt, ldw, K, width, tile); break;
+        default: dot_rows<6>(xm, ldx, wt, ldw, K, width, tile); break;
+#else
         default: dot_rows<4>(xm, ldx, wt, ldw, K, width, tile); break;
+#endif
       }
       for (int64_t r = 0; r < rows; ++r) {
         _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, out_mask, narrow16(_mm512_load_ps(tile[r])));
