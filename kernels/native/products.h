@@ -27,11 +27,11 @@ namespace {
 constexpr int64_t TILE_N = 16;        // columns converted to bf16 together
 // Rows of x accumulated at once per weight row: 4 in a tile's first pass, which reads the weight
 // from memory, then ROWS_PER_PASS from cache. A VDPBF16PS's result comes many cycles after it
-// starts (on the 2-core Zen 4, 8 / 16 / 24 independent sums ran 2.0 / 3.8 / 4.2 G instructions/s),
-// so the 24 sums of 6 rows keep the unit busier than 4 rows' 16: a step's products at 32 / 64 / 128 /
-// 256 rows 1.02 / 1.03 / 1.04 / 1.05x (products_ab.py against 01dd21d, 2026-12-05), 1.00x up to
-// 8 rows. The emulation (two float32 multiply-adds and their operands per VDPBF16PS) ran 0.97x
-// with 6, so that build keeps 4.
+// starts (on the 2-core Zen 4, 8 / 16 / 24 independent sums ran 2.0 / 3.8 / 4.2 G instructions
+// a second), so the 24 sums of 6 rows keep the unit busier than 4 rows' 16: a step's products at
+// 32 / 64 / 128 / 256 rows 1.02 / 1.03-1.04 / 1.00-1.04 / 1.05x over two runs (products_ab.py
+// against 01dd21d, 2026-12-05), 1.00x up to 8 rows. The emulation (two float32 multiply-adds
+// and their operands per VDPBF16PS) ran 0.97x with 6, so that build keeps 4.
 constexpr int64_t FIRST_PASS_ROWS = 4;
 #ifdef __AVX512BF16__
 constexpr int64_t ROWS_PER_PASS = 6;
