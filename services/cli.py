@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import shlex
 import sys
@@ -147,12 +148,18 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
         print("pdserve draft-vocab: give --corpus files, --stdlib-docs, or both", file=sys.stderr)
         return 2
     cfg = ModelConfig.from_pretrained(args.model)
+    if not 1 <= args.size <= cfg.vocab_size:
+        print(
+            f"pdserve draft-vocab: --size must be in [1, {cfg.vocab_size}] (the vocabulary), got {args.size}",
+            file=sys.stderr,
+        )
+        return 2
     tokenizer = Tokenizer(args.model)
-    texts = list(corpus_texts(args.corpus))
+    texts = corpus_texts(args.corpus)  # read file by file as they are counted
     if args.stdlib_docs:
         from modelkit.training.data import split_documents
 
-        texts += [d.text for d in split_documents()[0]]
+        texts = itertools.chain(texts, (d.text for d in split_documents()[0]))
     counts = count_tokens(texts, lambda t: tokenizer.encode(t, add_special_tokens=False), cfg.vocab_size)
     ids = most_frequent(counts, args.size, always=cfg.eos_token_ids)
     total = int(counts.sum())

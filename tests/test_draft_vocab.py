@@ -264,6 +264,11 @@ def test_cli_writes_the_corpus_top_tokens_and_the_flag_reaches_the_engine(tmp_pa
     assert _spec_config(spec)["speculative_config"]["draft_vocab"] == str(out)
     missing = build_parser().parse_args(["draft-vocab", "--model", TRAINED, "--size", "8", "--out", str(out)])
     assert missing.func(missing) == 2
+    too_big = build_parser().parse_args(
+        ["draft-vocab", "--model", TRAINED, "--size", "5000", "--corpus", str(corpus), "--out", str(out)]
+    )
+    assert too_big.func(too_big) == 2
+    assert "--size must be in [1, 4096]" in capsys.readouterr().err
 
 
 def test_serve_passes_the_speculative_flags_to_its_workers(tmp_path):
