@@ -40,17 +40,25 @@ def loaded() -> bool:
 
 @pytest.fixture(params=["amx", "avx512"])
 def products(request, loaded) -> str:
-    """The products on the AMX tile unit (where the CPU has it; VDPBF16PS elsewhere) or with
-    VDPBF16PS; the load-time choice is restored after."""
+    """The products and the decode attention on the AMX tile paths or with VDPBF16PS. The tile
+    paths run on the unit where the CPU has it (and Linux grants its state), on software tiles
+    elsewhere (kernels/native/tiles.h): their logic is tested on every CPU. The load-time choice
+    is restored after."""
     if not loaded:
         yield request.param
         return
-    before = native.uses_amx()
-    amx = native.use_amx(request.param == "amx")
-    # Only where asked and the CPU has the unit (Linux before 5.16 does not grant its state).
-    assert amx <= (request.param == "amx" and native.AMX_FLAGS <= native.cpu_flags())
-    yield "amx" if amx else "avx512"
-    native.use_amx(before)
+    before, before_emulated = native.uses_amx(), native.amx_emulated()
+    if request.param == "amx":
+        unit = native.use_amx(True)
+        # Only where the CPU has the unit (Linux before 5.16 does not grant its state).
+        assert unit <= (native.AMX_FLAGS <= native.cpu_flags())
+        assert unit or native.use_amx(True, emulated=True)
+        assert native.uses_amx() and native.max_rows() == native.AMX_ROWS
+        assert native.amx_emulated() == (not unit)
+    else:
+        assert not native.use_amx(False) and not native.amx_emulated()
+    yield request.param
+    native.use_amx(before, emulated=before_emulated)
 
 
 def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

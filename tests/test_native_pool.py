@@ -13,6 +13,7 @@ import torch
 
 from engine.platform import load_native
 from kernels import native
+from tests.test_native_kernels import products  # noqa: F401  (the tile paths, or VDPBF16PS)
 
 ALONE = 1 << 62  # a threshold no call reaches: every call on its caller's thread
 
@@ -61,6 +62,7 @@ def _operands(b: int, m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, 
     ids=lambda s: "B{}-M{}-N{}-K{}".format(*s),
 )
 @pool_sizes
+@pytest.mark.usefixtures("products")
 def test_shared_products_are_the_bits_of_one_thread(shared, shape):
     if shared is None:
         return
@@ -90,6 +92,7 @@ def test_helpers_carry_their_name(shared):
 
 
 @pool_sizes
+@pytest.mark.usefixtures("products")
 def test_shared_moe_and_attention_are_the_bits_of_one_thread(shared):
     if shared is None:
         return
@@ -108,19 +111,24 @@ def test_shared_moe_and_attention_are_the_bits_of_one_thread(shared):
     together, alone = shared(moe)
     assert torch.equal(together, alone) and not torch.equal(alone, torch.ones_like(alone))
 
-    blocks, block_size, heads, lat, rope = 9, 4, 5, 32, 16
-    cache = torch.randn(blocks, block_size, lat + rope, generator=gen).bfloat16()
-    table = torch.randperm(blocks, generator=gen)[:8].view(2, 4).int()
-    lens = torch.tensor([13, 16], dtype=torch.int32)
-    q = torch.randn(2, heads, lat + rope, generator=gen).bfloat16()
-    together, alone = shared(lambda: native.mla_decode(q, cache, table, lens, 0.2, lat))
-    assert torch.equal(together, alone)
+    # Attention through VDPBF16PS, and in blocks of whole tiles (the tile path where it runs).
+    for blocks, block_size, heads, lat, rope, lens in (
+        (9, 4, 5, 32, 16, [13, 16]),
+        (9, 16, 5, 64, 32, [50, 64]),
+    ):
+        cache = torch.randn(blocks, block_size, lat + rope, generator=gen).bfloat16()
+        table = torch.randperm(blocks, generator=gen)[:8].view(2, 4).int()
+        q = torch.randn(2, heads, lat + rope, generator=gen).bfloat16()
+        lens = torch.tensor(lens, dtype=torch.int32)
+        together, alone = shared(lambda: native.mla_decode(q, cache, table, lens, 0.2, lat))  # noqa: B023
+        assert torch.equal(together, alone)
 
 
+@pytest.mark.usefixtures("products")
 def test_callers_on_several_threads_at_once_each_get_their_own_result(shared):
     """Engines on several Python threads of one process (colocated workers in tests) call the
     kernels at once: one call has the pool, the others run on their own thread; none sees
-    another's work."""
+    another's work (nor, on the tile paths, another thread's tiles)."""
     if shared is None:
         return
     native.pool_min_bytes(0)

@@ -35,6 +35,7 @@ HEADERS = tuple(  # included by SOURCE: part of the build key
     for name in (
         "pool.h",
         "common.h",
+        "tiles.h",
         "products.h",
         "products_avx2.h",
         "experts.h",
@@ -102,6 +103,7 @@ _library: ModuleType | None = None
 _bf16_instructions = False
 _avx512 = False
 _amx = False
+_amx_emulated = False
 
 
 @functools.cache
@@ -185,14 +187,17 @@ def bf16_instructions() -> bool:
     return _bf16_instructions
 
 
-def use_amx(on: bool) -> bool:
-    """Products on the AMX tile unit (where the CPU has it and Linux grants it) or with VDPBF16PS;
-    -> whether they now use AMX. Requires `loaded()`."""
-    global _machine_rows, _amx
+def use_amx(on: bool, emulated: bool = False) -> bool:
+    """Products (and the decode attention) on the AMX tile unit (where the CPU has it and Linux
+    grants it) or with VDPBF16PS; -> whether they now take the tile paths. emulated: the tile
+    paths with their tiles in software (kernels/native/tiles.h), on any CPU, for tests: the same
+    logic, float32 sums in the order of their own. Requires `loaded()`."""
+    global _machine_rows, _amx, _amx_emulated
     assert _library is not None, "kernels.native.load() first"
-    amx = bool(_library.use_amx(on and _bf16_instructions and AMX_FLAGS <= cpu_flags()))
+    on = on and (emulated or (_bf16_instructions and AMX_FLAGS <= cpu_flags()))
+    amx = bool(_library.use_amx(on, emulated))
     _machine_rows = AMX_ROWS if amx else FEW_ROWS if _bf16_instructions else EMULATED_ROWS
-    _amx = amx
+    _amx, _amx_emulated = amx, amx and emulated
     set_batch_invariant(_batch_invariant)
     return amx
 
@@ -215,8 +220,13 @@ def batch_invariant() -> bool:
 
 
 def uses_amx() -> bool:
-    """Whether the products run on the AMX tile unit now (see use_amx)."""
+    """Whether the products take the tile paths now (see use_amx), on the unit or emulated."""
     return _amx
+
+
+def amx_emulated() -> bool:
+    """Whether the tile paths run on software tiles now (use_amx(True, emulated=True))."""
+    return _amx_emulated
 
 
 def use_pool(threads: int) -> int:

@@ -201,6 +201,7 @@ inline bool amx_attend_takes(int64_t block_size, int64_t W, int64_t L) {
   return g_amx && block_size % 16 == 0 && W % AMX_K == 0 && L % 64 == 0;
 }
 
+template <bool SOFT>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row, int64_t num_blocks,
     int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h, int64_t heads, int64_t W,
@@ -219,7 +220,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     for (int i = 0; i < 16; ++i) idx[2 * i] = uint16_t(i), idx[2 * i + 1] = uint16_t(16 + i);
     pair_up = _mm512_load_si512(idx);
   }
-  amx_configure();
+  if constexpr (!SOFT) amx_configure();
   for (int64_t h0 = 0; h0 < heads; h0 += 16) {
     const int64_t group = std::min<int64_t>(16, heads - h0);
     std::vector<uint32_t>& qp = scratch.pairs;  // q[h0 + g] as qp[k / 2][g][2], heads past group zero
@@ -255,41 +256,41 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       const auto rows_at = [&](int64_t q4) { return std::min<int64_t>(16, len - j0 - 16 * q4); };
       if (valid == 4) {
         const uint16_t *a0 = rows_of[0], *a1 = rows_of[1], *a2 = rows_of[2], *a3 = rows_of[3];
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
         for (int64_t k = 0; k < W; k += AMX_K) {
-          _tile_loadd(6, qp.data() + (k / 2) * 16, 64);
-          _tile_loadd(4, a0 + k, kv_row * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(5, a1 + k, kv_row * 2);
-          _tile_dpbf16ps(1, 5, 6);
-          _tile_loadd(7, a2 + k, kv_row * 2);
-          _tile_dpbf16ps(2, 7, 6);
-          _tile_loadd(4, a3 + k, kv_row * 2);
-          _tile_dpbf16ps(3, 4, 6);
+          TILE_LOAD(6, qp.data() + (k / 2) * 16, 64);
+          TILE_LOAD(4, a0 + k, kv_row * 2);
+          TILE_DOT(0, 4, 6);
+          TILE_LOAD(5, a1 + k, kv_row * 2);
+          TILE_DOT(1, 5, 6);
+          TILE_LOAD(7, a2 + k, kv_row * 2);
+          TILE_DOT(2, 7, 6);
+          TILE_LOAD(4, a3 + k, kv_row * 2);
+          TILE_DOT(3, 4, 6);
         }
-        _tile_stored(0, c, 64);
+        TILE_STORE(0, c, 64);
         scores_of(j0, 16);
-        _tile_stored(1, c, 64);
+        TILE_STORE(1, c, 64);
         scores_of(j0 + 16, 16);
-        _tile_stored(2, c, 64);
+        TILE_STORE(2, c, 64);
         scores_of(j0 + 32, 16);
-        _tile_stored(3, c, 64);
+        TILE_STORE(3, c, 64);
         scores_of(j0 + 48, rows_at(3));
         continue;
       }
       for (int64_t q4 = 0; q4 < 4; ++q4) {  // the sequence's last blocks, or around a refused one
         const uint16_t* row = rows_of[q4];
         if (row == nullptr) continue;
-        _tile_zero(0);
+        TILE_ZERO(0);
         for (int64_t k = 0; k < W; k += AMX_K) {
-          _tile_loadd(4, row + k, kv_row * 2);
-          _tile_loadd(6, qp.data() + (k / 2) * 16, 64);
-          _tile_dpbf16ps(0, 4, 6);
+          TILE_LOAD(4, row + k, kv_row * 2);
+          TILE_LOAD(6, qp.data() + (k / 2) * 16, 64);
+          TILE_DOT(0, 4, 6);
         }
-        _tile_stored(0, c, 64);
+        TILE_STORE(0, c, 64);
         scores_of(j0 + 16 * q4, rows_at(q4));
       }
     }
@@ -300,10 +301,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       for (int64_t j = 0; j < len; ++j) p[g * padded + j] = to_bf16(s[g * len + j]);  // exact: already bf16
     }
     for (int64_t l0 = 0; l0 < L; l0 += 64) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      TILE_ZERO(0);
+      TILE_ZERO(1);
+      TILE_ZERO(2);
+      TILE_ZERO(3);
       for (int64_t j0 = 0; j0 < len; j0 += 32) {
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t j = j0 + 2 * r;
@@ -318,22 +319,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
             _mm512_store_si512(vp + (i * 16 + r) * 16, _mm512_permutexvar_epi16(pair_up, both));
           }
         }
-        _tile_loadd(4, p.data() + j0, padded * 2);
-        _tile_loadd(6, vp, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, vp + 256, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, vp + 512, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, vp + 768, 64);
-        _tile_dpbf16ps(3, 4, 7);
+        TILE_LOAD(4, p.data() + j0, padded * 2);
+        TILE_LOAD(6, vp, 64);
+        TILE_DOT(0, 4, 6);
+        TILE_LOAD(7, vp + 256, 64);
+        TILE_DOT(1, 4, 7);
+        TILE_LOAD(6, vp + 512, 64);
+        TILE_DOT(2, 4, 6);
+        TILE_LOAD(7, vp + 768, 64);
+        TILE_DOT(3, 4, 7);
       }
       for (int t = 0; t < 4; ++t) {  // C tile t: c[g * 16 + l'] -> o[h0 + g][l0 + 16 t + l']
         switch (t) {
-          case 0: _tile_stored(0, c, 64); break;
-          case 1: _tile_stored(1, c, 64); break;
-          case 2: _tile_stored(2, c, 64); break;
-          default: _tile_stored(3, c, 64); break;
+          case 0: TILE_STORE(0, c, 64); break;
+          case 1: TILE_STORE(1, c, 64); break;
+          case 2: TILE_STORE(2, c, 64); break;
+          default: TILE_STORE(3, c, 64); break;
         }
         for (int64_t g = 0; g < group; ++g)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (h0 + g) * o_h + l0 + 16 * t),
@@ -354,6 +355,8 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
   auto* o = reinterpret_cast<uint16_t*>(o_ptr);
   const bool tiles = amx_attend_takes(block_size, W, L) && kv_row == W;
+  using Kernel = decltype(&attend);
+  const Kernel kernel = !tiles ? attend : g_amx_soft ? Kernel(amx_attend<true>) : Kernel(amx_attend<false>);
   // Split heads only when there are fewer sequences than threads (a batch-1 decode).
   const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (threads_now() + B - 1) / B));
   const int64_t per_split = (H + splits - 1) / splits;
@@ -368,9 +371,8 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
       const int64_t b = i / splits, h0 = (i % splits) * per_split, h1 = std::min(H, h0 + per_split);
       if (h0 >= h1) continue;
       const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), max_blocks * block_size);
-      (tiles ? amx_attend : attend)(q + b * q_b + h0 * q_h, q_h, kv, kv_block, kv_row, num_blocks, block_size,
-                                    table + b * table_b, len, o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L,
-                                    float(scale), scratch, bad);
+      kernel(q + b * q_b + h0 * q_h, q_h, kv, kv_block, kv_row, num_blocks, block_size, table + b * table_b, len,
+             o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L, float(scale), scratch, bad);
     }
   }, ATTENTION_OMP_MIN_BYTES);
   return bad.load();

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common.h"
+#include "tiles.h"
 #ifndef __AVX512F__
 #include "products_avx2.h"  // the AVX2 build's `columns` and its order of additions
 #endif
@@ -128,13 +129,17 @@ void columns(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
 // the rows beside it (a speculative verification computes each token as a one-token decode).
 
 bool g_amx_granted = false;  // Linux granted this process the tile state (the CPU has the unit)
-bool g_amx = false;          // the products use it
+bool g_amx = false;          // the products (and the attention) take the tile paths
+bool g_amx_soft = false;     // ... with the tiles in software (tiles.h): tests, on any CPU
 
-// Asks for the tile state once; then turns the AMX products on or off (on only where granted).
-bool use_amx(bool on) {
+// Turns the tile paths on or off: on the unit (asking once for its state; on only where granted),
+// or, with `soft`, on software tiles whatever the CPU has.
+bool use_amx(bool on, bool soft) {
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  if (on && !g_amx_granted) g_amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  g_amx = on && g_amx_granted;
+  if (on && !soft && !g_amx_granted)
+    g_amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  g_amx = on && (soft || g_amx_granted);
+  g_amx_soft = g_amx && soft;
   return g_amx;
 }
 
@@ -142,22 +147,10 @@ constexpr int64_t AMX_N = 32;  // weight rows per step: two C tiles of 16
 constexpr int64_t AMX_M = 32;  // rows of x per pass: two B tiles of 16
 constexpr int64_t AMX_K = 32;  // K per tile product (16 pairs)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0-3 C (n half x m half), 4-5 A (the two weight halves), 6-7 B (the two x halves).
-__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  // Not _tile_loadconfig: GCC 12's declares a read of 8 bytes only, and the stores above were dropped.
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
-}
-
 // Columns [n0, n1) (n1 - n0 a multiple of AMX_N) of rows [0, M) (M <= AMX_M) from xt, x packed as
-// xt[k / 2][m][2] for 32 rows (rows past M zero). K a multiple of AMX_K.
+// xt[k / 2][m][2] for 32 rows (rows past M zero). K a multiple of AMX_K. Tiles: 0-3 C (n half x
+// m half), 4-5 A (the two weight halves), 6-7 B (the two x halves).
+template <bool SOFT>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt, const uint16_t* w, int64_t ldw,
                                                                 uint16_t* y, int64_t ldy, int64_t M, int64_t K,
                                                                 int64_t n0, int64_t n1) {
@@ -166,31 +159,31 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_columns(const uint32_t* xt
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
   for (int64_t n = n0; n < n1; n += AMX_N) {
-    _tile_zero(0);
-    _tile_zero(1);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
     if (two) {
-      _tile_zero(2);
-      _tile_zero(3);
+      TILE_ZERO(2);
+      TILE_ZERO(3);
     }
     for (int64_t k = 0; k < K; k += AMX_K) {
       const uint32_t* b = xt + (k / 2) * AMX_M;  // 16 pair rows of 32 m (64 + 64 bytes)
-      _tile_loadd(6, b, AMX_M * 4);
-      if (two) _tile_loadd(7, b + 16, AMX_M * 4);
-      _tile_loadd(4, w + n * ldw + k, ldw * 2);
-      _tile_loadd(5, w + (n + 16) * ldw + k, ldw * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
+      TILE_LOAD(6, b, AMX_M * 4);
+      if (two) TILE_LOAD(7, b + 16, AMX_M * 4);
+      TILE_LOAD(4, w + n * ldw + k, ldw * 2);
+      TILE_LOAD(5, w + (n + 16) * ldw + k, ldw * 2);
+      TILE_DOT(0, 4, 6);
+      TILE_DOT(1, 5, 6);
       if (two) {
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+        TILE_DOT(2, 4, 7);
+        TILE_DOT(3, 5, 7);
       }
     }
     for (int t = 0; t < (two ? 4 : 2); ++t) {  // C tile t: c[n' * 16 + m'] -> y[m_base + m'][n + ...]
       switch (t) {
-        case 0: _tile_stored(0, c, 64); break;
-        case 1: _tile_stored(1, c, 64); break;
-        case 2: _tile_stored(2, c, 64); break;
-        default: _tile_stored(3, c, 64); break;
+        case 0: TILE_STORE(0, c, 64); break;
+        case 1: TILE_STORE(1, c, 64); break;
+        case 2: TILE_STORE(2, c, 64); break;
+        default: TILE_STORE(3, c, 64); break;
       }
       const int64_t n_base = n + (t % 2) * 16, m_base = (t / 2) * 16;
       for (int64_t m = m_base; m < std::min(M, m_base + 16); ++m) {
@@ -222,12 +215,12 @@ void product(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, uin
              int64_t K, int64_t n0, int64_t n1, const uint32_t* xt = nullptr, const float* xs = nullptr) {
   const int64_t n_amx = amx_takes(K) ? n0 + (n1 - n0) / AMX_N * AMX_N : n0;
   if (n_amx > n0) {
-    amx_configure();
+    if (!g_amx_soft) amx_configure();
     std::vector<uint32_t> packed;
     if (xt == nullptr) pack_pairs(x, ldx, M, K, packed), xt = packed.data();
     for (int64_t m0 = 0; m0 < M; m0 += AMX_M)  // a chunk's weight columns stay in cache for the next pass
-      amx_columns(xt + (m0 / AMX_M) * (K / 2) * AMX_M, w, ldw, y + m0 * ldy, ldy, std::min(AMX_M, M - m0), K, n0,
-                  n_amx);
+      (g_amx_soft ? amx_columns<true> : amx_columns<false>)(xt + (m0 / AMX_M) * (K / 2) * AMX_M, w, ldw,
+                                                            y + m0 * ldy, ldy, std::min(AMX_M, M - m0), K, n0, n_amx);
   }
 #ifdef __AVX512F__
   if (n_amx < n1) columns(x, ldx, w, ldw, y, ldy, M, K, n_amx, n1);
