@@ -593,7 +593,7 @@ def test_mla_decode_equals_the_torch_path(
 
 
 @pytest.mark.parametrize("block_size, width, lat", [(2, 16, 8), (16, 96, 64)], ids=["vdpbf16ps", "tiles"])
-def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, block_size, width, lat):
+def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, products, block_size, width, lat):
     if not loaded:
         assert not native.loaded()
         return

@@ -196,7 +196,8 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
 // - output, C[h, l] = sum_j p[h, j] cache[j, l]: the bf16 probabilities are the A operand, and
 //   each 32 cache rows are paired into the B operand's layout, 64 columns (4 C tiles) at a time.
 // Rows past len (a block's unwritten end, or refused) give scores that are never read and pair
-// as zeros, so nothing they hold reaches the output.
+// as zeros, so nothing they hold reaches the output. The sequence's rows are looked up once
+// (the output pairs each row once per 64 columns); the scores are rounded 16 heads at a time.
 inline bool amx_attend_takes(int64_t block_size, int64_t W, int64_t L) {
   return g_amx && block_size % 16 == 0 && W % AMX_K == 0 && L % 64 == 0;
 }
@@ -206,20 +207,29 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row, int64_t num_blocks,
     int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h, int64_t heads, int64_t W,
     int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
-  auto row_of = [&](int64_t j) -> const uint16_t* {
-    const int32_t block = table[j / block_size];
-    if (block < 0 || block >= num_blocks) return nullptr;
-    return kv + block * kv_block + (j % block_size) * kv_row;
-  };
   const int64_t padded = (len + 31) / 32 * 32;  // a row of probabilities: whole A operands of 32
-  alignas(64) float c[16 * 16];
-  alignas(64) uint32_t vp[4 * 16 * 16];  // 32 cache rows x 64 columns in pairs: 4 B operands
-  __m512i pair_up;                       // (row a, row b) halves -> (a[0], b[0], a[1], b[1], ...)
-  {
-    alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = uint16_t(i), idx[2 * i + 1] = uint16_t(16 + i);
-    pair_up = _mm512_load_si512(idx);
+  // rows[j]: cache row j, null past len and in refused blocks (counted here, once).
+  std::vector<const uint16_t*>& rows = scratch.rows;
+  rows.assign(padded, nullptr);
+  for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+    const int32_t block = table[j0 / block_size];
+    const int64_t n = std::min(block_size, len - j0);
+    if (block < 0 || block >= num_blocks) {
+      bad.fetch_add(n);
+      continue;
+    }
+    for (int64_t r = 0; r < n; ++r) rows[j0 + r] = kv + block * kv_block + r * kv_row;
   }
+  alignas(64) float c[2 * 16 * 16];     // C tiles stored: scores one, output two at a time
+  alignas(64) uint32_t vp[4 * 16 * 16];  // 32 cache rows x 64 columns in pairs: 4 B operands
+  // The output's B operands pair rows 16 bits at a time within 128-bit lanes (unpacklo/hi), so a
+  // C tile's 16 columns come in lane order: column c of 32 is lane 4 (c / 8) + c % 4 of the low
+  // (c % 8 < 4) or the high tile; put back in order as they are stored.
+  alignas(64) int32_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = (i % 8 < 4 ? 0 : 16) + 4 * (i / 8) + i % 4;
+  const __m512i first = _mm512_load_si512(order), second = _mm512_load_si512(order + 16);
+  scratch.zeros.assign(W, 0);  // read for rows past len and refused rows: their probabilities are 0
+  const uint16_t* const zeros = scratch.zeros.data();
   if constexpr (!SOFT) amx_configure();
   for (int64_t h0 = 0; h0 < heads; h0 += 16) {
     const int64_t group = std::min<int64_t>(16, heads - h0);
@@ -229,28 +239,29 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       for (int64_t i = 0; i < W / 2; ++i) std::memcpy(&qp[i * 16 + g], q + (h0 + g) * q_h + 2 * i, 4);
     std::vector<float>& s = scratch.s;  // [group, len]
     s.resize(group * len);
+    // c[t * 16 + g] -> s[g][j0 + t], bf16(bf16(dot) * scale), the 16 heads of a row at once.
+    auto scores_of = [&](int64_t j0, int64_t n) {
+      alignas(64) float out[16];
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 dot = widen16(narrow16(_mm512_load_ps(c + t * 16)));
+        _mm512_store_ps(out, widen16(narrow16(_mm512_mul_ps(dot, _mm512_set1_ps(scale)))));
+        for (int64_t g = 0; g < group; ++g) s[g * len + j0 + t] = out[g];
+      }
+    };
     // Four blocks of 16 rows at a time, each into its own C tile: their chains of products are
     // independent, so the tile unit overlaps them instead of waiting on each product's result
     // (each score still sums over k in the same order, so the bits are those of one at a time).
-    auto scores_of = [&](int64_t j0, int64_t rows) {  // c[t * 16 + g] -> s[g][j0 + t]
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t g = 0; g < group; ++g)
-          s[g * len + j0 + t] = from_bf16(to_bf16(from_bf16(to_bf16(c[t * 16 + g])) * scale));
-    };
     constexpr int64_t SPAN = 64;  // rows: four blocks of 16
     for (int64_t j0 = 0; j0 < len; j0 += SPAN) {
-      const uint16_t* rows_of[4] = {nullptr, nullptr, nullptr, nullptr};
+      const uint16_t* rows_of[4] = {nullptr, nullptr, nullptr, nullptr};  // each tile's 16 rows lie in one block
       int64_t valid = 0;
-      for (int64_t q4 = 0; q4 < 4; ++q4) {
+      for (int64_t q4 = 0; q4 < 4 && j0 + 16 * q4 < len; ++q4) {
         const int64_t j = j0 + 16 * q4;
-        if (j >= len) break;
-        const int64_t rows = std::min<int64_t>(16, len - j);
-        rows_of[q4] = row_of(j);  // its 16 rows lie in one block (block_size % 16 == 0)
-        if (rows_of[q4] == nullptr) {
-          if (h0 == 0) bad.fetch_add(rows);
-          for (int64_t g = 0; g < group; ++g) std::fill_n(&s[g * len + j], rows, -INFINITY);
-        } else {
+        rows_of[q4] = rows[j];
+        if (rows_of[q4] != nullptr) {
           ++valid;
+        } else {  // refused
+          for (int64_t g = 0; g < group; ++g) std::fill_n(&s[g * len + j], std::min<int64_t>(16, len - j), -INFINITY);
         }
       }
       const auto rows_at = [&](int64_t q4) { return std::min<int64_t>(16, len - j0 - 16 * q4); };
@@ -297,8 +308,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     std::vector<uint16_t>& p = scratch.probs;  // [16, padded] bf16, zero past len and past group
     p.assign(16 * padded, 0);
     for (int64_t g = 0; g < group; ++g) {
-      softmax_rounded(&s[g * len], len);
-      for (int64_t j = 0; j < len; ++j) p[g * padded + j] = to_bf16(s[g * len + j]);  // exact: already bf16
+      float* sg = &s[g * len];
+      softmax_rounded(sg, len);
+      for (int64_t j = 0; j < len; j += 16) {  // exact: already bf16
+        const __mmask16 m = lanes16(len - j);
+        _mm256_mask_storeu_epi16(&p[g * padded + j], m, narrow16(_mm512_maskz_loadu_ps(m, sg + j)));
+      }
     }
     for (int64_t l0 = 0; l0 < L; l0 += 64) {
       TILE_ZERO(0);
@@ -306,17 +321,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       TILE_ZERO(2);
       TILE_ZERO(3);
       for (int64_t j0 = 0; j0 < len; j0 += 32) {
-        for (int64_t r = 0; r < 16; ++r) {
-          const int64_t j = j0 + 2 * r;
-          const uint16_t* a = j < len ? row_of(j) : nullptr;
-          const uint16_t* b = j + 1 < len ? row_of(j + 1) : nullptr;
-          for (int64_t i = 0; i < 4; ++i) {
-            const __m256i va = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + l0 + 16 * i))
-                                 : _mm256_setzero_si256();
-            const __m256i vb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + l0 + 16 * i))
-                                 : _mm256_setzero_si256();
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
-            _mm512_store_si512(vp + (i * 16 + r) * 16, _mm512_permutexvar_epi16(pair_up, both));
+        for (int64_t r = 0; r < 16; ++r) {  // B operand row r: rows j0 + 2r and j0 + 2r + 1 in pairs
+          const uint16_t *a = rows[j0 + 2 * r], *b = rows[j0 + 2 * r + 1];
+          a = a ? a : zeros, b = b ? b : zeros;
+          for (int64_t half = 0; half < 2; ++half) {  // columns l0 + 32 half + [0, 32): tiles 2 half, 2 half + 1
+            const __m512i va = _mm512_loadu_si512(a + l0 + 32 * half), vb = _mm512_loadu_si512(b + l0 + 32 * half);
+            _mm512_store_si512(vp + (2 * half * 16 + r) * 16, _mm512_unpacklo_epi16(va, vb));
+            _mm512_store_si512(vp + ((2 * half + 1) * 16 + r) * 16, _mm512_unpackhi_epi16(va, vb));
           }
         }
         TILE_LOAD(4, p.data() + j0, padded * 2);
@@ -329,16 +340,21 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
         TILE_LOAD(7, vp + 768, 64);
         TILE_DOT(3, 4, 7);
       }
-      for (int t = 0; t < 4; ++t) {  // C tile t: c[g * 16 + l'] -> o[h0 + g][l0 + 16 t + l']
-        switch (t) {
-          case 0: TILE_STORE(0, c, 64); break;
-          case 1: TILE_STORE(1, c, 64); break;
-          case 2: TILE_STORE(2, c, 64); break;
-          default: TILE_STORE(3, c, 64); break;
+      for (int64_t half = 0; half < 2; ++half) {  // C tiles 2 half (low) and 2 half + 1 (high)
+        if (half == 0) {
+          TILE_STORE(0, c, 64);
+          TILE_STORE(1, c + 256, 64);
+        } else {
+          TILE_STORE(2, c, 64);
+          TILE_STORE(3, c + 256, 64);
         }
-        for (int64_t g = 0; g < group; ++g)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (h0 + g) * o_h + l0 + 16 * t),
-                              narrow16(_mm512_load_ps(c + g * 16)));
+        for (int64_t g = 0; g < group; ++g) {  // -> o[h0 + g][l0 + 32 half + [0, 32)]
+          const __m512 lo = _mm512_load_ps(c + g * 16), hi = _mm512_load_ps(c + 256 + g * 16);
+          const __m256i c0 = narrow16(_mm512_permutex2var_ps(lo, first, hi));
+          const __m256i c1 = narrow16(_mm512_permutex2var_ps(lo, second, hi));
+          _mm512_storeu_si512(o + (h0 + g) * o_h + l0 + 32 * half,
+                              _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1));
+        }
       }
     }
   }

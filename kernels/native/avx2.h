@@ -277,6 +277,7 @@ inline int32_t reduce_min_epi32(I16 a) {
 #define _mm512_loadu_si512 avx2::loadu_si512
 #define _mm512_load_si512 avx2::loadu_si512
 #define _mm512_store_si512 avx2::store_si512
+#define _mm512_storeu_si512 avx2::store_si512
 #define _mm512_maskz_loadu_ps avx2::maskz_loadu_ps
 #define _mm512_mask_storeu_ps avx2::mask_storeu_ps
 #define _mm256_maskz_loadu_epi16 avx2::maskz_loadu_epi16_256
