@@ -81,6 +81,12 @@ def native_amx() -> bool:
     return os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"
 
 
+def native_amx_attention() -> bool:
+    """PDSERVE_NATIVE_AMX_ATTENTION: "0" keeps the native decode attention on VDPBF16PS while the
+    products run on the AMX tile unit (default: the attention on the tiles too, where they run)."""
+    return os.environ.get("PDSERVE_NATIVE_AMX_ATTENTION", "1") != "0"
+
+
 def native_bf16() -> bool:
     """PDSERVE_NATIVE_BF16: "0" builds the native kernels without the AVX512-BF16 instructions even
     where the CPU has them: their AVX512F emulation, as a CPU without them (Skylake-SP to Ice Lake)

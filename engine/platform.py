@@ -58,8 +58,12 @@ def use_native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
 
 def load_native() -> bool:
     """native.load as the environment sets it up (engine/env.py: the build folder, PDSERVE_NATIVE_AMX,
-    _BF16 and _AVX512), whether or not a model would use the kernels: the engine's, the tests' and
-    the benchmarks' one way in. -> whether they are loaded."""
+    _AMX_ATTENTION, _BF16 and _AVX512), whether or not a model would use the kernels: the engine's,
+    the tests' and the benchmarks' one way in. -> whether they are loaded."""
     return native.load(
-        Path(env.native_build_dir()), amx=env.native_amx(), bf16=env.native_bf16(), avx512=env.native_avx512()
+        Path(env.native_build_dir()),
+        amx=env.native_amx(),
+        bf16=env.native_bf16(),
+        avx512=env.native_avx512(),
+        amx_attention=env.native_amx_attention(),
     )

@@ -592,6 +592,43 @@ def test_mla_decode_equals_the_torch_path(
     assert err(got) <= 1.5 * err(want) + 1e-3
 
 
+def test_the_attention_can_be_kept_off_the_tiles_while_the_products_use_them(loaded, products):
+    """use_amx_attention(False) (PDSERVE_NATIVE_AMX_ATTENTION=0): with the products on the tile
+    path, the decode attention gives the VDPBF16PS path's bits; on again, the tile path's own."""
+    if not loaded:
+        assert not native.loaded()
+        return
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(34, 16, 576, generator=gen).bfloat16()  # the bench model's latents, 512 + 64
+    table = torch.randperm(34, generator=gen)[:32].view(2, 16).int()
+    lens = torch.tensor([250, 130], dtype=torch.int32)
+    q = torch.randn(2, 8, 576, generator=gen).bfloat16()
+    # A score whose float32 sum depends on the order: the tiles add a row's products in order
+    # (2^24 - 2^24 + 1 = 1), VDPBF16PS in 16 lanes of pairs (lane 0: 2^24 + 1 = 2^24; then 0).
+    q[0, 0] = 0
+    q[0, 0, [0, 2, 32]] = 1
+    cache[table[0, 0], 0, :] = 0
+    cache[table[0, 0], 0, [0, 2, 32]] = torch.tensor([2.0**24, -(2.0**24), 1.0]).bfloat16()
+    x, w = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(64, 64, generator=gen).bfloat16()
+    product = native.linear_bf16(x, w)
+    try:
+        assert not native.use_amx_attention(False)
+        off = native.mla_decode(q, cache, table, lens, 0.05, 512)
+        assert torch.equal(native.linear_bf16(x, w), product)  # the products' path unchanged
+    finally:
+        assert native.use_amx_attention(True) == (products == "amx")
+    on = native.mla_decode(q, cache, table, lens, 0.05, 512)
+    native.use_amx(False)
+    try:
+        vdpbf16ps = native.mla_decode(q, cache, table, lens, 0.05, 512)
+    finally:
+        native.use_amx(
+            products == "amx", emulated=products == "amx" and not native.AMX_FLAGS <= native.cpu_flags()
+        )
+    assert torch.equal(off, vdpbf16ps)
+    assert torch.equal(on, vdpbf16ps) == (products != "amx")
+
+
 @pytest.mark.parametrize("block_size, width, lat", [(2, 16, 8), (16, 96, 64)], ids=["vdpbf16ps", "tiles"])
 def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, products, block_size, width, lat):
     if not loaded:

@@ -128,14 +128,16 @@ def supported() -> bool:
     return has_avx512() or all(flag in cpu_flags() for flag in AVX2_FLAGS)
 
 
-def load(build_dir: Path, amx: bool = True, bf16: bool = True, avx512: bool = True) -> bool:
+def load(
+    build_dir: Path, amx: bool = True, bf16: bool = True, avx512: bool = True, amx_attention: bool = True
+) -> bool:
     """Build (once per source, flags and torch version, under a lock other processes wait on) and
     load the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
     with neither AVX512F/BW/VL/DQ nor AVX2 and FMA, or when the build fails. amx: products on the
     AMX tile unit where the CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the
     CPU has them (False builds their emulation, as for a CPU without them); avx512: the AVX-512
     build where the CPU has it (False builds the AVX2 one, as for a CPU without it). The last two
-    for tests and measurements."""
+    for tests and measurements; amx_attention: see use_amx_attention."""
     global _library, _bf16_instructions, _avx512
     if _library is not None:
         return True
@@ -171,6 +173,7 @@ def load(build_dir: Path, amx: bool = True, bf16: bool = True, avx512: bool = Tr
         return False
     _bf16_instructions, _avx512 = bf16, avx512
     amx = use_amx(amx)
+    _library.use_amx_attention(amx_attention)
     products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F" if avx512 else "AVX2"
     products += "" if bf16 else " (AVX512-BF16 emulated)"
     logger.info("native CPU kernels loaded from %s (%s products)", folder, products)
@@ -217,6 +220,14 @@ def set_batch_invariant(on: bool) -> None:
 def batch_invariant() -> bool:
     """Whether steps run batch-invariant now (set_batch_invariant)."""
     return _batch_invariant
+
+
+def use_amx_attention(on: bool) -> bool:
+    """The decode attention (mla_decode) on the tile path wherever the products take it (on, the
+    default) or always through VDPBF16PS (off); -> whether it now takes the tile path (for shapes
+    of whole tiles). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    return bool(_library.use_amx_attention(on))
 
 
 def uses_amx() -> bool:

@@ -188,8 +188,9 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
   }
 }
 
-// The same attention on the tile unit (amx_attend_takes: AMX granted, whole 16-row tiles in a
-// block, W a multiple of 32 and L of 64), with the same roundings; only the float32 sums go in
+// The same attention on the tile unit (amx_attend_takes: the products on the tiles and the
+// attention not kept off them, whole 16-row tiles in a block, W a multiple of 32 and L of 64),
+// with the same roundings; only the float32 sums go in
 // another order. Per group of up to 16 heads:
 // - scores, C[j, h] = sum_k cache[j, k] q[h, k]: 16 cache rows of a block are the A operand as
 //   they lie (a row stride apart), q the B operand in pairs (VNNI);
@@ -198,8 +199,17 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
 // Rows past len (a block's unwritten end, or refused) give scores that are never read and pair
 // as zeros, so nothing they hold reaches the output. The sequence's rows are looked up once
 // (the output pairs each row once per 64 columns); the scores are rounded 16 heads at a time.
+bool g_amx_attention = true;  // use_amx_attention: the decode attention may take the tile path
+
+// The decode attention on the tile path where the products take it (on) or always through
+// VDPBF16PS (off); -> whether it now takes the tile path.
+bool use_amx_attention(bool on) {
+  g_amx_attention = on;
+  return g_amx && on;
+}
+
 inline bool amx_attend_takes(int64_t block_size, int64_t W, int64_t L) {
-  return g_amx && block_size % 16 == 0 && W % AMX_K == 0 && L % 64 == 0;
+  return g_amx && g_amx_attention && block_size % 16 == 0 && W % AMX_K == 0 && L % 64 == 0;
 }
 
 template <bool SOFT>
