@@ -19,7 +19,6 @@ memory as in a step. Reported per batch: each side's median ms a sweep and basel
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ab_revisions import checkouts  # noqa: E402
 from benchmarks.common import save  # noqa: E402
-from benchmarks.products_ab import build, load_library  # noqa: E402
+from benchmarks.products_ab import build, load_library, revisions_parser  # noqa: E402
 from kernels import native  # noqa: E402
 
 BLOCK = 16  # the engine's default block size: whole 16-row tiles
@@ -65,10 +64,7 @@ def sweep(library, tiles: bool, q, cache, table, lens, out, lat: int, flush: tor
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--baseline", required=True, help="git revision to compare against")
-    p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
-    p.add_argument("--model", default="models/pdserve-bench", help="its config.json gives the shapes")
+    p = revisions_parser(__doc__)
     p.add_argument("--batches", default="64,256", help="sequences in the step")
     p.add_argument("--context", type=int, default=290, help="cached tokens per sequence")
     for side in ("baseline", "candidate"):

@@ -108,13 +108,20 @@ def sweep(library, shapes, weights, xs, ys, rows: int, flush: torch.Tensor | Non
     return time.perf_counter() - start
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def revisions_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every kernel A/B here takes: the two revisions, and the model whose
+    config.json gives the shapes."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--baseline", required=True, help="git revision to compare against")
     p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
+    p.add_argument("--model", default="models/pdserve-bench", help="its config.json gives the shapes")
+    return p
+
+
+def main() -> int:
+    p = revisions_parser(__doc__)
     p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
     p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
-    p.add_argument("--model", default="models/pdserve-bench", help="its config.json gives the shapes")
     p.add_argument("--rows", default="1,4,32", help="rows of x (tokens in the step)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)

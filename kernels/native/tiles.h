@@ -90,31 +90,14 @@ inline void dot(int c, int a, int b) {
 
 // The tile operations in a kernel templated on `bool SOFT` (tile numbers are literals: the
 // unit's instructions name their registers).
-#define TILE_ZERO(t)                 \
-  do {                               \
-    if constexpr (SOFT)              \
-      soft_tiles::zero(t);           \
-    else                             \
-      _tile_zero(t);                 \
+#define TILE_OP(soft, unit) \
+  do {                      \
+    if constexpr (SOFT)     \
+      soft;                 \
+    else                    \
+      unit;                 \
   } while (0)
-#define TILE_LOAD(t, base, stride)             \
-  do {                                         \
-    if constexpr (SOFT)                        \
-      soft_tiles::load(t, base, stride);       \
-    else                                       \
-      _tile_loadd(t, base, stride);            \
-  } while (0)
-#define TILE_STORE(t, base, stride)            \
-  do {                                         \
-    if constexpr (SOFT)                        \
-      soft_tiles::store(t, base, stride);      \
-    else                                       \
-      _tile_stored(t, base, stride);           \
-  } while (0)
-#define TILE_DOT(c, a, b)            \
-  do {                               \
-    if constexpr (SOFT)              \
-      soft_tiles::dot(c, a, b);      \
-    else                             \
-      _tile_dpbf16ps(c, a, b);       \
-  } while (0)
+#define TILE_ZERO(t) TILE_OP(soft_tiles::zero(t), _tile_zero(t))
+#define TILE_LOAD(t, base, stride) TILE_OP(soft_tiles::load(t, base, stride), _tile_loadd(t, base, stride))
+#define TILE_STORE(t, base, stride) TILE_OP(soft_tiles::store(t, base, stride), _tile_stored(t, base, stride))
+#define TILE_DOT(c, a, b) TILE_OP(soft_tiles::dot(c, a, b), _tile_dpbf16ps(c, a, b))
