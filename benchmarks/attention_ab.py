@@ -3,6 +3,7 @@
     python benchmarks/attention_ab.py --baseline e66c77b --batches 64,256 --context 290
     # on an AMX CPU, one build's two paths: the tiles (amx_attend) against VDPBF16PS (attend)
     python benchmarks/attention_ab.py --baseline HEAD --baseline-path tiles --candidate-path vdpbf16ps
+    python benchmarks/attention_ab.py --baseline e66c77b --avx2   # the build for AVX2 (no AVX-512)
 
 Each side's kernels (kernels/native: a git checkout of `--baseline`, and the working tree or
 `--candidate REV`) are built by that side's own loader in a subprocess, as products_ab.py does,
@@ -65,6 +66,8 @@ def sweep(library, tiles: bool, q, cache, table, lens, out, lat: int, flush: tor
 
 def main() -> int:
     p = revisions_parser(__doc__)
+    p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
+    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
     p.add_argument("--batches", default="64,256", help="sequences in the step")
     p.add_argument("--context", type=int, default=290, help="cached tokens per sequence")
     for side in ("baseline", "candidate"):
@@ -84,11 +87,16 @@ def main() -> int:
     torch.set_num_threads(args.threads)  # the attention shares its sequences over OpenMP's threads
     with checkouts(args.baseline, args.candidate, prefix="pdserve-attention-ab-") as (base_tree, cand_tree):
         paths = {
-            side: build(tree, emulated=False)
+            side: build(tree, args.emulated, args.avx2)
             for side, tree in (("baseline", base_tree), ("candidate", cand_tree))
         }
     libraries = {side: load_library(path, 1) for side, path in paths.items()}  # use_pool(0): OpenMP
-    wants = {"baseline": args.baseline_path == "tiles", "candidate": args.candidate_path == "tiles"}
+    # The tiles only in the build with this CPU's instructions (as native.use_amx).
+    own = not (args.avx2 or args.emulated)
+    wants = {
+        "baseline": own and args.baseline_path == "tiles",
+        "candidate": own and args.candidate_path == "tiles",
+    }
     on_tiles = {side: use_tiles(libraries[side], wants[side]) for side in libraries}
     config = json.loads((Path(args.model) / "config.json").read_text())
     heads, lat, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
@@ -126,11 +134,19 @@ def main() -> int:
             f"{base_ms / cand_ms:.3f}x  {'same bits' if agree else 'bits differ'}"
         )
     paths = {side: "tiles" if on else "vdpbf16ps" for side, on in on_tiles.items()}
+    kind = (
+        "avx2" if args.avx2 else "emulated" if args.emulated else f"{paths['baseline']}_{paths['candidate']}"
+    )
     path = save(
-        f"attention_ab_{paths['baseline']}_{paths['candidate']}",
+        f"attention_ab_{kind}",
         {
             "baseline": args.baseline,
             "candidate": args.candidate or "working tree",
+            "build": "AVX2"
+            if args.avx2
+            else "AVX512-BF16 emulated"
+            if args.emulated
+            else "this CPU's instructions",
             "baseline_path": paths["baseline"],
             "candidate_path": paths["candidate"],
             "heads": heads,
