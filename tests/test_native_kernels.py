@@ -635,9 +635,16 @@ def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, products, block_
         assert not native.loaded()
         return
     cache = torch.zeros(4, block_size, width, dtype=torch.bfloat16)
+    # Each bad id the lengths reach counts once: one sequence (its heads split over the threads),
+    # then two, one of them past its bad id's block (not reached) and one reaching two.
     q = torch.zeros(1, 2, width, dtype=torch.bfloat16)
     table, lens = torch.tensor([[1, 4]], dtype=torch.int32), torch.tensor([block_size + 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"holds 1 block ids outside \[0, 4\)"):
+        native.mla_decode(q, cache, table, lens, 1.0, lat)
+    q = torch.zeros(2, 2, width, dtype=torch.bfloat16)
+    table = torch.tensor([[2, -1, 7], [9, 0, -3]], dtype=torch.int32)
+    lens = torch.tensor([block_size, 3 * block_size], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"holds 2 block ids outside \[0, 4\)"):
         native.mla_decode(q, cache, table, lens, 1.0, lat)
     with pytest.raises(ValueError, match="must be int32"):
         native.mla_decode(q, cache, torch.tensor([[1]]), torch.tensor([1]), 1.0, 8)

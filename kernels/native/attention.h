@@ -151,7 +151,8 @@ void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, i
   attend_output<G>(pp.data(), pairs, rows, L, o, o_h);
 }
 
-// Refused rows (a block id outside the cache) are counted in `bad`, score -inf and read as zeros.
+// A block id outside the cache is counted in `bad` (once); its rows are refused: they score -inf
+// and read as zeros.
 void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
             int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
             int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
@@ -163,7 +164,7 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
     const int32_t block = table[j0 / block_size];
     const int64_t n = std::min(block_size, len - j0);
     if (block < 0 || block >= num_blocks) {
-      bad.fetch_add(n);
+      bad.fetch_add(1);
       for (int64_t j = j0; j < j0 + n; ++j) refused.push_back(j);
       continue;
     }
@@ -218,14 +219,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h, int64_t heads, int64_t W,
     int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
   const int64_t padded = (len + 31) / 32 * 32;  // a row of probabilities: whole A operands of 32
-  // rows[j]: cache row j, null past len and in refused blocks (counted here, once).
+  // rows[j]: cache row j, null past len and in refused blocks (each counted here, once).
   std::vector<const uint16_t*>& rows = scratch.rows;
   rows.assign(padded, nullptr);
   for (int64_t j0 = 0; j0 < len; j0 += block_size) {
     const int32_t block = table[j0 / block_size];
     const int64_t n = std::min(block_size, len - j0);
     if (block < 0 || block >= num_blocks) {
-      bad.fetch_add(n);
+      bad.fetch_add(1);
       continue;
     }
     for (int64_t r = 0; r < n; ++r) rows[j0 + r] = kv + block * kv_block + r * kv_row;
@@ -370,7 +371,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
   }
 }
 
-// Returns the number of block ids outside [0, num_blocks) met (0: all fine; the caller raises).
+// Returns the number of block ids outside [0, num_blocks) the sequences' lengths reach in their
+// tables (0: all fine; the caller raises).
 int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int64_t kv_block, int64_t kv_row,
                    int64_t num_blocks, int64_t block_size, int64_t table_ptr, int64_t table_b, int64_t max_blocks,
                    int64_t lens_ptr, int64_t o_ptr, int64_t o_b, int64_t o_h, int64_t B, int64_t H, int64_t W,
@@ -386,7 +388,7 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
   // Split heads only when there are fewer sequences than threads (a batch-1 decode).
   const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (threads_now() + B - 1) / B));
   const int64_t per_split = (H + splits - 1) / splits;
-  std::atomic<int64_t> bad{0};
+  std::atomic<int64_t> bad{0}, uncounted{0};  // a sequence's refused blocks count in its first split
   int64_t cached = 0;  // cache rows read, times the heads reading them
   for (int64_t b = 0; b < B; ++b) cached += std::max<int32_t>(lens[b], 0);
   // Bytes read: the cache rows, once per head group (of HEAD_GROUP, or of 16 on the tiles).
@@ -398,7 +400,7 @@ int64_t mla_decode(int64_t q_ptr, int64_t q_b, int64_t q_h, int64_t kv_ptr, int6
       if (h0 >= h1) continue;
       const int64_t len = std::min<int64_t>(std::max<int32_t>(lens[b], 0), max_blocks * block_size);
       kernel(q + b * q_b + h0 * q_h, q_h, kv, kv_block, kv_row, num_blocks, block_size, table + b * table_b, len,
-             o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L, float(scale), scratch, bad);
+             o + b * o_b + h0 * o_h, o_h, h1 - h0, W, L, float(scale), scratch, h0 == 0 ? bad : uncounted);
     }
   }, ATTENTION_OMP_MIN_BYTES);
   return bad.load();
