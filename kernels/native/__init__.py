@@ -176,6 +176,7 @@ def load(
     _library.use_amx_attention(amx_attention)
     products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F" if avx512 else "AVX2"
     products += "" if bf16 else " (AVX512-BF16 emulated)"
+    products += "" if amx_attention or not amx else ", the decode attention through VDPBF16PS"
     logger.info("native CPU kernels loaded from %s (%s products)", folder, products)
     return True
 
