@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ab_revisions import checkouts  # noqa: E402
 from benchmarks.common import save  # noqa: E402
-from benchmarks.products_ab import build, load_library, revisions_parser  # noqa: E402
+from benchmarks.products_ab import build, build_name, load_library, revisions_parser  # noqa: E402
 from kernels import native  # noqa: E402
 
 BLOCK = 16  # the engine's default block size: whole 16-row tiles
@@ -66,8 +66,6 @@ def sweep(library, tiles: bool, q, cache, table, lens, out, lat: int, flush: tor
 
 def main() -> int:
     p = revisions_parser(__doc__)
-    p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
-    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
     p.add_argument("--batches", default="64,256", help="sequences in the step")
     p.add_argument("--context", type=int, default=290, help="cached tokens per sequence")
     for side in ("baseline", "candidate"):
@@ -142,11 +140,7 @@ def main() -> int:
         {
             "baseline": args.baseline,
             "candidate": args.candidate or "working tree",
-            "build": "AVX2"
-            if args.avx2
-            else "AVX512-BF16 emulated"
-            if args.emulated
-            else "this CPU's instructions",
+            "build": build_name(args),
             "baseline_path": paths["baseline"],
             "candidate_path": paths["candidate"],
             "heads": heads,

@@ -109,19 +109,24 @@ def sweep(library, shapes, weights, xs, ys, rows: int, flush: torch.Tensor | Non
 
 
 def revisions_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments every kernel A/B here takes: the two revisions, and the model whose
-    config.json gives the shapes."""
+    """The arguments every kernel A/B here takes: the two revisions, the build, and the model
+    whose config.json gives the shapes."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--baseline", required=True, help="git revision to compare against")
     p.add_argument("--candidate", default=None, help="git revision (default: the working tree)")
+    p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
+    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
     p.add_argument("--model", default="models/pdserve-bench", help="its config.json gives the shapes")
     return p
 
 
+def build_name(args: argparse.Namespace) -> str:
+    """The build both sides ran (revisions_parser's --avx2 / --emulated), for the results file."""
+    return "AVX2" if args.avx2 else "AVX512-BF16 emulated" if args.emulated else "this CPU's instructions"
+
+
 def main() -> int:
     p = revisions_parser(__doc__)
-    p.add_argument("--emulated", action="store_true", help="both sides built without AVX512-BF16")
-    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (no AVX-512)")
     p.add_argument("--rows", default="1,4,32", help="rows of x (tokens in the step)")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
@@ -173,11 +178,7 @@ def main() -> int:
         {
             "baseline": args.baseline,
             "candidate": args.candidate or "working tree",
-            "build": "AVX2"
-            if args.avx2
-            else "AVX512-BF16 emulated"
-            if args.emulated
-            else "this CPU's instructions",
+            "build": build_name(args),
             "weights_mb": megabytes,
             "threads": args.threads,
             "weights_in_cache": args.warm,
