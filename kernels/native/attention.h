@@ -151,15 +151,16 @@ void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, i
   attend_output<G>(pp.data(), pairs, rows, L, o, o_h);
 }
 
-// A block id outside the cache is counted in `bad` (once); its rows are refused: they score -inf
-// and read as zeros.
-void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
-            int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
-            int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
+// A sequence's cache rows, looked up once through its block table: scratch.rows[j] is row j for
+// j < len, and the zero row (scratch.zeros, W long) past len up to `size` and in a block whose id
+// lies outside the cache. Each such id is counted in `bad` once; its rows are refused (appended
+// to `refused`): they score -inf and read as zeros.
+inline void look_up_rows(const uint16_t* kv, int64_t kv_block, int64_t kv_row, int64_t num_blocks,
+                         int64_t block_size, const int32_t* table, int64_t len, int64_t size, int64_t W,
+                         AttendScratch& scratch, std::vector<int64_t>& refused, std::atomic<int64_t>& bad) {
   scratch.zeros.assign(W, 0);
   std::vector<const uint16_t*>& rows = scratch.rows;
-  rows.assign(len + 2, scratch.zeros.data());  // past len: the zero row (a pair's second, an odd len)
-  std::vector<int64_t> refused;
+  rows.assign(size, scratch.zeros.data());
   for (int64_t j0 = 0; j0 < len; j0 += block_size) {
     const int32_t block = table[j0 / block_size];
     const int64_t n = std::min(block_size, len - j0);
@@ -170,6 +171,15 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
     }
     for (int64_t r = 0; r < n; ++r) rows[j0 + r] = kv + block * kv_block + r * kv_row;
   }
+}
+
+void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
+            int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
+            int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
+  std::vector<int64_t> refused;
+  // Past len, the zero row: a pair's second row where len is odd, and the rows prefetched ahead.
+  look_up_rows(kv, kv_block, kv_row, num_blocks, block_size, table, len, len + 2, W, scratch, refused, bad);
+  const std::vector<const uint16_t*>& rows = scratch.rows;
   for (int64_t h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
     const uint16_t* qh = q + h0 * q_h;
     uint16_t* oh = o + h0 * o_h;
@@ -191,8 +201,7 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
 
 // The same attention on the tile unit (amx_attend_takes: the products on the tiles and the
 // attention not kept off them, whole 16-row tiles in a block, W a multiple of 32 and L of 64),
-// with the same roundings; only the float32 sums go in
-// another order. Per group of up to 16 heads:
+// with the same roundings; only the float32 sums go in another order. Per group of up to 16 heads:
 // - scores, C[j, h] = sum_k cache[j, k] q[h, k]: 16 cache rows of a block are the A operand as
 //   they lie (a row stride apart), q the B operand in pairs (VNNI);
 // - output, C[h, l] = sum_j p[h, j] cache[j, l]: the bf16 probabilities are the A operand, and
@@ -219,18 +228,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
     int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h, int64_t heads, int64_t W,
     int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
   const int64_t padded = (len + 31) / 32 * 32;  // a row of probabilities: whole A operands of 32
-  // rows[j]: cache row j, null past len and in refused blocks (each counted here, once).
-  std::vector<const uint16_t*>& rows = scratch.rows;
-  rows.assign(padded, nullptr);
-  for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-    const int32_t block = table[j0 / block_size];
-    const int64_t n = std::min(block_size, len - j0);
-    if (block < 0 || block >= num_blocks) {
-      bad.fetch_add(1);
-      continue;
-    }
-    for (int64_t r = 0; r < n; ++r) rows[j0 + r] = kv + block * kv_block + r * kv_row;
-  }
+  std::vector<int64_t> refused;
+  look_up_rows(kv, kv_block, kv_row, num_blocks, block_size, table, len, padded, W, scratch, refused, bad);
+  const std::vector<const uint16_t*>& rows = scratch.rows;
+  const uint16_t* const zeros = scratch.zeros.data();  // past len, and refused
   alignas(64) float c[2 * 16 * 16];     // C tiles stored: scores one, output two at a time
   alignas(64) uint32_t vp[4 * 16 * 16];  // 32 cache rows x 64 columns in pairs: 4 B operands
   // The output's B operands pair rows 16 bits at a time within 128-bit lanes (unpacklo/hi), so a
@@ -239,8 +240,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
   alignas(64) int32_t order[32];
   for (int i = 0; i < 32; ++i) order[i] = (i % 8 < 4 ? 0 : 16) + 4 * (i / 8) + i % 4;
   const __m512i first = _mm512_load_si512(order), second = _mm512_load_si512(order + 16);
-  scratch.zeros.assign(W, 0);  // read for rows past len and refused rows: their probabilities are 0
-  const uint16_t* const zeros = scratch.zeros.data();
   if constexpr (!SOFT) amx_configure();
   for (int64_t h0 = 0; h0 < heads; h0 += 16) {
     const int64_t group = std::min<int64_t>(16, heads - h0);
@@ -268,8 +267,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       int64_t valid = 0;
       for (int64_t q4 = 0; q4 < 4 && j0 + 16 * q4 < len; ++q4) {
         const int64_t j = j0 + 16 * q4;
-        rows_of[q4] = rows[j];
-        if (rows_of[q4] != nullptr) {
+        if (rows[j] != zeros) {
+          rows_of[q4] = rows[j];
           ++valid;
         } else {  // refused
           for (int64_t g = 0; g < group; ++g) std::fill_n(&s[g * len + j], std::min<int64_t>(16, len - j), -INFINITY);
@@ -334,7 +333,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_attend(
       for (int64_t j0 = 0; j0 < len; j0 += 32) {
         for (int64_t r = 0; r < 16; ++r) {  // B operand row r: rows j0 + 2r and j0 + 2r + 1 in pairs
           const uint16_t *a = rows[j0 + 2 * r], *b = rows[j0 + 2 * r + 1];
-          a = a ? a : zeros, b = b ? b : zeros;
           for (int64_t half = 0; half < 2; ++half) {  // columns l0 + 32 half + [0, 32): tiles 2 half, 2 half + 1
             const __m512i va = _mm512_loadu_si512(a + l0 + 32 * half), vb = _mm512_loadu_si512(b + l0 + 32 * half);
             _mm512_store_si512(vp + (2 * half * 16 + r) * 16, _mm512_unpacklo_epi16(va, vb));

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common.h"  // from_bf16
+
 namespace {
 
 struct alignas(64) TileConfig {
@@ -59,13 +61,6 @@ inline void store(int t, void* base, int64_t stride) {
   for (int r = 0; r < 16; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, tile(t).bytes[r], 64);
 }
 
-inline float widen(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1]: A and B bf16, C float32.
 inline void dot(int c, int a, int b) {
   float C[16][16];
@@ -75,10 +70,10 @@ inline void dot(int c, int a, int b) {
   std::memcpy(B, tile(b).bytes, sizeof(B));
   for (int m = 0; m < 16; ++m)
     for (int k = 0; k < 16; ++k) {
-      const float even = widen(A[m][2 * k]), odd = widen(A[m][2 * k + 1]);
+      const float even = from_bf16(A[m][2 * k]), odd = from_bf16(A[m][2 * k + 1]);
       for (int n = 0; n < 16; ++n) {
-        C[m][n] = std::fma(even, widen(B[k][2 * n]), C[m][n]);
-        C[m][n] = std::fma(odd, widen(B[k][2 * n + 1]), C[m][n]);
+        C[m][n] = std::fma(even, from_bf16(B[k][2 * n]), C[m][n]);
+        C[m][n] = std::fma(odd, from_bf16(B[k][2 * n + 1]), C[m][n]);
       }
     }
   std::memcpy(tile(c).bytes, C, sizeof(C));
