@@ -102,12 +102,7 @@ def main() -> int:
     flush = torch.zeros(64 << 20, dtype=torch.uint8)
     table_rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        per_seq = -(-args.context // BLOCK)
-        blocks = batch * per_seq
-        cache = torch.randn(blocks, BLOCK, lat + rope, generator=gen).bfloat16()
-        table = torch.randperm(blocks, generator=gen).view(batch, per_seq).int()
-        lens = torch.full((batch,), args.context, dtype=torch.int32)
-        q = torch.randn(batch, heads, lat + rope, generator=gen).bfloat16()
+        q, cache, table, lens = native.attention_case(batch, args.context, heads, lat, rope, BLOCK, gen)
         outs = {side: torch.empty(batch, heads, lat, dtype=torch.bfloat16) for side in libraries}
         times: dict[str, list[float]] = {side: [] for side in libraries}
         for r in range(args.rounds):

@@ -81,10 +81,21 @@ def native_amx() -> bool:
     return os.environ.get("PDSERVE_NATIVE_AMX", "1") != "0"
 
 
-def native_amx_attention() -> bool:
-    """PDSERVE_NATIVE_AMX_ATTENTION: "0" keeps the native decode attention on VDPBF16PS while the
-    products run on the AMX tile unit (default: the attention on the tiles too, where they run)."""
-    return os.environ.get("PDSERVE_NATIVE_AMX_ATTENTION", "1") != "0"
+AMX_ATTENTION_VAR = "PDSERVE_NATIVE_AMX_ATTENTION"
+AMX_ATTENTION_MODES = {"auto": "auto", "1": "tiles", "0": "vdpbf16ps"}
+
+
+def native_amx_attention() -> str:
+    """PDSERVE_NATIVE_AMX_ATTENTION, where the native products run on the AMX tile unit: "1" puts the
+    decode attention on the tiles too ("tiles"), "0" keeps it on VDPBF16PS ("vdpbf16ps"), "auto"
+    (the default) lets the engine time both at load and keep the faster (engine/platform.py
+    pick_decode_attention). -> "auto", "tiles" or "vdpbf16ps"."""
+    value = os.environ.get(AMX_ATTENTION_VAR, "auto")
+    if value not in AMX_ATTENTION_MODES:
+        raise ValueError(
+            f"{AMX_ATTENTION_VAR} must be one of {', '.join(AMX_ATTENTION_MODES)}, got {value!r}"
+        )
+    return AMX_ATTENTION_MODES[value]
 
 
 def native_bf16() -> bool:

@@ -65,5 +65,45 @@ def load_native() -> bool:
         amx=env.native_amx(),
         bf16=env.native_bf16(),
         avx512=env.native_avx512(),
-        amx_attention=env.native_amx_attention(),
+        amx_attention=env.native_amx_attention() != "vdpbf16ps",
     )
+
+
+ATTENTION_CONTEXT = 256
+"""Cached tokens a sequence of pick_decode_attention's timed step holds."""
+TILES_MARGIN = 1.1
+"""pick_decode_attention leaves the attention on the tiles unless VDPBF16PS takes at most
+1 / TILES_MARGIN of their time: a near tie is the hour's noise, and keeps the default."""
+
+
+def pick_decode_attention(heads: int, kv_lora_rank: int, rope: int, block_size: int, batch: int) -> None:
+    """Where the native products run on the AMX tile unit and PDSERVE_NATIVE_AMX_ATTENTION is "auto"
+    (the default), put the decode attention on the faster of the tiles and VDPBF16PS for this
+    model's attention (heads, kv_lora_rank, rope) and cache blocks: measured once per process and
+    shape, on `batch` (the engine's most) sequences of ATTENTION_CONTEXT tokens, the cache from
+    memory. Which one wins depends on the CPU: with the cache warm the tile path does less work,
+    with it from memory on a 2-core Zen 4 (software tiles) the VDPBF16PS path read it faster (the
+    README's Xeon section). The two differ only in the order of the float32 sums; the choice is
+    logged, and PDSERVE_NATIVE_AMX_ATTENTION=1 or 0 pins it (no timing)."""
+    if env.native_amx_attention() != "auto" or not native.uses_amx() or native.amx_emulated():
+        return
+    native.use_amx_attention(
+        _attention_on_tiles(heads, kv_lora_rank, rope, block_size, min(batch, native.AMX_ROWS))
+    )
+
+
+@functools.cache  # one measurement per process and shape: engines built after it take its answer
+def _attention_on_tiles(heads: int, kv_lora_rank: int, rope: int, block_size: int, batch: int) -> bool:
+    case = native.attention_case(batch, ATTENTION_CONTEXT, heads, kv_lora_rank, rope, block_size)
+    seconds = native.time_attention_paths(case, kv_lora_rank)
+    tiles = seconds["tiles"] <= TILES_MARGIN * seconds["vdpbf16ps"]
+    logger.info(
+        "decode attention on %s: one layer of %d sequences x %d tokens took %.2f ms on the AMX tiles, "
+        "%.2f ms through VDPBF16PS (PDSERVE_NATIVE_AMX_ATTENTION=1 or 0 pins it)",
+        "the AMX tiles" if tiles else "VDPBF16PS",
+        batch,
+        ATTENTION_CONTEXT,
+        seconds["tiles"] * 1e3,
+        seconds["vdpbf16ps"] * 1e3,
+    )
+    return tiles

@@ -20,7 +20,7 @@ from engine.hugepages import WeightArena, place_parameters
 from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
-from engine.platform import compute_dtype, use_native_kernels
+from engine.platform import compute_dtype, pick_decode_attention, use_native_kernels
 from engine.sampler import Sampler, argmax, prompt_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.draft_vocab import load_draft_vocab
@@ -125,6 +125,14 @@ class ModelRunner:
         if draft_vocab is not None:
             self.model.use_draft_vocab(draft_vocab)
         self.model.eval()
+        if self.native_kernels:  # on the AMX tiles or through VDPBF16PS, where the CPU has the unit
+            pick_decode_attention(
+                model_cfg.num_attention_heads,
+                model_cfg.kv_lora_rank,
+                model_cfg.qk_rope_head_dim,
+                self.block_size,
+                cfg.max_num_seqs,
+            )
         self.kv_spec = kv_spec
         start = time.perf_counter()
         self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device, cfg.kv_prefault)  # the MTP group last

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Where the CPU has the AMX tile unit, the engines' decode attention stays on it, as the tests'
+# `amx` products expect, instead of the faster path each engine would time at load (the default:
+# tests/test_decode_attention_choice.py). Worker processes inherit it.
+os.environ.setdefault("PDSERVE_NATIVE_AMX_ATTENTION", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

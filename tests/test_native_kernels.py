@@ -626,6 +626,41 @@ def test_the_attention_can_be_kept_off_the_tiles_while_the_products_use_them(loa
     assert torch.equal(on, vdpbf16ps) == (products != "amx")
 
 
+def test_attention_case_is_a_paged_cache_of_whole_blocks_in_shuffled_order():
+    gen = torch.Generator().manual_seed(0)
+    q, cache, table, lens = native.attention_case(3, 40, 5, 64, 32, 16, gen)
+    assert q.shape == (3, 5, 96) and q.dtype == cache.dtype == torch.bfloat16
+    assert cache.shape == (9, 16, 96) and table.shape == (3, 3) and table.dtype == lens.dtype == torch.int32
+    assert sorted(table.flatten().tolist()) == list(range(9)) and table.flatten().tolist() != list(range(9))
+    assert lens.tolist() == [40, 40, 40]
+    assert float(cache.float().abs().max()) <= 1 and float(cache.float().std()) > 0.4
+
+
+@pytest.mark.parametrize("setting", [True, False], ids=["on", "off"])
+def test_time_attention_paths_times_both_paths_and_restores_the_setting(loaded, products, setting):
+    """The engine's measurement behind PDSERVE_NATIVE_AMX_ATTENTION=auto (engine/platform.py
+    pick_decode_attention): both paths timed, and the switch as it was after (which path is
+    faster is the machine's: not asserted)."""
+    if not loaded:
+        assert not native.loaded()
+        return
+    case = native.attention_case(4, 50, 8, 64, 32, 16, torch.Generator().manual_seed(1))
+    if products != "amx":  # the choice is between tile paths: nothing to time without them
+        with pytest.raises(AssertionError, match="use_amx"):
+            native.time_attention_paths(case, 64, rounds=1)
+        return
+    before = native.amx_attention()
+    native.use_amx_attention(setting)
+    try:
+        seconds = native.time_attention_paths(case, 64, rounds=2)
+        assert set(seconds) == {"tiles", "vdpbf16ps"} and all(s > 0 for s in seconds.values())
+        assert native.amx_attention() == setting
+        # The tile path again where it was on: the products' setting untouched.
+        assert native.use_amx_attention(setting) == setting and native.uses_amx()
+    finally:
+        native.use_amx_attention(before)
+
+
 @pytest.mark.parametrize("block_size, width, lat", [(2, 16, 8), (16, 96, 64)], ids=["vdpbf16ps", "tiles"])
 def test_mla_decode_refuses_block_ids_outside_the_cache(loaded, products, block_size, width, lat):
     if not loaded:

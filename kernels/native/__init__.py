@@ -21,7 +21,9 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import statistics
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -104,6 +106,7 @@ _bf16_instructions = False
 _avx512 = False
 _amx = False
 _amx_emulated = False
+_amx_attention = True  # use_amx_attention's setting
 
 
 @functools.cache
@@ -173,7 +176,7 @@ def load(
         return False
     _bf16_instructions, _avx512 = bf16, avx512
     amx = use_amx(amx)
-    _library.use_amx_attention(amx_attention)
+    use_amx_attention(amx_attention)
     products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F" if avx512 else "AVX2"
     products += "" if bf16 else " (AVX512-BF16 emulated)"
     products += "" if amx_attention or not amx else ", the decode attention through VDPBF16PS"
@@ -227,8 +230,55 @@ def use_amx_attention(on: bool) -> bool:
     """The decode attention (mla_decode) on the tile path wherever the products take it (on, the
     default) or always through VDPBF16PS (off); -> whether it now takes the tile path (for shapes
     of whole tiles). Requires `loaded()`."""
+    global _amx_attention
     assert _library is not None, "kernels.native.load() first"
+    _amx_attention = on
     return bool(_library.use_amx_attention(on))
+
+
+def amx_attention() -> bool:
+    """use_amx_attention's setting: whether the decode attention may take the tile path."""
+    return _amx_attention
+
+
+def attention_case(
+    batch: int, context: int, heads: int, kv_lora_rank: int, rope: int, block_size: int, generator=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs of one layer's decode attention, to time it: `batch` sequences of `context`
+    cached tokens each, over a paged cache of whole `block_size`-row blocks in shuffled order.
+    -> (q [batch, heads, L+R], kv_cache, block_table, seq_lens), as mla_decode takes them."""
+    per_seq = -(-context // block_size)
+    blocks = batch * per_seq
+    width = kv_lora_rank + rope
+    cache = torch.empty(blocks, block_size, width, dtype=torch.bfloat16).uniform_(-1, 1, generator=generator)
+    table = torch.randperm(blocks, generator=generator).view(batch, per_seq).int()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.empty(batch, heads, width, dtype=torch.bfloat16).uniform_(-1, 1, generator=generator)
+    return q, cache, table, lens
+
+
+def time_attention_paths(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], kv_lora_rank: int, rounds: int = 7
+) -> dict[str, float]:
+    """Median seconds of mla_decode on `case` (attention_case's) on the tile path ("tiles") and
+    through VDPBF16PS ("vdpbf16ps"), alternating, which goes first swapping each round, with a
+    64 MB buffer rewritten before each call so the cache comes from memory, as in a step. Requires
+    the products on the tiles (uses_amx); use_amx_attention's setting is restored after."""
+    assert _amx, "use_amx(True) first"
+    before = _amx_attention
+    flush = torch.zeros(64 << 20, dtype=torch.uint8)
+    times: dict[str, list[float]] = {"tiles": [], "vdpbf16ps": []}
+    try:
+        for r in range(rounds):
+            for path in ("tiles", "vdpbf16ps") if r % 2 == 0 else ("vdpbf16ps", "tiles"):
+                use_amx_attention(path == "tiles")
+                flush.add_(1)
+                start = time.perf_counter()
+                mla_decode(*case, 0.1, kv_lora_rank)
+                times[path].append(time.perf_counter() - start)
+    finally:
+        use_amx_attention(before)
+    return {path: statistics.median(seconds) for path, seconds in times.items()}
 
 
 def uses_amx() -> bool:
