@@ -81,10 +81,11 @@ def pick_decode_attention(heads: int, kv_lora_rank: int, rope: int, block_size: 
     (the default), put the decode attention on the faster of the tiles and VDPBF16PS for this
     model's attention (heads, kv_lora_rank, rope) and cache blocks: measured once per process and
     shape, on `batch` (the engine's most) sequences of ATTENTION_CONTEXT tokens, the cache from
-    memory. Which one wins depends on the CPU: with the cache warm the tile path does less work,
-    with it from memory on a 2-core Zen 4 (software tiles) the VDPBF16PS path read it faster (the
-    README's Xeon section). The two differ only in the order of the float32 sums; the choice is
-    logged, and PDSERVE_NATIVE_AMX_ATTENTION=1 or 0 pins it (no timing)."""
+    memory. Which one wins depends on the CPU and the hour, not on a rule: with the cache warm the
+    tile path does less work besides its tile operations than the VDPBF16PS path does in all, with
+    it from memory more (measured on a 2-core Zen 4 with those operations made no-ops: the README's
+    Xeon section). The two differ only in the order of the float32 sums; the choice is logged, and
+    PDSERVE_NATIVE_AMX_ATTENTION=1 or 0 pins it (no timing)."""
     if env.native_amx_attention() != "auto" or not native.uses_amx() or native.amx_emulated():
         return
     native.use_amx_attention(
