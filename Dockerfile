@@ -15,24 +15,31 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG VARIANT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv && pip install --upgrade pip
+# The compiler builds the native CPU kernels here, at install; the runtime stage has none.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv && pip install --upgrade pip 'setuptools>=68'
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine engine
 COPY kernels kernels
 COPY services services
 COPY pdserve pdserve
+COPY modelkit modelkit
 # torch at the version pyproject.toml pins: from PyTorch's CPU index for the CPU variant (no
 # CUDA libraries), from PyPI (CUDA bundled) for the CUDA one; then the project itself, with NIXL
-# (the KV data plane between workers; its wheel takes the torch already installed).
-RUN TORCH="torch==$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' pyproject.toml)" \
+# (the KV data plane between workers; its wheel takes the torch already installed), built
+# against that torch (no build isolation): setup.py compiles the native CPU kernels for every ISA
+# level. `pdserve kernels --check` fails the build unless each level's library is in the venv
+# and this CPU's loads.
+RUN TORCH="torch==$(sed -n 's/^ *"torch==\([^"]*\)",.*/\1/p' pyproject.toml | head -n 1)" \
     && case "$VARIANT" in \
          cpu) pip install --index-url https://download.pytorch.org/whl/cpu "$TORCH" ;; \
          cuda) pip install "$TORCH" ;; \
          *) echo "VARIANT must be cpu or cuda, got $VARIANT" >&2; exit 1 ;; \
        esac \
-    && pip install '.[nixl]' \
-    && pdserve --help >/dev/null
+    && pip install --no-build-isolation '.[nixl]' \
+    && cd / && pdserve kernels --check
 
 FROM ${PYTHON_IMAGE}
 ARG VARIANT

@@ -4,30 +4,44 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models
 export OMP_NUM_THREADS ?= 2
+# The torch pyproject.toml pins: installed before the project, whose build compiles against it.
+TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)",.*/\1/p' pyproject.toml | head -n 1)
+NATIVE_SOURCES := $(wildcard kernels/native/*.h kernels/native/*.cpp kernels/native/build.py) engine/kv_cache/crc32c.c
 
-.PHONY: run test lint bench protos venv clean
+.PHONY: run test lint bench protos venv native clean
 
-$(VENV)/.installed: pyproject.toml
+# The install compiles the native CPU kernels for every ISA level (setup.py, about a minute on 2
+# cores), without build isolation: the venv's torch is the one they link against.
+$(VENV)/.installed: pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || (echo "need $(PYTHON)" && exit 1)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,nixl]'
+	$(PY) -m pip install -q 'setuptools>=68' '$(TORCH)'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench,nixl]'
 	touch $@
 
 venv: $(VENV)/.installed
 
-run: venv
+# After an edit of the kernels' sources: rebuild their libraries ahead, as the install does (else
+# the first engine compiles the one it needs, once).
+kernels/native/prebuilt/.built: $(VENV)/.installed $(NATIVE_SOURCES)
+	$(PY) kernels/native/build.py
+	touch $@
+
+native: kernels/native/prebuilt/.built
+
+run: venv native
 	$(VENV)/bin/pdserve demo --model-dir $(MODEL_DIR)
 
-test: venv
+test: venv native
 	$(PY) -m pytest -q
 
 protos: venv
 	$(PY) -m services.protogen
 
 lint: venv
-	$(VENV)/bin/ruff check engine kernels services modelkit tests benchmarks
-	$(VENV)/bin/ruff format --check engine kernels services modelkit tests benchmarks
+	$(VENV)/bin/ruff check engine kernels services modelkit tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check engine kernels services modelkit tests benchmarks setup.py
 
 bench: venv
 	$(VENV)/bin/pdserve make-model bench --out $(MODEL_DIR)/pdserve-bench
@@ -38,4 +52,4 @@ bench: venv
 	$(PY) benchmarks/serving.py --model $(MODEL_DIR)/pdserve-bench --rates 1,2 --num-requests 16
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR)
+	rm -rf $(VENV) $(MODEL_DIR) kernels/native/prebuilt build

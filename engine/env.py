@@ -69,9 +69,8 @@ def log_level() -> str:
 
 
 def native_kernels() -> bool:
-    """PDSERVE_NATIVE_KERNELS: "0" keeps the engine on torch's CPU kernels instead of building and
-    loading its native ones (kernels/native; default on where the CPU has AVX512F/BW/VL/DQ, or
-    AVX2 and FMA)."""
+    """PDSERVE_NATIVE_KERNELS: "0" keeps the engine on torch's CPU kernels instead of loading its
+    native ones (kernels/native; default on where the CPU has AVX512F/BW/VL/DQ, or AVX2 and FMA)."""
     return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") != "0"
 
 
@@ -99,22 +98,23 @@ def native_amx_attention() -> str:
 
 
 def native_bf16() -> bool:
-    """PDSERVE_NATIVE_BF16: "0" builds the native kernels without the AVX512-BF16 instructions even
-    where the CPU has them: their AVX512F emulation, as a CPU without them (Skylake-SP to Ice Lake)
-    runs, for tests and measurements (default: the instructions where they are)."""
+    """PDSERVE_NATIVE_BF16: "0" loads the native kernels built without the AVX512-BF16 instructions
+    even where the CPU has them: their AVX512F emulation, as a CPU without them (Skylake-SP to Ice
+    Lake) runs, for tests and measurements (default: the instructions where they are)."""
     return os.environ.get("PDSERVE_NATIVE_BF16", "1") != "0"
 
 
 def native_avx512() -> bool:
-    """PDSERVE_NATIVE_AVX512: "0" builds the native kernels for AVX2 and FMA even where the CPU has
-    AVX-512: each 512-bit vector a pair of 256-bit registers, as a CPU without AVX-512 (AMD Zen 1
-    to 3, Intel client cores) runs, for tests and measurements (default: AVX-512 where it is)."""
+    """PDSERVE_NATIVE_AVX512: "0" loads the native kernels built for AVX2 and FMA even where the CPU
+    has AVX-512: each 512-bit vector a pair of 256-bit registers, as a CPU without AVX-512 (AMD Zen
+    1 to 3, Intel client cores) runs, for tests and measurements (default: AVX-512 where it is)."""
     return os.environ.get("PDSERVE_NATIVE_AVX512", "1") != "0"
 
 
 def native_build_dir() -> str:
-    """PDSERVE_NATIVE_DIR: where the native CPU kernels are built and cached (default
-    $XDG_CACHE_HOME/pdserve/native, or ~/.cache/pdserve/native)."""
+    """PDSERVE_NATIVE_DIR: where a native library the install did not build (a development
+    checkout's edited sources) is compiled at first use and cached (default
+    $XDG_CACHE_HOME/pdserve/native, or ~/.cache/pdserve/native; kernels/native/build.py)."""
     if value := os.environ.get("PDSERVE_NATIVE_DIR"):
         return value
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

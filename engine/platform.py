@@ -47,10 +47,10 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def use_native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
-    """Build (once per machine) and load the native CPU kernels (kernels/native) for a model
-    computing in `dtype` on `device`: bf16 on a CPU with AVX512F/BW/VL/DQ (the AVX512-BF16
-    instructions where it has them, their emulation elsewhere), unless PDSERVE_NATIVE_KERNELS=0.
-    True when they are loaded; the engine otherwise runs torch's."""
+    """Load the native CPU kernels (kernels/native) for a model computing in `dtype` on `device`:
+    bf16 on a CPU with AVX512F/BW/VL/DQ (the AVX512-BF16 instructions where it has them, their
+    emulation elsewhere) or AVX2 and FMA, unless PDSERVE_NATIVE_KERNELS=0. True when they are
+    loaded; the engine otherwise runs torch's."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not env.native_kernels():
         return False
     return load_native()

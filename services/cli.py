@@ -436,6 +436,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0 if stop.is_set() and not any(codes.values()) else 1
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    """Which native CPU kernels this install holds and which one this CPU loads. --check (the
+    image build runs it): exit 1 unless the install holds every ISA level's library and the
+    KV checksums' and this CPU loads its level's without compiling."""
+    from engine.kv_cache import checksum
+    from engine.platform import load_native
+    from kernels import native
+    from kernels.native import build
+
+    libs = {name: build.kernels(v) for name, v in build.VARIANTS.items()} | {"crc32c": build.CRC32C}
+    print(f"prebuilt in {build.PREBUILT}:")
+    missing = []
+    for name, lib in libs.items():
+        there = (build.PREBUILT / lib.file_name()).exists()
+        missing += [] if there else [name]
+        summary = build.VARIANTS[name].summary if name in build.VARIANTS else "the KV checksums"
+        print(f"  {name:<12} {'yes' if there else 'MISSING':<8} {lib.file_name()}: {summary}")
+    variant = build.choose(native.cpu_flags())
+    print(f"this CPU runs: {variant.name if variant else 'none of them (torch kernels)'}")
+    if args.check and missing:
+        print(f"error: the install lacks {', '.join(missing)}", file=sys.stderr)
+        return 1
+    loaded = load_native()
+    print(f"loaded: {native.library_path() if loaded else 'no (torch kernels)'}")
+    checksum.load()
+    if args.check and variant is not None and not (loaded and native.library_path().parent == build.PREBUILT):
+        print("error: this CPU's kernels did not load from the install", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Run benchmarks/serving.py (not installed with pdserve: found next to services/ in a checkout)."""
     bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -649,6 +680,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bench_args", nargs="*")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = sub.add_parser("kernels", help="the native CPU kernels this install holds and the one this CPU loads")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 unless every level is prebuilt and this CPU's loads"
+    )
+    p.set_defaults(func=cmd_kernels)
 
     p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
     p.add_argument("--model-dir", default=env.model_cache_dir())

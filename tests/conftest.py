@@ -18,9 +18,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_sessionstart(session) -> None:
-    """Build the native CPU kernels (kernels/native) once, here, before any test starts engines in
-    several processes at once: they then load the build instead of waiting on its lock, and a
-    worker a test kills can never leave a half-built one behind."""
+    """Load the native CPU kernels (kernels/native) once, here, before any test starts engines in
+    several processes at once: in a checkout edited since its install (no `make native`), the one
+    this CPU runs is compiled here, before the processes that would wait on its lock."""
     from engine.platform import use_native_kernels
 
     use_native_kernels(torch.bfloat16, torch.device("cpu"))

@@ -5,26 +5,22 @@ bytes as stored, one contiguous run per layer). The producer takes them when it 
 the consumer takes them again over the blocks it read and compares.
 
 Two implementations give the same values:
-- crc32c.c, built here with the C compiler the first time (a fraction of a second, cached by
-  source), called through ctypes without the GIL: four blocks side by side through the CRC32
+- crc32c.c, built when the package is installed (kernels/native/build.py; in a development
+  checkout whose source changed, with the C compiler at first use), called through ctypes without
+  the GIL: four blocks side by side through the CRC32
   instruction, on the engine's threads. 19 MB (a 2k-token prompt of the bench model) takes
   ~1 ms on two cores, against 3.4 ms for the xxh3-64 it replaced (one core: python's xxhash
   holds the GIL).
-- the `crc32c` package from PyPI, a block at a time, where no compiler is found; it is also the
-  reference the tests hold the C code to.
+- the `crc32c` package from PyPI, a block at a time, where the library is missing and cannot be
+  built; it is also the reference the tests hold the C code to.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -33,40 +29,23 @@ import torch
 
 from engine import env
 from engine.kv_cache.spec import KVCacheSpec
+from kernels.native import build
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("crc32c.c")
-CFLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
 PARALLEL_BYTES = 1 << 20
 """Blocks worth more than this are checked on every engine thread."""
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """crc32c.c, built into the native build folder (once per source and flags), or None (with a
-    warning) when it cannot be built: the PyPI package then computes the same values."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    folder = Path(env.native_build_dir())
-    built = folder / f"pdserve_crc32c_{key}.so"
+    """crc32c.c's library (prebuilt, or built into the native build folder), or None (with a
+    warning) when it is missing and cannot be built: the PyPI package then computes the same
+    values."""
     try:
-        if not built.exists():
-            cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-            compiler = shutil.which(cc.split()[0]) or shutil.which("cc") or shutil.which("gcc")
-            if compiler is None:
-                raise OSError("no C compiler (CC, cc or gcc) found")
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: atomic
-                out = Path(tmp) / built.name
-                subprocess.run(
-                    [compiler, *CFLAGS, str(SOURCE), "-o", str(out)],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(out, built)
-        lib = ctypes.CDLL(str(built))
+        lib = ctypes.CDLL(
+            str(build.find_or_build(build.CRC32C, Path(env.native_build_dir()), "KV checksums"))
+        )
     except (OSError, subprocess.SubprocessError) as e:
         detail = e.stderr.decode(errors="replace") if isinstance(e, subprocess.CalledProcessError) else str(e)
         logger.warning(

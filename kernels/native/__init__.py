@@ -1,24 +1,22 @@
-"""Native CPU kernels: C++ sources in this folder, compiled the first time an engine asks for them
-on a machine that can run them, and cached.
+"""Native CPU kernels: C++ sources in this folder, one library per ISA level, built when the
+package is installed (kernels/native/build.py) and picked when an engine starts.
 
 Why native code: at decode's few rows a product is bound by reading its weight, but each call
 through torch costs more than the bytes do (kernels/linear.py has the figures); a kernel that only
-reads the weight and multiplies gets ~2.5x closer to the memory. The source is built with torch's
-extension builder against ATen's thread pool only (about 10 s; not against torch's tensor headers,
-which take four times as long), into `build_dir`, keyed by the source, the compiler flags and the
-torch version, so a stale build is never loaded.
+reads the weight and multiplies gets ~2.5x closer to the memory. The source links against ATen's
+thread pool only (not torch's tensor headers, which take four times as long to compile).
 
 Process-wide, like torch.ops: `load` is called once by the engine (engine/engine_core.py, with the
 build folder and switch from engine/env.py), and the kernels (kernels/linear.py) ask `linear_bf16`
-only when `loaded()`. The build is for AVX-512 where the CPU has it, else for AVX2 and FMA (the same
-source on pairs of 256-bit registers: avx2.h). A machine with neither, or where the build fails
-(no compiler), keeps the torch path; the engine logs which it runs.
+only when `loaded()`. The library is the AVX-512 + BF16 one where the CPU has those instructions
+(with the AMX tile paths inside, taken where the CPU has the unit), else the AVX-512 one (BF16
+emulated), else the AVX2 and FMA one (the same source on pairs of 256-bit registers: avx2.h). A
+machine with none of them keeps the torch path; the engine logs which it runs.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import logging
 import statistics
@@ -29,39 +27,20 @@ from types import ModuleType
 
 import torch
 
+from kernels.native import build
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_bf16.cpp")
-HEADERS = tuple(  # included by SOURCE: part of the build key
-    Path(__file__).with_name(name)
-    for name in (
-        "pool.h",
-        "common.h",
-        "tiles.h",
-        "products.h",
-        "products_avx2.h",
-        "experts.h",
-        "attention.h",
-        "layer.h",
-        "argmax.h",
-        "spec.h",
-        "avx2.h",
-    )
-)
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-"""/proc/cpuinfo flags the AVX-512 build needs: 512-bit float32 arithmetic and the masked 16-bit
-loads and stores (Intel from Skylake-SP, AMD from Zen 4)."""
-AVX2_CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
-AVX2_FLAGS = ("avx2", "fma")
+REQUIRED_FLAGS = build.AVX512_FLAGS
+AVX2_FLAGS = build.AVX2_FLAGS
 """A CPU with these but not REQUIRED_FLAGS (AMD Zen 1 to 3, Intel client cores) gets the AVX2
 build: the same source, each 512-bit vector a pair of 256-bit registers (kernels/native/avx2.h),
 the same bits as the AVX-512 build with AVX512-BF16 emulated, except the products: they sum in
 an order of their own that fits AVX2's 16 registers (kernels/native/products_avx2.h)."""
-BF16_FLAG = "avx512_bf16"
-"""Where the CPU has it, the build also takes `-mavx512bf16`: VDPBF16PS and VCVTNEPS2BF16. Without
-it (Skylake-SP to Ice Lake) the kernels compute the same bits from AVX512F instructions, each
-VDPBF16PS as two multiply-adds (kernels/native/common.h dot_bf16)."""
+BF16_FLAG = build.BF16_FLAG
+"""Where the CPU has it, the library is the one built with `-mavx512bf16`: VDPBF16PS and
+VCVTNEPS2BF16. Without it (Skylake-SP to Ice Lake) the kernels compute the same bits from AVX512F
+instructions, each VDPBF16PS as two multiply-adds (kernels/native/common.h dot_bf16)."""
 
 FEW_ROWS = 128
 """Products of up to this many rows take the native kernel through VDPBF16PS (CPUs without AMX),
@@ -134,54 +113,54 @@ def supported() -> bool:
 def load(
     build_dir: Path, amx: bool = True, bf16: bool = True, avx512: bool = True, amx_attention: bool = True
 ) -> bool:
-    """Build (once per source, flags and torch version, under a lock other processes wait on) and
-    load the native kernels; True when they are loaded. False, with a warning naming why, on a CPU
-    with neither AVX512F/BW/VL/DQ nor AVX2 and FMA, or when the build fails. amx: products on the
-    AMX tile unit where the CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the
-    CPU has them (False builds their emulation, as for a CPU without them); avx512: the AVX-512
-    build where the CPU has it (False builds the AVX2 one, as for a CPU without it). The last two
-    for tests and measurements; amx_attention: see use_amx_attention."""
+    """Load the native kernels built for this CPU (kernels/native/build.py: the library `pip
+    install` built, else one built into `build_dir` before, else built there now, which only a
+    development checkout whose sources changed needs); True when they are loaded. False, with a
+    line naming why, on a CPU with neither AVX512F/BW/VL/DQ nor AVX2 and FMA, or when the library
+    is missing and cannot be built (no compiler). amx: products on the AMX tile unit where the
+    CPU has it (see use_amx); bf16: the AVX512-BF16 instructions where the CPU has them (False
+    takes the library that emulates them, as a CPU without them runs); avx512: the AVX-512
+    libraries where the CPU runs them (False takes the AVX2 one). The last two for tests and
+    measurements; amx_attention: see use_amx_attention."""
     global _library, _bf16_instructions, _avx512
     if _library is not None:
         return True
-    if not supported():
+    variant = build.choose(cpu_flags(), avx512=avx512, bf16=bf16)
+    if variant is None:
         logger.info(
             "native CPU kernels: this CPU lacks %s and %s; using torch's",
             *map("/".join, (REQUIRED_FLAGS, AVX2_FLAGS)),
         )
         return False
-    avx512 = avx512 and has_avx512()
-    bf16 = bf16 and avx512 and BF16_FLAG in cpu_flags()
-    cflags = (CFLAGS + (["-mavx512bf16"] if bf16 else [])) if avx512 else AVX2_CFLAGS
-    source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
-    key = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:16]
-    name = f"pdserve_native_{key}"
-    folder = Path(build_dir) / name
-    folder.mkdir(parents=True, exist_ok=True)
-    built = folder / f"{name}.so"
-    from torch.utils import cpp_extension  # imports setuptools: only here
-
     try:
-        if built.exists() and not (folder / "lock").exists():  # built before, and no build under way
-            spec = importlib.util.spec_from_file_location(name, built)
-            assert spec is not None and spec.loader is not None
-            _library = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(_library)
-        else:  # builds under the folder's lock file; another process building it waits
-            _library = cpp_extension.load(
-                name, [str(SOURCE)], extra_cflags=cflags, build_directory=str(folder), verbose=False
-            )
-    except Exception as e:  # no compiler, no ninja, no Python headers: the torch path still works
-        logger.warning("native CPU kernels: build failed (%s); using torch's", str(e).splitlines()[0][:200])
+        path = build.find_or_build(
+            build.kernels(variant), Path(build_dir), f"native CPU kernels ({variant.name})"
+        )
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        library = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(library)
+    except Exception as e:  # no compiler, no Python headers: the torch path still works
+        detail = getattr(e, "stderr", None) or str(e)
+        detail = detail.decode(errors="replace") if isinstance(detail, bytes) else detail
+        logger.warning(
+            "native CPU kernels (%s): not built (%s); using torch's", variant.name, detail.strip()[-300:]
+        )
         return False
-    _bf16_instructions, _avx512 = bf16, avx512
+    _library = library
+    _bf16_instructions, _avx512 = variant.name == "avx512_bf16", variant.name != "avx2"
     amx = use_amx(amx)
     use_amx_attention(amx_attention)
-    products = "AMX" if amx else "AVX512-BF16" if bf16 else "AVX512F" if avx512 else "AVX2"
-    products += "" if bf16 else " (AVX512-BF16 emulated)"
+    products = "AMX" if amx else "AVX512-BF16" if _bf16_instructions else "AVX512F" if _avx512 else "AVX2"
+    products += "" if _bf16_instructions else " (AVX512-BF16 emulated)"
     products += "" if amx_attention or not amx else ", the decode attention through VDPBF16PS"
-    logger.info("native CPU kernels loaded from %s (%s products)", folder, products)
+    logger.info("native CPU kernels loaded from %s (%s products)", path, products)
     return True
+
+
+def library_path() -> Path | None:
+    """The file of the loaded kernels' library (None: not loaded)."""
+    return None if _library is None else Path(_library.__file__)
 
 
 def avx512() -> bool:

@@ -5,7 +5,7 @@ routing (route) and its routed and shared experts (moe_pairs, moe_topk), or its 
 DecodeStack); and a greedy speculative step with MTP drafts (greedy_spec_step, with MTPDrafter).
 Each is one call where the Python path makes a dozen, with the Python path's bits (the tests hold
 them to it), but for moe_block's router product (its float32 sums in another order than torch's
-BLAS). Re-exported by kernels/native, whose `load` builds them; each requires `native.loaded()`.
+BLAS). Re-exported by kernels/native, whose `load` loads them; each requires `native.loaded()`.
 """
 
 from __future__ import annotations
