@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -176,9 +177,15 @@ def _alone_and_among_others(llm: LLM, seed: int) -> tuple:
 def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
     """batch_invariant=True (bf16, every product and MoE in the native kernels): a request's tokens
     and logprobs bit for bit the same alone and among others, its prompt chunked beside theirs and
-    its decodes in steps of over 128 rows, where the default's bits move (torch's oneDNN products
-    above FEW_ROWS rows). Both engines share the process: each step sets its own."""
+    its decodes in steps of over 128 rows. The default differs from it only where a step leaves the
+    native kernels (products past native.max_rows(), MoEs past native_pairs_per_expert()): where
+    this scenario's steps do (AVX512-BF16 without AMX: torch's oneDNN products above FEW_ROWS
+    rows), the default's bits move; where they do not (the AVX2 and AVX512F builds, which take
+    every product natively; AMX up to 256 rows), the default is invariant too, and checked to be.
+    Both engines share the process: each step sets its own."""
+    from engine.platform import use_native_kernels
     from kernels import native
+    from kernels.moe import native_pairs_per_expert
 
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         EngineConfig(model=TRAINED, batch_invariant="yes")
@@ -187,14 +194,21 @@ def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
     kw = dict(
         dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256
     )
-    if not native.loaded():
+    if not use_native_kernels(torch.bfloat16, torch.device("cpu")):  # off, or not on this CPU
         with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels"):
             LLM(TRAINED, batch_invariant=True, **kw)
         return
     default = LLM(TRAINED, **kw)
     invariant = LLM(TRAINED, batch_invariant=True, **kw)
     alone, among = _alone_and_among_others(default, seed=1)
-    assert alone[1] != among[1], "the scenario should move the default's bits (else it tests nothing)"
+    model = default.engine.model_cfg
+    step = kw["max_num_batched_tokens"]  # the most tokens (product rows) a step of the scenario holds
+    pairs = step * model.num_experts_per_tok
+    assert not native.batch_invariant()  # the default engine's steps ran, and left it off
+    if native.max_rows() >= step and native_pairs_per_expert() * model.n_routed_experts >= pairs:
+        assert alone == among, "every step ran natively: the default should be invariant here"
+    else:
+        assert alone[1] != among[1], "the scenario should move the default's bits (else it tests nothing)"
     alone, among = _alone_and_among_others(invariant, seed=1)
     assert alone == among
     default.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))

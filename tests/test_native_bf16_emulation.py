@@ -151,8 +151,8 @@ def _different(ours: dict, theirs: dict, names) -> list[str]:
 def test_the_emulation_computes_the_instructions_bits(tmp_path):
     build = load_native()
     assert build == native.supported()
-    if not build or not native.has_avx512():  # no AVX512F here: nothing to compare the build with
-        return
+    if not build or not native.has_avx512():  # no AVX512F here: no other build to compare with (the
+        return  # references check this CPU's: test_this_cpus_build_computes_...)
     ours, emulated = _other_build(tmp_path, {"PDSERVE_NATIVE_BF16": "0"})
     different = _different(ours, emulated, ours)
     assert not different, f"the emulated build's bits differ in {different}"
@@ -193,6 +193,62 @@ def test_the_avx2_build_computes_the_instructions_bits_and_its_products_in_its_o
         clear = (top2[:, 0] - top2[:, 1]) > 0.08 * logits.abs().max()  # twice the difference allowed
         assert clear.any(), name
         assert torch.equal(avx2[name][clear], ours[name][clear]), name
+
+
+def _dot_reference(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS lane by lane in float32 tensor operations: acc + a[2i+1] b[2i+1], then + a[2i]
+    b[2i], each sum rounded once (a bf16 product is exact in float32)."""
+    a, b = a.float().view(-1, 2), b.float().view(-1, 2)
+    return (acc + a[:, 1] * b[:, 1]) + a[:, 0] * b[:, 0]
+
+
+def _narrow_reference(x: torch.Tensor) -> torch.Tensor:
+    """VCVTNEPS2BF16: float32 denormals become signed zeros, the rest rounds to nearest even."""
+    tiny = (x.abs() < 2.0**-126) & (x != 0)
+    return torch.where(tiny, torch.copysign(torch.zeros_like(x), x), x).bfloat16()
+
+
+def test_this_cpus_build_computes_the_instructions_and_its_products_by_reference():
+    """Whatever build this CPU loads (with the AVX512-BF16 instructions, their AVX512F emulation, or
+    the AVX2 one), in this process: VDPBF16PS's and VCVTNEPS2BF16's bits lane by lane against a
+    float32 reference of the instructions (the sums kept clear of denormals, which the instruction
+    flushes and the emulation keeps; 4M float32 bit patterns over all 2^32, NaNs as NaNs), and, in
+    the AVX2 build, its products bit for bit against the reference of their order. The tests above
+    compare the builds with each other where the CPU runs the AVX-512 ones; this one needs none."""
+    if not load_native():
+        assert not native.supported()
+        return
+    gen = torch.Generator().manual_seed(5)
+    lanes = 1 << 18
+    a = (
+        torch.randn(2 * lanes, generator=gen) * 2.0 ** torch.randint(-20, 20, (2 * lanes,), generator=gen)
+    ).bfloat16()
+    b = torch.randn(2 * lanes, generator=gen).bfloat16()
+    acc = torch.randn(lanes, generator=gen) * 2.0 ** torch.randint(-20, 20, (lanes,), generator=gen)
+    assert torch.equal(_bits(native.dot_bf16_lanes(acc, a, b)), _bits(_dot_reference(acc, a, b)))
+
+    patterns = torch.arange(1 << 22, dtype=torch.int64) * 1024 + torch.randint(
+        0, 1024, (1 << 22,), generator=gen
+    )
+    big = torch.finfo(torch.float32)
+    specials = torch.tensor(
+        [float("inf"), -float("inf"), 0.0, -0.0, big.tiny, -big.tiny, big.tiny / 2, big.max, -big.max]
+        + [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8), 3.0, 2.0**-125, 1 / 3]
+    )  # infinities, zeros, the denormal edge, overflow on rounding, ties to even both ways
+    x = torch.cat(((patterns % (1 << 32)).to(torch.int32).view(torch.float32), specials))
+    got, want = native.narrow_f32(x), _narrow_reference(x)
+    nan = x.isnan()
+    assert nan.any() and (x[~nan].abs() < 2.0**-126).any() and x.isinf().any()
+    assert got[nan].isnan().all()
+    assert torch.equal(_bits(got[~nan]), _bits(want[~nan]))
+
+    if native.avx512():  # the AVX-512 products' order is checked against the other builds above
+        return
+    native.use_amx(False)  # no tiles in the AVX2 build: its own products
+    for rows, n, k in ((1, 70, 100), (3, 33, 37), (17, 64, 512), (128, 40, 96)):
+        xs = torch.randn(rows, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        assert torch.equal(_bits(native.linear_bf16(xs, w)), _bits(_avx2_order(xs, w))), (rows, n, k)
 
 
 AVX512 = frozenset(native.REQUIRED_FLAGS)

@@ -101,9 +101,10 @@ def _without_one_call_spec_step(monkeypatch) -> None:
 def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k, dtype):
     """A decode's accepted rows go through the MTP layer with its first draft, writing their MTP
     cache rows in that forward: every draft of every step is the one drafted with those rows
-    stored apart first (mtp_store_kv), and the cache rows are the same: bit for bit in bf16 (on an
-    AVX512F CPU, the native one-call paths and the tile attention's 16-row blocks), up to
-    float32 rounding in torch's float32 path.
+    stored apart first (mtp_store_kv), and the cache rows are the same: bit for bit through the
+    native kernels (bf16 on a CPU with AVX512F or AVX2: the one-call paths and the tile attention's
+    16-row blocks), up to float32 rounding through torch's (float32, or bf16 where the CPU computes
+    it natively).
     The trained model, whose drafts are mostly accepted, so that there are rows to fold."""
     real = drafter_module.draft_with_mtp
     drafted: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
@@ -127,7 +128,7 @@ def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k
         assert llm.engine.spec_stats.acceptance_rate > 0.3
     assert folded and sum(map(len, drafted[True])) > 0
     assert drafted[True] == drafted[False]
-    if dtype == "bfloat16":  # each row's products are the same whatever the rows beside it
+    if llm.engine.runner.native_kernels:  # each row's products are the same whatever the rows beside it
         assert torch.equal(caches[True], caches[False])
     else:  # torch's float32 products round by the number of rows, as with the batch's makeup
         torch.testing.assert_close(caches[True], caches[False], rtol=1e-5, atol=1e-6)
@@ -469,9 +470,9 @@ def test_batch1_bf16_drafts_keep_the_tokens_bitwise(k):
     """bf16 greedy decoding with k <= 2 drafts at batch 1 gives the tokens of decoding without
     (the verification's <= 3 rows take the same per-row kernels as a one-token decode,
     tests/test_native_kernels.py holds them to that). Without the kernels, in float32."""
-    from kernels import native
+    from engine.platform import use_native_kernels
 
-    dtype = "bfloat16" if native.loaded() else "float32"
+    dtype = "bfloat16" if use_native_kernels(torch.bfloat16, torch.device("cpu")) else "float32"
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": k}
     base = LLM(TRAINED, dtype=dtype, num_threads=1)
@@ -493,9 +494,10 @@ def test_one_call_spec_step_keeps_tokens_drafts_and_caches(monkeypatch, k, promp
     and draft_with_mtp give one by one. Requests of different lengths run into their max_tokens
     (drafting fewer near the end); while disable_by_batch_size is reached nobody drafts, but the
     MTP cache rows are still written."""
-    from kernels import native
+    from engine.platform import use_native_kernels
 
-    dtype = "bfloat16" if native.loaded() else "float32"  # without the kernels every step declines
+    native = use_native_kernels(torch.bfloat16, torch.device("cpu"))  # what the engines will run
+    dtype = "bfloat16" if native else "float32"  # without the kernels every step declines
     texts = ["The module provides", "This function returns a", "def main():"][:prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 13, 17)[:prompts]]
     spec = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit}
@@ -525,7 +527,8 @@ def test_one_call_spec_step_keeps_tokens_drafts_and_caches(monkeypatch, k, promp
             steps,
             [c.clone() for c in llm.engine.runner.kv_caches],
         )
-        if one_call and native.loaded():
+        assert llm.engine.runner.native_kernels == native
+        if one_call and native:
             assert sum(taken) >= len(taken) // 2, taken  # most steps: every decode step of one query length
         else:
             assert not any(taken)
