@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,9 @@ def load_weights(
     seen: set[str] = set()
     unexpected: list[str] = []
     mtp_skipped = 0
+    progress = Progress(
+        logger, f"loading weights from {folder}", sum(f.stat().st_size for f in checkpoint_files(folder))
+    )
     for name, file, handle in iter_checkpoint(folder):
         if name in not_local:
             seen.add(name)
@@ -202,6 +206,7 @@ def load_weights(
             tensor = handle.get_tensor(name)
             dest.copy_(tensor if target.rows is None else tensor[list(target.rows)])
             filled[target.param] += dest.numel()
+        progress.advance(tensor.numel() * tensor.element_size())
     if unexpected:
         raise ValueError(
             f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(sorted(unexpected)[:10])}"
@@ -217,5 +222,6 @@ def load_weights(
     ]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")
+    progress.done()
     if mtp_skipped:
         logger.info("skipped %d MTP-layer tensors", mtp_skipped)

@@ -239,12 +239,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         log_dir=logs,
         threads_per_worker=1,
     )
-    with Stack(cfg) as stack:
+    stack = Stack(cfg).start(on_wait=lambda line: print(line, flush=True))
+    try:
         print(
             f"stack ready in {time.perf_counter() - start:.1f} s: OpenAI HTTP {stack.http_url}/v1, gRPC {stack.grpc_endpoint}\n"
         )
         demo.openai_stream(stack.http_url, "pdserve-tiny", args.max_tokens, stack.api_key)
         demo.grpc_stream(stack.grpc_endpoint, args.max_tokens, stack.api_key)
+    finally:
+        stack.stop()
     return 0
 
 
@@ -419,7 +422,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack.start()
+    print(
+        f"starting a router, {args.num_prefill} prefill and {args.num_decode} decode worker(s) for {model} ...",
+        flush=True,
+    )
+    stack.start(on_wait=lambda line: print(line, flush=True))
     print(
         f"pdserve serving {model}\n  OpenAI HTTP: {stack.http_url}/v1\n  gRPC:        {stack.grpc_endpoint}",
         flush=True,

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,14 @@ def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozen
             return port
 
 
+def _serving(stub: health_pb2_grpc.HealthStub, service: str) -> bool:
+    try:
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def wait_ready(
     endpoint: str, timeout: float, proc: subprocess.Popen | None = None, service: str = "readiness"
 ) -> None:
@@ -60,12 +69,8 @@ def wait_ready(
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{endpoint}: process exited with {proc.returncode} before it was ready")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+            if _serving(stub, service):
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{endpoint} not ready after {timeout:.0f} s")
             time.sleep(0.1)
@@ -118,6 +123,8 @@ class StackConfig:
     worker_metrics: bool = False
     """Give every worker a Prometheus /metrics port (Proc.metrics_url)."""
     ready_timeout_s: float = 180.0
+    progress_every_s: float = 5.0
+    """While the stack starts, `start(on_wait=...)` gets a line this often naming what is not ready."""
     cwd: str | None = None
     """Where the processes start, and so where `python -m services.cli` imports the code from
     (a git worktree of another revision, for an A/B run); None: this process's directory."""
@@ -239,7 +246,10 @@ class Stack:
         proc.metrics_url = metrics_url
         return proc
 
-    def start(self) -> Stack:
+    def start(self, on_wait: Callable[[str], None] | None = None) -> Stack:
+        """Start the workers and the router; return once every process is ready and the router
+        routes to every worker. While it waits, `on_wait` gets a line every few seconds naming
+        what is still starting (a cold start says what it is doing)."""
         cfg = self.cfg
         try:
             for role, count in (
@@ -249,21 +259,58 @@ class Stack:
             ):
                 for i in range(count):
                     self.start_worker(role, i)
-            args = ["router", "--model", cfg.model, "--host", cfg.host, "--grpc-port", str(self.grpc_port)]
-            args += ["--http-port", str(self.http_port)] if self.http_port is not None else ["--no-http"]
-            if cfg.registry:
-                args += ["--registry", cfg.registry]
-            else:
-                args += ["--workers", ",".join(p.endpoint for p in self.workers())]
-            self._spawn("router", args + cfg.router_args, self.grpc_endpoint, api_key=self.api_key)
+            self.start_router()
             deadline = time.monotonic() + cfg.ready_timeout_s
-            for proc in self.procs:
-                wait_ready(proc.endpoint, max(deadline - time.monotonic(), 1.0), proc.popen)
+            self.wait_all_ready(deadline, on_wait, cfg.progress_every_s)
             self.wait_routable(deadline)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def wait_all_ready(
+        self, deadline: float, on_wait: Callable[[str], None] | None = None, every_s: float = 5.0
+    ) -> None:
+        """Until every process reports readiness SERVING; RuntimeError when one exits first or at
+        the deadline. Every `every_s` seconds, `on_wait` gets a line naming those not ready yet."""
+        start = last = time.monotonic()
+        channels = {p.name: grpc.insecure_channel(p.endpoint) for p in self.procs}
+        try:
+            pending = list(self.procs)
+            while pending:
+                for proc in list(pending):
+                    if proc.popen.poll() is not None:
+                        raise RuntimeError(
+                            f"{proc.name} ({proc.endpoint}) exited with {proc.popen.returncode} before it was ready"
+                        )
+                    if _serving(health_pb2_grpc.HealthStub(channels[proc.name]), "readiness"):
+                        pending.remove(proc)
+                now = time.monotonic()
+                if pending and now > deadline:
+                    raise RuntimeError(
+                        f"not ready after {now - start:.0f} s: {', '.join(p.name for p in pending)}"
+                    )
+                if pending and on_wait is not None and now - last >= every_s:
+                    last = now
+                    on_wait(f"  ... {now - start:.0f} s: waiting for {', '.join(p.name for p in pending)}")
+                if pending:
+                    time.sleep(0.1)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def start_router(self, workers: list[str] | None = None) -> Proc:
+        """Start the router over the registry, else over `workers` (default: the workers started
+        so far); it may start before they do (its readiness waits for them)."""
+        cfg = self.cfg
+        args = ["router", "--model", cfg.model, "--host", cfg.host, "--grpc-port", str(self.grpc_port)]
+        args += ["--http-port", str(self.http_port)] if self.http_port is not None else ["--no-http"]
+        if cfg.registry:
+            args += ["--registry", cfg.registry]
+        else:
+            endpoints = [p.endpoint for p in self.workers()] if workers is None else workers
+            args += ["--workers", ",".join(endpoints)]
+        return self._spawn("router", args + cfg.router_args, self.grpc_endpoint, api_key=self.api_key)
 
     def wait_routable(self, deadline: float) -> None:
         """Until the router has probed every worker (so routing sees all of them)."""

@@ -434,7 +434,12 @@ class _Api:
         return web.json_response(model_json(self.frontend, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """200 once a request can be routed, 503 (naming why) until then and whenever none can:
+        what a load balancer polls, as vLLM's /health."""
+        why = self.frontend.not_ready()
+        if why is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable", "reason": why}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         if self.registry is None:

@@ -198,6 +198,11 @@ class Frontend(abc.ABC):
             self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
+    def not_ready(self) -> str | None:
+        """Why a request cannot be routed now (what both fronts' readiness reports: HTTP /health
+        503, gRPC readiness NOT_SERVING); None when one can."""
+        return None
+
     @abc.abstractmethod
     def admit(self, weight: int, timeout: float | None) -> AbstractAsyncContextManager[float]:
         """Hold admission for `weight` generations (1 <= weight <= max_generations_per_request)

@@ -105,6 +105,19 @@ class RouterCore(Frontend):
             self.kv_redis = redis.asyncio.Redis.from_url(settings.kv_redis_url, socket_timeout=0.2)
         self._tasks: set[asyncio.Task] = set()
 
+    def not_ready(self) -> str | None:
+        """A request in the default (auto) mode can be routed once a worker that decodes (a decode
+        or colocated one) has reported its engine and answers its probes: without a prefill worker
+        it runs colocated there (services/router/policy.py)."""
+        if self.pool.healthy("decode"):
+            return None
+        if not self.pool.workers:
+            return "no worker is registered"
+        states = {
+            w.endpoint: "unhealthy" if w.info is not None else "starting" for w in self.pool.workers.values()
+        }
+        return "no decode worker is ready (" + ", ".join(f"{e}: {s}" for e, s in sorted(states.items())) + ")"
+
     # ---- model limits, from the workers ---------------------------------------------------------
 
     def _infos(self) -> list[wpb.EngineInfo]:

@@ -1,6 +1,7 @@
 """The router process: public gRPC `Inference` and the OpenAI-compatible HTTP API on one loop.
 
-Readiness is SERVING once a decode-capable worker is healthy (and NOT_SERVING again when none is).
+Readiness (gRPC `readiness`, HTTP /health) is SERVING once a request can be routed: a worker that
+decodes is healthy (RouterCore.not_ready), and NOT_SERVING again when none is.
 SIGTERM/SIGINT stops both servers after in-flight streams had a grace period.
 """
 
@@ -132,7 +133,7 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
     async def track_readiness() -> None:
         ready = None
         while True:
-            now_ready = bool(pool.healthy("decode"))
+            now_ready = core.not_ready() is None
             if now_ready != ready:
                 await set_health(health, live=True, ready=now_ready)
                 logger.info("router readiness: %s", "SERVING" if now_ready else "NOT_SERVING")
