@@ -16,7 +16,9 @@ $(VENV)/.installed: pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || (echo "need $(PYTHON)" && exit 1)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q 'setuptools>=68' '$(TORCH)'
+	@echo "installing torch and the build's tools ..."
+	$(PY) -m pip install -q 'setuptools>=68' '$(TORCH)' numpy
+	@echo "installing pdserve; its build compiles the native CPU kernels for every ISA level (about a minute) ..."
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench,nixl]'
 	touch $@
 
