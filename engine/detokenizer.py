@@ -103,13 +103,32 @@ class IncrementalDetokenizer:
         return DetokenizerStep(text=released, stop_matched=self.stop_matched)
 
     def finish(self) -> str:
-        """End of the request: release everything held back (U+FFFD included, as a full decode
-        would show it) and return it. Returns "" after a stop match or a second call."""
+        """End of the request: release everything held back but a character the output ended
+        inside (its U+FFFD: bytes the output never finished, which the stream never shows either,
+        as vLLM's final text does not) and return it. Returns "" after a stop match or a second
+        call."""
         if self._finished:
             return ""
-        released = self._release(self._decode_new(flush=True), flush=True)
+        unfinished = self._ends_inside_a_character()
+        new_text = self._decode_new(flush=True)
+        if unfinished:  # its U+FFFD: the last character of the text
+            new_text = new_text[:-1]
+        released = self._release(new_text, flush=True)
         self._finished = True
         return released
+
+    def _ends_inside_a_character(self) -> bool:
+        """Whether the held text ends inside a character at its last 1-3 tokens (their bytes the
+        start of a character the output never finished, or a lone byte): the full decode's last
+        U+FFFD stands for them. More held invalid bytes are not one character."""
+        held = len(self._ids) - self._read_offset
+        if not held or not self._decode(self._ids[self._prefix_offset :]).endswith(_REPLACEMENT):
+            return False
+        end = len(self._ids)
+        return any(
+            not self._decode(self._ids[self._prefix_offset : end - k]).endswith(_REPLACEMENT)
+            for k in range(1, min(3, held) + 1)
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
