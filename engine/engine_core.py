@@ -30,6 +30,7 @@ from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import ImportSink, KVPort
 from engine.loader import check_model_folder
+from engine.log import warn_limited
 from engine.outputs import RequestOutput
 from engine.parallel.groups import ParallelGroup
 from engine.parallel.rebalance import Rebalancer, make_expert_parallel
@@ -190,11 +191,14 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         kv_export: bool | ExportOptions = False,
+        client: str = "",
     ) -> Request:
         """Queue a request. kv_export: prefill only; it ends after its first token with status
         FINISHED_EXPORTED and its prompt blocks pinned in an export (`exports`, see
-        release_export), under the options' lease."""
+        release_export), under the options' lease. client: who it is for (a server's name for
+        its client): waiting requests are taken fairly among clients (Scheduler.add)."""
         req = self._new_request(request_id, prompt_token_ids, params, prompt)
+        req.client = client
         req.kv_export = ExportOptions() if kv_export is True else kv_export or None
         self.structured.admit(req, self.scheduler.add)
         return req
@@ -358,7 +362,8 @@ class EngineCore:
         return failed + outputs if failed else outputs
 
     def _abort_unconstrainable(self, req: Request, error: str) -> RequestOutput:
-        logger.error("request %s cannot run: %s", req.request_id, error)
+        warn_limited(logger, "request %s cannot run: %s", req.request_id, error)
+        req.error = error
         out = self.abort_request(req.request_id)
         assert out is not None
         return out
@@ -509,6 +514,7 @@ class EngineCore:
             finish_reason=status.value if finished else None,
             stop_reason=req.stop_reason,
             metrics=req.metrics,
+            error=req.error if finished else None,
         )
 
     def _finalize(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:

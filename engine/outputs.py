@@ -34,6 +34,9 @@ class RequestOutput:
     """"stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len) or "abort"."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request, if any."""
+    error: str | None = None
+    """With finish_reason "abort": why the request could not go on (Request.error), for the
+    client; None when the abort was asked for."""
     metrics: RequestMetrics | None = None
     exported_kv: Any = None
     """For a prefill-only request that handed over (finish_reason "exported"): its pinned

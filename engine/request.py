@@ -83,6 +83,14 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     stop_reason: int | str | None = None
+    error: str | None = None
+    """Why the request was aborted when it could not go on (its structured-output constraint failed
+    at run time), for its client; None for an abort asked for (a cancel, a client gone)."""
+    client: str = ""
+    """Who the request is for (a server's name for its client; "" offline): the scheduler takes
+    waiting requests fairly among clients."""
+    fair_tag: float = 0.0
+    """The scheduler's start tag for it (Scheduler.add): waiting requests run in tag order."""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     draft_token_ids: list[int] = field(default_factory=list)
     """Tokens the MTP layer proposed to follow token_ids; verified in the next step."""

@@ -86,9 +86,33 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: list[Request] = []
         """Requests (WAITING_FOR_REMOTE_KV) whose prefix blocks the connector is looking up."""
+        self._virtual_time = 0.0
+        """The start tag of the request admitted last (start-time fair queuing)."""
+        self._client_finish: dict[str, float] = {}
+        """Each client's last finish tag, for clients ahead of the virtual time."""
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue a new request, fairly among clients (start-time fair queuing, by prompt tokens):
+        its start tag is the later of the virtual time and its client's last finish tag, and
+        waiting requests run in tag order, so a client's backlog of prompts queues behind itself,
+        not in front of another client's next one. One client (offline: every request's "") keeps
+        arrival order."""
+        start = max(self._virtual_time, self._client_finish.get(req.client, 0.0))
+        self._client_finish[req.client] = start + max(1, len(req.prompt_token_ids))
+        req.fair_tag = start
+        # The last waiting request with a tag <= start is usually the tail: search from there.
+        i = len(self.waiting)
+        while i and self.waiting[i - 1].fair_tag > start:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def _started(self, req: Request) -> None:
+        """A waiting request was admitted: the virtual time moves to its tag, and clients that
+        have fallen behind it are forgotten (their next request starts at the virtual time)."""
+        if req.fair_tag > self._virtual_time:
+            self._virtual_time = req.fair_tag
+            if len(self._client_finish) > 64:
+                self._client_finish = {c: f for c, f in self._client_finish.items() if f > self._virtual_time}
 
     @property
     def num_unfinished(self) -> int:
@@ -171,6 +195,7 @@ class Scheduler:
             if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
                 break
             self.waiting.popleft()
+            self._started(req)
             if external:  # load what the connector holds into the blocks just allocated after the hits
                 bs = bm.block_size
                 start = len(hits)

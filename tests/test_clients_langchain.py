@@ -125,10 +125,11 @@ def _offline(offline: LLM, body: dict):
     text = tok.apply_chat_template(body["messages"], tools=tools.tools if tools else None)
     ids = tok.encode(text, add_special_tokens=False)
     constraint = tools.constraint() if tools else None
+    asked = structured_outputs(body)
     params = SamplingParams(
         temperature=0.0,
         max_tokens=body["max_completion_tokens"],
-        structured_outputs=constraint or structured_outputs(body),
+        structured_outputs=constraint or (asked.params if asked else None),
     )
     (out,) = offline.generate(prompt_token_ids=[ids], sampling_params=[params])
     return ids, out

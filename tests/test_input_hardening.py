@@ -140,7 +140,8 @@ def test_deep_json_is_a_400_naming_the_limit(depth):
     with pytest.raises(ApiError) as err:
         parse_json(_nested(depth))
     assert err.value.status == 400
-    assert err.value.message == f"request body nests deeper than {MAX_JSON_DEPTH} levels"
+    assert err.value.message == f"prompt nests deeper than {MAX_JSON_DEPTH} levels"
+    assert err.value.param == "prompt"  # the field it nests in, found however deep
 
 
 def test_json_at_the_depth_limit_parses():

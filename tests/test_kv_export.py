@@ -287,26 +287,48 @@ def test_bad_max_total_lease_s_is_refused(freed):
         _table(freed, max_total_lease_s=0)
 
 
-def test_pinned_blocks_are_bounded_per_caller(table, freed):
-    """A caller's transfers and reservations count against its limit; other callers' do not."""
-    a = _export(table, "r1", caller="10.0.0.1")
-    assert a.caller == "10.0.0.1"
-    assert table.pinned_blocks("10.0.0.1") == 3
-    table.reserve("10.0.0.1", 2, limit=5)
-    assert table.pinned_blocks("10.0.0.1") == 5
-    with pytest.raises(PinLimitExceeded, match=r"has 5 KV blocks pinned; 1 more would pass the limit of 5"):
-        table.reserve("10.0.0.1", 1, limit=5)
-    assert table.pinned_blocks("10.0.0.1") == 5  # nothing changed
-    table.reserve("10.0.0.2", 5, limit=5)  # another caller has its own budget
-    table.unreserve("10.0.0.1", 2)
-    table.reserve("10.0.0.1", 2, limit=5)
+def test_pinned_blocks_are_shared_fairly_among_callers(table, freed):
+    """Every caller's transfers and reservations together stay within the limit, each block counted
+    once; past it, a caller under its fair share (limit / callers pinning) may still pin up to its
+    share (every caller's together then up to the ceiling), and one over its share may not."""
+    a = _export(table, "r1", caller="client-a")  # 3 blocks: 0, 1, 2
+    assert a.caller == "client-a"
+    assert table.pinned_blocks("client-a") == table.pinned_blocks() == 3
+    table.reserve("client-a", 5, limit=8)
+    assert table.pinned_blocks("client-a") == 8
+    with pytest.raises(PinLimitExceeded, match=r"has 8 KV blocks pinned; 1 more would pass its share of 8"):
+        table.reserve("client-a", 1, limit=8)
+    # client-b: its share is 8 / 2 = 4 while client-a pins; the pool may then hold up to 12.
+    table.reserve("client-b", 4, limit=8, ceiling=12)
+    with pytest.raises(
+        PinLimitExceeded, match=r"client-b has 4 KV blocks pinned; 1 more would pass its share of 4"
+    ):
+        table.reserve("client-b", 1, limit=8, ceiling=12)
+    with pytest.raises(PinLimitExceeded, match=r"client-a has 8 KV blocks pinned.* share of 4 .*2 caller"):
+        table.reserve("client-a", 1, limit=8, ceiling=12)  # over its share: refused
+    assert table.pinned_blocks() == 12  # nothing changed
+    with pytest.raises(PinLimitExceeded, match="share of 2"):  # a third client: its share is 8 / 3
+        table.reserve("client-c", 3, limit=8, ceiling=20)
+    table.reserve("client-c", 2, limit=8, ceiling=20)
+    table.unreserve("client-c", 2)
+    table.unreserve("client-a", 5)
     table.release(a.export_id, done=True)
     assert freed == ["r1"]
-    assert table.pinned_blocks("10.0.0.1") == 2
-    table.unreserve("10.0.0.1", 2)
-    table.unreserve("10.0.0.2", 5)
-    assert table.pinned_blocks("10.0.0.1") == table.pinned_blocks("10.0.0.2") == 0
-    assert table._reserved == {}
+    assert table.pinned_blocks("client-a") == 0 and table.pinned_blocks() == 4
+    table.reserve("client-a", 4, limit=8)  # room again under the limit
+    table.unreserve("client-a", 4)
+    table.unreserve("client-b", 4)
+    assert table.pinned_blocks() == 0 and table._reserved == {}
+
+
+def test_blocks_several_exports_share_are_pinned_once(table):
+    """The n samples of one prompt export the same prompt blocks: they count once."""
+    first = _export(table, "r1", caller="client-a")
+    second = _export(table, "r2", caller="client-a")  # the same blocks 4, 5, 6
+    assert second.block_ids == first.block_ids
+    assert table.pinned_blocks("client-a") == table.pinned_blocks() == 3
+    _export(table, "r3", caller="client-b")
+    assert table.pinned_blocks("client-b") == 3 and table.pinned_blocks() == 3
 
 
 @pytest.mark.parametrize(

@@ -849,5 +849,6 @@ def test_deeply_nested_body_is_400(server, fake, depth):
     for path in ("/v1/completions", "/v1/chat/completions"):
         status, got = post(server, path, raw=raw)
         assert status == 400, got
-        assert got["error"]["message"] == "request body nests deeper than 64 levels"
+        assert got["error"]["message"] == "prompt nests deeper than 64 levels"
+        assert got["error"]["param"] == "prompt"
     assert fake.inputs == []

@@ -402,3 +402,34 @@ def test_many_random_workloads():
     assert sum(t["preemptions"] for t in totals) > 0
     assert sum(t["prefix_hits"] for t in totals) > 0
     assert sum(t["evictions"] for t in totals) > 0
+
+
+def test_waiting_requests_are_taken_fairly_among_clients():
+    """Start-time fair queuing by prompt tokens: a client's backlog queues behind itself, not in
+    front of another client's next prompt; one client keeps arrival order; a request put back
+    (preempted) keeps its place at the front."""
+    sched = make_sched(num_blocks=64, max_num_seqs=8, budget=8)  # one 8-token prompt a step
+    for i in range(4):
+        sched.add(_client_req(f"heavy{i}", "heavy"))
+    sched.add(_client_req("light0", "light"))
+    sched.add(_client_req("light1", "light"))
+    assert ids(sched.waiting) == ["heavy0", "light0", "heavy1", "light1", "heavy2", "heavy3"]
+    admitted = []
+    for _ in range(3):
+        items, _ = step(sched)
+        admitted += [rid for rid, computed, _ in items if computed == 0]
+    assert admitted == ["heavy0", "light0", "heavy1"]
+    late = _client_req("late0", "late")  # a client arriving now starts at the virtual time
+    sched.add(late)
+    assert ids(sched.waiting) == ["light1", "late0", "heavy2", "heavy3"]  # ahead of heavy's backlog
+    offline = make_sched(num_blocks=64)
+    for i in range(3):
+        offline.add(_client_req(f"r{i}", ""))
+    assert ids(offline.waiting) == ["r0", "r1", "r2"]
+
+
+def _client_req(rid: str, client: str) -> Request:
+    seed = sum(map(ord, rid))
+    req = make_req(rid, [(seed + 3 * i) % VOCAB for i in range(8)], max_tokens=4)  # no prefix hits
+    req.client = client
+    return req

@@ -15,7 +15,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputsParams as S
 from engine.structured.bitmask import TokenBitmask, fill_bitmask, unpack, words_per_row
-from engine.structured.compiler import GrammarCompiler, check
+from engine.structured.compiler import ConstraintChecker, GrammarCompiler, grammar_bytes
 from engine.structured.params import MAX_CHOICES, MAX_STRUCTURED_OUTPUT_CHARS
 from engine.tokenizer import Tokenizer
 
@@ -31,6 +31,11 @@ def tokenizer(tiny_model) -> Tokenizer:
 @pytest.fixture
 def compiler(tokenizer) -> GrammarCompiler:
     return GrammarCompiler(tokenizer.tokenizer, tokenizer.vocab_size, [EOS])
+
+
+@pytest.fixture
+def checker(tokenizer) -> ConstraintChecker:
+    return ConstraintChecker(tokenizer.tokenizer, [EOS])
 
 
 # ---- parameters and their checks -------------------------------------------------------------------
@@ -80,16 +85,16 @@ def test_structured_outputs_must_be_typed():
         ),
     ],
 )
-def test_the_library_refuses_invalid_constraints_naming_the_field(params, message, compiler):
+def test_the_library_refuses_invalid_constraints_naming_the_field(params, message, compiler, checker):
     with pytest.raises(ValueError, match=message):
-        check(params)
+        checker.check(params)
     with pytest.raises(ValueError, match=message.replace("structured_outputs", "response_format", 1)):
-        check(params, "response_format", f"response_format.{params.kind.value}")
+        checker.check(params, "response_format", f"response_format.{params.kind.value}")
     with pytest.raises(ValueError, match=message):  # the engine's compile says the same
         compiler.submit(params).result()
 
 
-def test_valid_constraints_pass_the_check():
+def test_valid_constraints_pass_the_check(checker):
     for params in (
         S(
             json={
@@ -107,7 +112,7 @@ def test_valid_constraints_pass_the_check():
         S(grammar='start: "a" | "b"'),
         S(grammar='root ::= "a" [0-9]'),  # GBNF
     ):
-        check(params)
+        checker.check(params)
 
 
 def test_the_cache_key_is_the_schema_not_its_spelling():
@@ -143,11 +148,13 @@ def test_failed_compiles_are_not_cached(compiler):
     assert compiler.misses == 2
 
 
-def test_the_cache_is_bounded(tokenizer):
-    compiler = GrammarCompiler(tokenizer.tokenizer, tokenizer.vocab_size, [EOS], cache_size=2)
+def test_the_cache_is_bounded_by_bytes(tokenizer):
+    two = 2 * grammar_bytes((S(regex="a").kind, "a"))
+    compiler = GrammarCompiler(tokenizer.tokenizer, tokenizer.vocab_size, [EOS], cache_bytes=two)
     for pattern in ("a", "b", "c", "a"):
         compiler.submit(S(regex=pattern)).result()
     assert (compiler.hits, compiler.misses) == (0, 4)  # "a" was dropped when "c" came in
+    assert compiler.cached_bytes == two
 
 
 def test_a_compile_in_flight_serves_every_request_for_it(compiler):
@@ -274,3 +281,93 @@ def test_fill_masks_drafts_rows_and_leaves_the_matcher_where_it_was(tokenizer, c
     assert matcher.consume_token(EOS)  # past EOS the library allows nothing: EOS stays allowed
     past = unpack(fill_bitmask(executor, [(matcher, 0, [])], vocab, [EOS]).bits, vocab)[0]
     assert past.nonzero().flatten().tolist() == [EOS]
+
+
+# ---- what the check refuses before a worker sees it -------------------------------------------------
+
+_REF_EVERY_LEVEL = {
+    "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+    "$ref": "#/$defs/n",
+}
+_REF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+_COSTLY = {"type": "array", "prefixItems": [{"type": "string", "format": "uri"}] * 1500, "items": False}
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            S(json=_COSTLY),
+            r"initial lexer configuration \(grammar\) too big \(limit for this grammar: 200000\)",
+        ),
+        (S(json=_REF_CYCLE), "fails at its first token"),
+        (S(regex="(?:)"), "it accepts only the empty string"),
+        (S(json=_REF_EVERY_LEVEL), "fails at its first token: .*Too many items"),
+        (S(grammar='start: a\na: "x" a'), "fails at its first token"),
+        (
+            S(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1500)}}),
+            "fails at its first token: .*max is 2000",
+        ),
+    ],
+    ids=["costly", "ref-cycle", "empty-only", "ref-every-level", "lark-no-end", "1500-optional"],
+)
+def test_the_check_refuses_what_would_fail_on_a_worker(params, message, checker, compiler):
+    """Each of these compiled under the library's default limits, then ended its request at once
+    with finish_reason abort (or, for the $ref cycle, an empty 'stop') and no word to the client."""
+    with pytest.raises(ValueError, match=message):
+        checker.check(params, "response_format", "response_format.json_schema.schema")
+    with pytest.raises(ValueError, match=message):  # a worker's compile says the same
+        compiler.submit(params).result()
+
+
+def test_verdicts_are_cached_by_bytes_and_a_refusal_names_each_field(tokenizer):
+    checker = ConstraintChecker(tokenizer.tokenizer, [EOS])
+    bad = S(regex="(?:)")
+    for field in ("guided_regex", "structured_outputs"):
+        with pytest.raises(ValueError, match=f"^{field} is not a valid regular expression"):
+            checker.check(bad, field, field)
+    assert (checker.hits, checker.misses) == (1, 1)  # judged once, named as each request names it
+    accepted = 128  # what an accepted verdict takes: a digest and its bookkeeping
+    checker = ConstraintChecker(tokenizer.tokenizer, [EOS], cache_bytes=3 * accepted)
+    good = S(regex="[0-9]+")
+    checker.check(good)
+    checker.check(good)
+    assert (checker.hits, checker.misses) == (1, 1)
+    for pattern in ("a", "b"):
+        checker.check(S(regex=pattern))
+    checker.check(good)
+    assert checker.misses == 3  # three fit
+    checker.check(S(regex="c"))  # drops the least recently used: "a"
+    checker.check(good)
+    checker.check(S(regex="a"))
+    assert checker.misses == 5
+
+
+def test_a_check_over_its_time_budget_is_refused(tokenizer):
+    checker = ConstraintChecker(tokenizer.tokenizer, [EOS], budget_s=0.0)
+    with pytest.raises(ValueError, match=r"tools\[0\].function.parameters .*more than the budget of 0.0 s"):
+        checker.check(S(json={"type": "object"}), "tools", "tools[0].function.parameters")
+
+
+def test_the_compiled_grammar_cache_stays_within_its_byte_bound(tokenizer):
+    """400 distinct 60-property schemas (each compiled matcher ~0.4 MB on this vocabulary; 370
+    distinct costly schemas once took a worker from 0.4 to 2 GB): the cache keeps what its byte
+    bound allows, by its estimate, and the process's memory grows by about that, not by 400 of them."""
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    bound = 8 << 20
+    compiler = GrammarCompiler(tokenizer.tokenizer, tokenizer.vocab_size, [EOS], cache_bytes=bound)
+    compiler.submit(S(regex="warm")).result()  # the vocabulary, built once
+    before = rss()
+    for i in range(400):
+        props = {
+            f"f{i}_{j}": {"type": "string", "format": "date-time"} if j % 2 else {"type": "integer"}
+            for j in range(60)
+        }
+        compiler.submit(S(json={"type": "object", "properties": props})).result()
+        assert compiler.cached_bytes <= bound
+    assert len(compiler._cache) < 400 / 4
+    assert rss() - before < bound + (48 << 20), (rss() - before) >> 20

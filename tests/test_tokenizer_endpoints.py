@@ -157,6 +157,12 @@ BAD = [  # "V" in tokens stands for the vocabulary size, "LONG" for a prompt jus
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt", "send either prompt"),
     ("/tokenize", {"prompt": [1, 2]}, "prompt", "prompt must be a string"),
     ("/tokenize", {"prompt": "LONG"}, "prompt", f"cannot fit in max_model_len ({MAX_MODEL_LEN} tokens)"),
+    (
+        "/tokenize",  # within the byte bound, past the tokens (one per "?!" pair and more)
+        {"prompt": "SPELLED"},
+        "prompt",
+        f"tokens, more than the limit of max_model_len ({MAX_MODEL_LEN})",
+    ),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens", "true or false"),
     ("/tokenize", {"messages": []}, "messages", "non-empty list"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
@@ -177,6 +183,10 @@ def test_a_bad_request_is_a_400_naming_the_field_and_limit(server, fake, tok, pa
         body = {"tokens": [vocab if t == "V" else t for t in body["tokens"]]}
     if body.get("prompt") == "LONG":
         body = {"prompt": "a" * (tok.max_prompt_bytes(MAX_MODEL_LEN) + 1)}
+    if body.get("prompt") == "SPELLED":  # characters that each take a token of their own
+        body = {"prompt": " ".join("?" * (MAX_MODEL_LEN + 1))}
+        assert len(body["prompt"].encode()) <= tok.max_prompt_bytes(MAX_MODEL_LEN)
+        assert len(tok.encode(body["prompt"])) > MAX_MODEL_LEN
     status, out = call(server, path, body)
     assert status == 400 and out["error"]["param"] == param, out
     assert message.format(V=vocab) in out["error"]["message"], out

@@ -32,7 +32,7 @@ from tests.service_testing import _TokenInterceptor, load, wait_until, worker
 
 TOKEN = "hardening-test-token"
 BLOCK_SIZE = 16
-PREFILL_BLOCKS = 32  # one caller may pin 24 (max_pinned_fraction 0.75)
+PREFILL_BLOCKS = 32  # the clients may pin 24 together (max_pinned_fraction 0.75)
 DECODE_BLOCKS = 64
 GREEDY = pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -266,9 +266,10 @@ def _all_free(endpoint: str, total: int) -> bool:
     return got.num_free_blocks == total and got.num_pinned_transfers == 0 and got.num_running == 0
 
 
-def _prefill(w: Workers, request_id: str, prompt: list[int]) -> wpb.PrefillResponse:
+def _prefill(w: Workers, request_id: str, prompt: list[int], client: str = "") -> wpb.PrefillResponse:
     return worker(w.prefill.endpoint, TOKEN).Prefill(
-        wpb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY), timeout=60
+        wpb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY, client=client),
+        timeout=60,
     )
 
 
@@ -339,26 +340,46 @@ def test_decodes_sharing_a_request_id_run_side_by_side(workers):
     assert wait_until(lambda: _all_free(w.decode.endpoint, DECODE_BLOCKS), 10)
 
 
-def test_prefill_past_the_callers_pin_limit_is_resource_exhausted(workers):
+def _release(w: Workers, response: wpb.PrefillResponse) -> None:
+    _kv(w.prefill.endpoint).Release(
+        kv_pb.ReleaseRequest(transfer_id=response.kv_handle.transfer_id, reason=kv_pb.RELEASE_REASON_ABORT),
+        timeout=5,
+    )
+
+
+def test_pinned_blocks_are_shared_fairly_among_the_clients_a_router_names(workers):
+    """Pins are counted per end client (PrefillRequest.client; the calling peer without one): a
+    client past the pool's limit is refused (RESOURCE_EXHAUSTED, nothing run), while another holding
+    less than its share may still pin up to it; a prompt larger than the limit is INVALID_ARGUMENT."""
     w = workers
     assert wait_until(lambda: _all_free(w.prefill.endpoint, PREFILL_BLOCKS), 10)
     a, b = _prompt(5, 200), _prompt(6, 200)  # 13 blocks each; the limit is 24
-    first = _prefill(w, "pin-a", a)
+    first = _prefill(w, "pin-a", a, client="heavy")
     with pytest.raises(grpc.RpcError) as err:
-        _prefill(w, "pin-b", b)
+        _prefill(w, "pin-b", b, client="heavy")
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "13 KV blocks pinned; 13 more would pass the limit of 24" in err.value.details()
+    assert "caller heavy has 13 KV blocks pinned; 13 more would pass its share of 24" in err.value.details()
     got = load(w.prefill.endpoint, TOKEN)  # the refused prompt never ran
     assert got.num_pinned_transfers == 1 and got.num_free_blocks == PREFILL_BLOCKS - 13
-    _kv(w.prefill.endpoint).Release(
-        kv_pb.ReleaseRequest(transfer_id=first.kv_handle.transfer_id, reason=kv_pb.RELEASE_REASON_ABORT),
-        timeout=5,
+    # Another client: its share is 24 / 2 = 12 blocks, room past the limit up to 24 + (32 - 24) / 2.
+    with pytest.raises(grpc.RpcError, match="share of 12"):
+        _prefill(w, "pin-c", b, client="light")
+    light = _prefill(w, "pin-c", b[:190], client="light")  # 12 blocks: 25 pinned in all
+    assert load(w.prefill.endpoint, TOKEN).num_pinned_transfers == 2
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(w, "pin-d", _prompt(7, 16 * 25), client="other")  # 25 blocks: never within 24
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt needs 25 KV blocks pinned until its transfer, more than this worker's limit of 24" in (
+        err.value.details()
     )
-    second = _prefill(w, "pin-b", b)  # room again
-    _kv(w.prefill.endpoint).Release(
-        kv_pb.ReleaseRequest(transfer_id=second.kv_handle.transfer_id, reason=kv_pb.RELEASE_REASON_ABORT),
-        timeout=5,
-    )
+    _release(w, first)
+    with pytest.raises(
+        grpc.RpcError, match="heavy has 0 KV blocks pinned; 13 more would pass its share of 12"
+    ):
+        _prefill(w, "pin-b", b, client="heavy")  # 25 > 24 while light pins: heavy gets its share
+    _release(w, light)
+    second = _prefill(w, "pin-b", b, client="heavy")  # room again
+    _release(w, second)
     assert wait_until(lambda: _all_free(w.prefill.endpoint, PREFILL_BLOCKS), 10)
 
 

@@ -14,9 +14,9 @@ meanwhile waits until the read ends. A remote read (`begin_remote_read`: a peer 
 blocks itself, over NIXL) has no end_read of ours: the peer's release ends it together with the
 export, and one the peer never ends ends by itself at its deadline (`expire_due`), and the
 export with it when its lease has run out -- an export is never READING forever. Pinned KV is bounded twice over: a lease never runs past
-`created + max_total_lease_s`, however often it is renewed or read, and one caller's pinned
-blocks (its exports plus the prefills it has running, `reserve`) stay within a limit the caller
-of `reserve` passes in.
+`created + max_total_lease_s`, however often it is renewed or read, and the pinned blocks (exports
+plus the prefills running, `reserve`) stay within a limit the caller of `reserve` passes in,
+shared fairly among the callers (the end clients).
 
 Threads. The engine thread creates exports (`add`, when the request finishes) and frees the
 blocks of ended ones (`take_ended`, through the scheduler, the one place blocks are freed). Any
@@ -314,25 +314,41 @@ class ExportTable:
                 else:
                     self._end(export, ExportState.ABORTED)
 
-    # ---- the per-caller bound on pinned blocks ------------------------------------------------
+    # ---- the bound on pinned blocks, shared fairly among callers -------------------------------
 
-    def pinned_blocks(self, caller: str) -> int:
-        """Blocks the caller holds pinned: its live exports' plus its reservations."""
+    def pinned_blocks(self, caller: str | None = None) -> int:
+        """Blocks the caller holds pinned (None: every caller together): its live exports' (each
+        block once, however many of its exports share it: the n samples of one prompt) plus its
+        reservations."""
         with self._lock:
             return self._pinned(caller)
 
-    def reserve(self, caller: str, num_blocks: int, limit: int) -> None:
+    def reserve(self, caller: str, num_blocks: int, limit: int, ceiling: int | None = None) -> None:
         """Count num_blocks against the caller before its prefill runs (unreserve when it ends,
-        whether or not it was exported). PinLimitExceeded, with nothing changed, when the caller
-        would hold more than `limit` pinned blocks."""
+        whether or not it was exported). Callers are the end clients (a router passes who asked).
+
+        Pinned blocks are shared among them: a caller may pin while every caller's pinned blocks
+        together stay within `limit`; past that, a caller holding less than its fair share (limit /
+        the callers holding pins, itself counted) may still pin up to its share, every caller's
+        together then up to `ceiling` (default limit): the heavy caller's next reservations are
+        refused until it is back under its share, and its pins drain as its transfers end. So one
+        client's batches cannot refuse another's. PinLimitExceeded, with nothing changed, else."""
+        ceiling = limit if ceiling is None else max(ceiling, limit)
         with self._lock:
-            pinned = self._pinned(caller)
-            if pinned + num_blocks > limit:
-                raise PinLimitExceeded(
-                    f"caller {caller} has {pinned} KV blocks pinned; {num_blocks} more would pass the "
-                    f"limit of {limit} (max_pinned_fraction of this worker's KV blocks)"
-                )
-            self._reserved[caller] = self._reserved.get(caller, 0) + num_blocks
+            mine, total = self._pinned(caller), self._pinned(None)
+            if total + num_blocks <= limit:
+                self._reserved[caller] = self._reserved.get(caller, 0) + num_blocks
+                return
+            callers = self._callers() | {caller}
+            share = limit // len(callers)
+            if mine + num_blocks <= share and total + num_blocks <= ceiling:
+                self._reserved[caller] = self._reserved.get(caller, 0) + num_blocks
+                return
+            raise PinLimitExceeded(
+                f"caller {caller} has {mine} KV blocks pinned; {num_blocks} more would pass its share of "
+                f"{share} ({limit} pinnable blocks, max_pinned_fraction of this worker's, over "
+                f"{len(callers)} caller(s) pinning; {total} pinned now)"
+            )
 
     def unreserve(self, caller: str, num_blocks: int) -> None:
         with self._lock:
@@ -345,9 +361,16 @@ class ExportTable:
 
     # ---- under the lock ---------------------------------------------------------------------------
 
-    def _pinned(self, caller: str) -> int:
-        held = sum(len(e.block_ids) for e in self._exports.values() if e.caller == caller)
-        return held + self._reserved.get(caller, 0)
+    def _pinned(self, caller: str | None) -> int:
+        held = {
+            b for e in self._exports.values() if caller is None or e.caller == caller for b in e.block_ids
+        }
+        reserved = self._reserved.get(caller, 0) if caller is not None else sum(self._reserved.values())
+        return len(held) + reserved
+
+    def _callers(self) -> set[str]:
+        """Callers holding pins: exports or reservations."""
+        return {e.caller for e in self._exports.values()} | set(self._reserved)
 
     def _end_read(self, export: Export, room: bool = True) -> None:
         export.active_reads -= 1

@@ -33,12 +33,18 @@ import llguidance
 import tokenizers
 import torch
 
+from engine.log import warn_limited
 from engine.request import Request, RequestStatus
 from engine.structured.bitmask import TokenBitmask, fill_bitmask
-from engine.structured.compiler import GrammarCompiler
+from engine.structured.compiler import MAX_ERROR_CHARS, GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+
+def _short(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
 
 
 @dataclass
@@ -131,18 +137,21 @@ class StructuredOutputManager:
         self._failed = [(r, e) for r, e in self._failed if r.request_id != request_id]
 
     def advance(self, req: Request, token: int) -> RequestStatus | None:
-        """Advance req's matcher over a token just appended to it. FINISHED_ABORTED when the
-        matcher refuses it (a token sampled under the request's mask never is); FINISHED_STOPPED
+        """Advance req's matcher over a token just appended to it. FINISHED_ABORTED, with
+        req.error saying why, when the matcher refuses it (a token sampled under the request's
+        mask never is: the matcher itself failed, and the row's mask allowed only EOS); FINISHED_STOPPED
         when the constraint is complete and EOS would not end the request (ignore_eos, or short of
         min_tokens): only EOS may follow, so the request ends here."""
         assert req.grammar is not None
         if not req.grammar.consume_token(token):
-            logger.error(
-                "request %s: token %d breaks its constraint: %s",
-                req.request_id,
-                token,
-                req.grammar.get_error(),
+            # Sampled under the mask, a token never breaks the constraint: the matcher itself
+            # failed (past the library's per-step limits after some tokens, or no finite output).
+            where = f"structured_outputs.{req.params.structured_outputs.kind.value}"
+            req.error = (
+                f"{where}: the constraint failed at output token {req.num_output_tokens}: "
+                f"{_short(req.grammar.get_error())}"
             )
+            warn_limited(logger, "request %s: %s", req.request_id, req.error)
             return RequestStatus.FINISHED_ABORTED
         params = req.params
         if req.grammar.is_stopped() and (params.ignore_eos or req.num_output_tokens < params.min_tokens):

@@ -26,39 +26,39 @@ from pdserve.v1 import inference_pb2 as pdserve_dot_v1_dot_inference__pb2
 from pdserve.v1 import kv_transfer_pb2 as pdserve_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1apdserve/v1/inference.proto\x1a\x1cpdserve/v1/kv_transfer.proto\"\x80\x01\n\x0fKvCacheGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\"\x16\n\x14GetEngineInfoRequest\"\xf4\x02\n\nEngineInfo\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12(\n\x08identity\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.KvProducer\x12-\n\x08kv_cache\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.KvCacheGeometry\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\t \x01(\x05\x12\x0f\n\x07\x65p_size\x18\n \x01(\x05\x12.\n\rkv_cache_spec\x18\x0b \x01(\x0b\x32\x17.pdserve.v1.KvCacheSpec\x12,\n\x04nixl\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.NixlAgentInfoH\x00\x88\x01\x01\x42\x07\n\x05_nixl\"~\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\x03\"\x92\x01\n\x0fPrefillResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12,\n\tkv_handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\x42\x0c\n\n_kv_handle\"\xc0\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12,\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x12\x36\n\x11kv_failure_policy\x18\x07 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\x12\x15\n\rkv_handle_mac\x18\x08 \x01(\x0c\x12\x17\n\x0fsubscription_id\x18\t \x01(\tB\x0c\n\n_kv_handle\"\x12\n\x10SubscribeRequest\"W\n\rDecodeOutputs\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.pdserve.v1.GenerateResponse\"\x10\n\x0eGetLoadRequest\"\xbe\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x1c\n\x14num_pinned_transfers\x18\x06 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"&\n\rDrainResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x9b\x03\n\x06Worker\x12I\n\rGetEngineInfo\x12 .pdserve.v1.GetEngineInfoRequest\x1a\x16.pdserve.v1.EngineInfo\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x19.pdserve.v1.DecodeOutputs0\x01\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1apdserve/v1/inference.proto\x1a\x1cpdserve/v1/kv_transfer.proto\"\x80\x01\n\x0fKvCacheGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\"\x16\n\x14GetEngineInfoRequest\"\x8f\x03\n\nEngineInfo\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12(\n\x08identity\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.KvProducer\x12-\n\x08kv_cache\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.KvCacheGeometry\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\t \x01(\x05\x12\x0f\n\x07\x65p_size\x18\n \x01(\x05\x12.\n\rkv_cache_spec\x18\x0b \x01(\x0b\x32\x17.pdserve.v1.KvCacheSpec\x12,\n\x04nixl\x18\x0c \x01(\x0b\x32\x19.pdserve.v1.NixlAgentInfoH\x00\x88\x01\x01\x12\x19\n\x11max_pinned_blocks\x18\r \x01(\x05\x42\x07\n\x05_nixl\"\x8e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\x03\x12\x0e\n\x06\x63lient\x18\x05 \x01(\t\"\x92\x01\n\x0fPrefillResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12,\n\tkv_handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\x42\x0c\n\n_kv_handle\"\xd0\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12,\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x12\x36\n\x11kv_failure_policy\x18\x07 \x01(\x0e\x32\x1b.pdserve.v1.KvFailurePolicy\x12\x15\n\rkv_handle_mac\x18\x08 \x01(\x0c\x12\x17\n\x0fsubscription_id\x18\t \x01(\t\x12\x0e\n\x06\x63lient\x18\n \x01(\tB\x0c\n\n_kv_handle\"\x12\n\x10SubscribeRequest\"W\n\rDecodeOutputs\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.pdserve.v1.GenerateResponse\"\x10\n\x0eGetLoadRequest\"\xbe\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x1c\n\x14num_pinned_transfers\x18\x06 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\x07 \x01(\x01\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"&\n\rDrainResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x9b\x03\n\x06Worker\x12I\n\rGetEngineInfo\x12 .pdserve.v1.GetEngineInfoRequest\x1a\x16.pdserve.v1.EngineInfo\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.pdserve.v1.SubscribeRequest\x1a\x19.pdserve.v1.DecodeOutputs0\x01\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1603
-  _globals['_WORKERROLE']._serialized_end=1720
+  _globals['_WORKERROLE']._serialized_start=1663
+  _globals['_WORKERROLE']._serialized_end=1780
   _globals['_KVCACHEGEOMETRY']._serialized_start=98
   _globals['_KVCACHEGEOMETRY']._serialized_end=226
   _globals['_GETENGINEINFOREQUEST']._serialized_start=228
   _globals['_GETENGINEINFOREQUEST']._serialized_end=250
   _globals['_ENGINEINFO']._serialized_start=253
-  _globals['_ENGINEINFO']._serialized_end=625
-  _globals['_PREFILLREQUEST']._serialized_start=627
-  _globals['_PREFILLREQUEST']._serialized_end=753
-  _globals['_PREFILLRESPONSE']._serialized_start=756
-  _globals['_PREFILLRESPONSE']._serialized_end=902
-  _globals['_DECODEREQUEST']._serialized_start=905
-  _globals['_DECODEREQUEST']._serialized_end=1225
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1227
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1245
-  _globals['_DECODEOUTPUTS']._serialized_start=1247
-  _globals['_DECODEOUTPUTS']._serialized_end=1334
-  _globals['_GETLOADREQUEST']._serialized_start=1336
-  _globals['_GETLOADREQUEST']._serialized_end=1352
-  _globals['_LOAD']._serialized_start=1355
-  _globals['_LOAD']._serialized_end=1545
-  _globals['_DRAINREQUEST']._serialized_start=1547
-  _globals['_DRAINREQUEST']._serialized_end=1561
-  _globals['_DRAINRESPONSE']._serialized_start=1563
-  _globals['_DRAINRESPONSE']._serialized_end=1601
-  _globals['_WORKER']._serialized_start=1723
-  _globals['_WORKER']._serialized_end=2134
+  _globals['_ENGINEINFO']._serialized_end=652
+  _globals['_PREFILLREQUEST']._serialized_start=655
+  _globals['_PREFILLREQUEST']._serialized_end=797
+  _globals['_PREFILLRESPONSE']._serialized_start=800
+  _globals['_PREFILLRESPONSE']._serialized_end=946
+  _globals['_DECODEREQUEST']._serialized_start=949
+  _globals['_DECODEREQUEST']._serialized_end=1285
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1287
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1305
+  _globals['_DECODEOUTPUTS']._serialized_start=1307
+  _globals['_DECODEOUTPUTS']._serialized_end=1394
+  _globals['_GETLOADREQUEST']._serialized_start=1396
+  _globals['_GETLOADREQUEST']._serialized_end=1412
+  _globals['_LOAD']._serialized_start=1415
+  _globals['_LOAD']._serialized_end=1605
+  _globals['_DRAINREQUEST']._serialized_start=1607
+  _globals['_DRAINREQUEST']._serialized_end=1621
+  _globals['_DRAINRESPONSE']._serialized_start=1623
+  _globals['_DRAINRESPONSE']._serialized_end=1661
+  _globals['_WORKER']._serialized_start=1783
+  _globals['_WORKER']._serialized_end=2194
 # @@protoc_insertion_point(module_scope)

@@ -39,7 +39,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("role", "model", "dp_rank", "identity", "kv_cache", "compat_hash", "max_model_len", "vocab_size", "dp_size", "ep_size", "kv_cache_spec", "nixl")
+    __slots__ = ("role", "model", "dp_rank", "identity", "kv_cache", "compat_hash", "max_model_len", "vocab_size", "dp_size", "ep_size", "kv_cache_spec", "nixl", "max_pinned_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class EngineInfo(_message.Message):
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SPEC_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model: str
     dp_rank: int
@@ -64,19 +65,22 @@ class EngineInfo(_message.Message):
     ep_size: int
     kv_cache_spec: _kv_transfer_pb2.KvCacheSpec
     nixl: _kv_transfer_pb2.NixlAgentInfo
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_rank: _Optional[int] = ..., identity: _Optional[_Union[_kv_transfer_pb2.KvProducer, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheGeometry, _Mapping]] = ..., compat_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., kv_cache_spec: _Optional[_Union[_kv_transfer_pb2.KvCacheSpec, _Mapping]] = ..., nixl: _Optional[_Union[_kv_transfer_pb2.NixlAgentInfo, _Mapping]] = ...) -> None: ...
+    max_pinned_blocks: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., dp_rank: _Optional[int] = ..., identity: _Optional[_Union[_kv_transfer_pb2.KvProducer, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheGeometry, _Mapping]] = ..., compat_hash: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., ep_size: _Optional[int] = ..., kv_cache_spec: _Optional[_Union[_kv_transfer_pb2.KvCacheSpec, _Mapping]] = ..., nixl: _Optional[_Union[_kv_transfer_pb2.NixlAgentInfo, _Mapping]] = ..., max_pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "client")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _inference_pb2.SamplingParams
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    client: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., client: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("output", "kv_handle", "sampler_state")
@@ -89,7 +93,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "kv_handle", "sampler_state", "kv_failure_policy", "kv_handle_mac", "subscription_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "kv_handle", "sampler_state", "kv_failure_policy", "kv_handle_mac", "subscription_id", "client")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +103,7 @@ class DecodeRequest(_message.Message):
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_MAC_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _inference_pb2.SamplingParams
@@ -108,7 +113,8 @@ class DecodeRequest(_message.Message):
     kv_failure_policy: _inference_pb2.KvFailurePolicy
     kv_handle_mac: bytes
     subscription_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ..., kv_failure_policy: _Optional[_Union[_inference_pb2.KvFailurePolicy, str]] = ..., kv_handle_mac: _Optional[bytes] = ..., subscription_id: _Optional[str] = ...) -> None: ...
+    client: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[_Union[_kv_transfer_pb2.KvHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ..., kv_failure_policy: _Optional[_Union[_inference_pb2.KvFailurePolicy, str]] = ..., kv_handle_mac: _Optional[bytes] = ..., subscription_id: _Optional[str] = ..., client: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ()

@@ -121,6 +121,8 @@ def output_to_proto(out: RequestOutput, first: bool) -> pb.GenerateResponse:
     if out.finished and out.finish_reason in FINISH_REASONS:
         msg.finish_reason = FINISH_REASONS[out.finish_reason]
         set_stop_reason(msg, out.stop_reason)
+        if out.error:
+            msg.error = out.error
     return msg
 
 
@@ -133,6 +135,7 @@ def merge(into: pb.GenerateResponse, more: pb.GenerateResponse) -> None:
     into.prompt_logprobs.extend(more.prompt_logprobs)
     if more.finish_reason:
         into.finish_reason = more.finish_reason
+        into.error = more.error
     which = more.WhichOneof("stop_reason")
     if which:
         setattr(into, which, getattr(more, which))

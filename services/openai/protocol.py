@@ -10,6 +10,7 @@ calling (`tools`, `tool_choice`, tool messages) by tools.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -26,11 +27,13 @@ from services.router.api import (
     CHAT_ROLES,
     MAX_STOP,
     MAX_TEMPERATURE,
+    ConstraintCheck,
     Frontend,
     GenerateInput,
     KvFailurePolicy,
     ServingMode,
     check_prompt_bytes,
+    check_prompt_logprobs,
     echo_text,
     prepare_echo,
 )
@@ -90,13 +93,17 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, nested at most MAX_JSON_DEPTH deep, whose strings (keys
     included) are all valid Unicode: JSON's \\u escapes can spell lone surrogates, which no
     tokenizer or encoder accepts."""
-    too_deep = ApiError(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+
+    def too_deep(field: str | None) -> ApiError:
+        where = f"{field} nests" if field else "request body nests"
+        return ApiError(f"{where} deeper than {MAX_JSON_DEPTH} levels", field)  # None: not in a field
+
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(f"request body is not valid JSON: {e}") from None
     except RecursionError:  # nested past the parser's own limit (~1000)
-        raise too_deep from None
+        raise too_deep(_deep_field(raw)) from None
     if not isinstance(body, dict):
         raise ApiError(f"request body must be a JSON object, got {type(body).__name__}")
     # Iterative walk: (value, depth, the top-level field it belongs to).
@@ -109,7 +116,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         if not isinstance(value, (dict, list)):
             continue
         if depth > MAX_JSON_DEPTH:
-            raise too_deep
+            raise too_deep(field)
         if isinstance(value, list):
             todo.extend((item, depth + 1, field) for item in value)
             continue
@@ -117,6 +124,34 @@ def parse_json(raw: bytes) -> dict[str, Any]:
             _check_unicode(key, field)
             todo.append((item, depth + 1, key if field is None else field))
     return body
+
+
+def _deep_field(raw: bytes) -> str | None:
+    """The top-level field of a JSON object text in which it nests past MAX_JSON_DEPTH (None: not
+    inside one): a linear scan, for a body too deep for the parser to say."""
+    depth, key, in_string, escaped, start = 0, None, False, False, 0
+    for i, byte in enumerate(raw):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # the closing quote
+                in_string = False
+                if depth == 1:
+                    candidate = raw[start:i]
+            continue
+        if byte == 0x22:
+            in_string, start = True, i + 1
+        elif byte == 0x3A and depth == 1:  # a top-level key's colon
+            key = candidate.decode("utf-8", "replace")
+        elif byte in (0x7B, 0x5B):  # { [
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return key
+        elif byte in (0x7D, 0x5D):
+            depth -= 1
+    return None
 
 
 def _check_unicode(text: str, field: str | None) -> None:
@@ -294,6 +329,9 @@ class ParsedRequest:
     the engine for more when echo needs them."""
     tools: ToolRequest | None = None
     """Chat `tools`: the output is parsed for calls unless tool_choice is "none"."""
+    checks: list[ConstraintCheck] = dataclasses.field(default_factory=list)
+    """Constraints the grammar library must accept before the request runs (the front awaits
+    Frontend.check_constraints)."""
 
     @property
     def top_logprobs(self) -> int | None:
@@ -302,9 +340,12 @@ class ParsedRequest:
 
     def generate_inputs(self, request_id: str) -> list[GenerateInput]:
         """One GenerateInput per choice, with request id `{request_id}-{index}`. With a seed, sample
-        i uses seed + i (wrapped into the seed range) so the n samples differ, as in vLLM."""
+        i uses seed + i (wrapped into the seed range) so the n samples differ, as in vLLM. The n
+        samples of a prompt share its prefill: the first computes it, the others wait for it and
+        take its blocks from the prefix cache (GenerateInput.after)."""
         inputs = []
         for p, prompt in enumerate(self.prompts):
+            first_prefilled = asyncio.Event() if self.n > 1 else None
             for i in range(self.n):
                 params = dataclasses.replace(self.params)
                 if params.seed is not None:
@@ -319,9 +360,22 @@ class ParsedRequest:
                         self.mode,
                         self.kv_failure_policy,
                         score_only=self.score_only,
+                        prefilled=first_prefilled if i == 0 else None,
+                        after=first_prefilled if i > 0 else None,
                     )
                 )
         return inputs
+
+
+def check_logprob_entries(parsed: ParsedRequest) -> None:
+    """Refuse a response whose prompt logprobs (echo with logprobs, or prompt_logprobs) would pass
+    the limit (check_prompt_logprobs), naming the field that asks for them."""
+    field = "logprobs" if parsed.echo is not None else "prompt_logprobs"
+    tokens = sum(len(p) for p in parsed.prompts) * parsed.n
+    try:
+        check_prompt_logprobs(tokens, parsed.params.prompt_logprobs, field)
+    except ValueError as e:
+        raise ApiError(str(e), field) from None
 
 
 def check_text_bytes(text: str, tokenizer: Tokenizer, max_model_len: int) -> None:
@@ -451,7 +505,10 @@ def chat_prompt_ids(
     return ids
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+def _sampling(
+    body: dict, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> tuple[SamplingParams, list[ConstraintCheck]]:
+    """The sampling fields, and the structured-output constraint's check (none or one)."""
     top_k = body.get("top_k")
     if top_k is not None and (not _is_int(top_k) or top_k == 0 or not -1 <= top_k <= MAX_TOP_K):
         raise ApiError(
@@ -478,13 +535,15 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, vocab_size: int
         prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         skip_special_tokens=read_bool(body, "skip_special_tokens", True),
         logit_bias=_logit_bias(body, vocab_size),
-        structured_outputs=_structured_outputs(body),
     )
+    check = _structured_outputs(body)
+    if check is not None:
+        params.structured_outputs = check.params
     try:  # the engine's own checks (min_tokens <= max_tokens, ...) as a backstop
         params.validate(vocab_size)
     except ValueError as e:
         raise ApiError(str(e), param_from_message(str(e))) from None
-    return params
+    return params, [] if check is None else [check]
 
 
 def _structured_outputs(body: dict):
@@ -528,9 +587,14 @@ def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
         )
     max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS, 0 if echo else 1)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    params = _sampling(body, max(max_tokens, 1), logprobs, frontend.vocab_size)
+    params, checks = _sampling(body, max(max_tokens, 1), logprobs, frontend.vocab_size)
     parsed = ParsedRequest(
-        chat=False, prompts=prompts, params=params, prompt_logprobs=params.prompt_logprobs, **_common(body)
+        chat=False,
+        prompts=prompts,
+        params=params,
+        prompt_logprobs=params.prompt_logprobs,
+        checks=checks,
+        **_common(body),
     )
     if echo:
         params.max_tokens = max_tokens  # checked as 1 above; prepare_echo runs 0 (score only) as 1
@@ -539,6 +603,7 @@ def parse_completion(body: dict, frontend: Frontend) -> ParsedRequest:
         except ValueError as e:
             raise ApiError(str(e), param_from_message(str(e))) from None
         parsed.echo = [echo_text(t, ids, params, tokenizer) for t, ids in zip(texts, prompts, strict=True)]
+    check_logprob_entries(parsed)
     return parsed
 
 
@@ -559,18 +624,22 @@ def parse_chat(body: dict, frontend: Frontend) -> ParsedRequest:
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top and not want_logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
-    params = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
+    params, checks = _sampling(body, max_tokens, (top or 0) if want_logprobs else None, frontend.vocab_size)
     constraint = tools.constraint() if tools is not None else None
     if constraint is not None:  # tool_choice "required" or a named function
         if params.structured_outputs is not None:
             error = conflict(tools)
             raise ApiError(str(error), error.param)
         params.structured_outputs = constraint
-    return ParsedRequest(
+        checks = tools.checks()
+    parsed = ParsedRequest(
         chat=True,
         prompts=[prompt],
         params=params,
         prompt_logprobs=params.prompt_logprobs,
         tools=tools,
+        checks=checks,
         **_common(body),
     )
+    check_logprob_entries(parsed)
+    return parsed

@@ -48,14 +48,21 @@ from services.openai.responses import (
 )
 from services.openai.tokenization import PATHS as TOKENIZER_PATHS
 from services.openai.tokenization import TokenizerRoutes
-from services.router.api import Delta, Frontend, GenerateInput, check_generations
+from services.router.api import ConstraintError, Delta, Frontend, GenerateInput, check_generations
 
 logger = logging.getLogger(__name__)
 
+LARGE_TOKENS = 4096
+"""A non-streaming response of more tokens than this (every choice's) is built off the event loop."""
 DISCONNECT_POLL_S = 0.2
 """How often a running request checks that its client is still connected."""
 _MAX_BODY = web.AppKey("max_body_bytes", int)
 _REQUEST_ID = web.RequestKey("request_id", str)
+
+
+def request_client(frontend: Frontend, request: web.Request) -> str:
+    """Who an HTTP request comes from: its checked API key, else its peer address."""
+    return frontend.client(request.headers.get("Authorization"), request.remote)
 
 
 class ClientGone(Exception):
@@ -202,6 +209,16 @@ def _chunk_encoder(
     return chunk
 
 
+def _encoded_whole_choice(output: ChoiceOutput) -> bytes:
+    return json.dumps(output.choice()).encode()
+
+
+def _encoded_choice(output: ChoiceOutput, delta: Delta, chunk) -> bytes | None:
+    """The stream chunk for a delta (output.add), encoded; None when it carries nothing to send."""
+    choice = output.add(delta)
+    return None if choice is None else chunk([choice])
+
+
 async def _watch_connection(request: web.Request, gone: Callable[[], None]) -> None:
     """Calls gone() once the client's connection is closed (checked every DISCONNECT_POLL_S)."""
     while request.transport is not None and not request.transport.is_closing():
@@ -318,32 +335,38 @@ class _Api:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request[_REQUEST_ID] = request_id
-        # Parsing and tokenizing cost time linear in the body: off the event loop. Tokenizing
-        # waits for admission, which counts the request as the generations it asks for.
-        body = await self.frontend.off_loop(parse_json, await read_body(request))
+        client = request_client(self.frontend, request)
+        # Parsing and tokenizing cost time linear in the body: off the event loop, fairly among
+        # clients. Tokenizing waits for admission, which counts the generations it asks for.
+        body = await self.frontend.prepare(client, parse_json, await read_body(request))
         num_prompts, n = generations(body, chat)
         try:
             weight = check_generations(num_prompts, n, self.frontend.max_generations_per_request)
         except ValueError as e:
             raise ApiError(str(e), "n") from None
         async with self.frontend.admit(weight, None) as queued:
-            parsed = await self.frontend.off_loop(
-                parse_chat if chat else parse_completion, body, self.frontend
+            parsed = await self.frontend.prepare(
+                client, parse_chat if chat else parse_completion, body, self.frontend
             )
-            return await self._run(request, request_id, parsed, queued)
+            try:
+                await self.frontend.check_constraints(client, parsed.checks)
+            except ConstraintError as e:
+                raise ApiError(str(e), e.param) from None
+            return await self._run(request, request_id, parsed, queued, client)
 
     async def _run(
-        self, request: web.Request, request_id: str, parsed: ParsedRequest, queued: float
+        self, request: web.Request, request_id: str, parsed: ParsedRequest, queued: float, client: str
     ) -> web.StreamResponse:
         chat = parsed.chat
-        for prompt in parsed.prompts:
-            try:
+        try:
+            for prompt in parsed.prompts:
                 self.frontend.validate(prompt, parsed.params)
-            except ValueError as e:
-                raise ApiError(str(e), param_from_message(str(e))) from None
+            self.frontend.check_fits(parsed.prompts, parsed.n, parsed.mode)
+        except ValueError as e:
+            raise ApiError(str(e), param_from_message(str(e))) from None
         inputs = parsed.generate_inputs(request_id)
         for inp in inputs:
-            inp.queued = queued
+            inp.queued, inp.client = queued, client
         outputs = [
             ChoiceOutput(
                 chat,
@@ -362,16 +385,33 @@ class _Api:
         logger.debug("request %s: %d choice(s), stream=%s", request_id, len(inputs), parsed.stream)
         deltas = _choices(request, self.frontend, inputs)
         if parsed.stream:
-            return await self._stream(request, request_id, parsed, outputs, deltas)
+            return await self._stream(request, request_id, parsed, outputs, deltas, client)
         async with contextlib.aclosing(deltas):
             async for index, delta in deltas:
-                outputs[index].add(delta)
+                if delta.prompt_logprobs is not None:  # a prompt's logprobs: sizeable, off the loop
+                    await self.frontend.prepare(client, outputs[index].add, delta)
+                else:
+                    outputs[index].add(delta)
         usage = usage_json(parsed.prompts, parsed.n, outputs)
-        choices = [o.choice() for o in outputs]
-        model = self.frontend.model_name
-        return web.json_response(
-            response_json(request_id, int(time.time()), model, chat, choices, usage=usage)
-        )
+        whole = response_json(request_id, int(time.time()), self.frontend.model_name, chat, [], usage=usage)
+        large = parsed.params.prompt_logprobs is not None or sum(o.num_tokens for o in outputs) > LARGE_TOKENS
+        if not large:
+            whole["choices"] = [o.choice() for o in outputs]
+            return web.json_response(whole)
+        # Many tokens or logprobs take long to encode (a 23.8 MB echo took 0.8 s), and json.dumps
+        # holds the GIL while it runs, on whatever thread: the body goes out a choice at a time,
+        # each encoded off the event loop, so the loop (the other streams, /health) waits for one
+        # choice's encoding at most.
+        resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+        await resp.prepare(request)
+        head, tail = json.dumps(whole).split('"choices": []', 1)
+        await resp.write(f'{head}"choices": ['.encode())
+        for i, output in enumerate(outputs):
+            piece = await self.frontend.prepare(client, _encoded_whole_choice, output)
+            await resp.write(b", " + piece if i else piece)
+        await resp.write(f"]{tail}".encode())
+        await resp.write_eof()
+        return resp
 
     async def _stream(
         self,
@@ -380,6 +420,7 @@ class _Api:
         parsed: ParsedRequest,
         outputs: list[ChoiceOutput],
         deltas: AsyncGenerator[tuple[int, Delta], None],
+        client: str,
     ) -> web.StreamResponse:
         """SSE chunks. Headers go out with the first delta, so an error before it (overload, no
         worker) still gets its own HTTP status; a later one is sent as a `data: {"error": ...}`
@@ -394,9 +435,14 @@ class _Api:
                 async for index, delta in deltas:
                     if resp is None:
                         resp = await self._start_stream(request, outputs, chunk)
-                    choice = outputs[index].add(delta)
-                    if choice is not None:
-                        await resp.write(chunk([choice]))
+                    if delta.prompt_logprobs is not None:  # a prompt's logprobs: encoded off the loop
+                        data = await self.frontend.prepare(
+                            client, _encoded_choice, outputs[index], delta, chunk
+                        )
+                    else:
+                        data = _encoded_choice(outputs[index], delta, chunk)
+                    if data is not None:
+                        await resp.write(data)
                 if resp is None:
                     resp = await self._start_stream(request, outputs, chunk)
                 if parsed.include_usage:

@@ -9,10 +9,11 @@ Three spellings, at most one per request:
   `grammar`, `json_object`.
 - vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
-Each is checked here, off the event loop, by the grammar library itself: an invalid schema,
-regex or grammar is a 400 whose message names the field it came in (e.g.
-`response_format.json_schema.schema`). Options that would change the output but are not
-supported (`structural_tag`, whitespace patterns) are refused, never ignored.
+Each is read here and checked by the grammar library itself (the front awaits `ConstraintCheck`,
+Frontend.check_constraints): an invalid schema, regex or grammar, or one too costly to build, is
+a 400 whose message names the field it came in (e.g. `response_format.json_schema.schema`).
+Options that would change the output but are not supported (`structural_tag`, whitespace
+patterns) are refused, never ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.structured import StructuredOutputsParams
-from engine.structured.compiler import check
+from services.router.api import ConstraintCheck
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}
@@ -35,8 +36,10 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
-def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
-    """The request's constraint (None when it asks for none). Raises StructuredOutputError."""
+def structured_outputs(body: dict[str, Any]) -> ConstraintCheck | None:
+    """The request's constraint, and how to name it in an error (None when it asks for none).
+    Raises StructuredOutputError for a malformed one; the grammar library's verdict is the
+    caller's to await."""
     for name in _UNSUPPORTED:
         if body.get(name) is not None:
             raise StructuredOutputError(f"{name} is not supported by this server", name)
@@ -60,10 +63,10 @@ def structured_outputs(body: dict[str, Any]) -> StructuredOutputsParams | None:
         )
     ((param, params, where),) = found
     try:
-        check(params, param, where)
+        params.validate(param, where)
     except ValueError as e:
         raise StructuredOutputError(str(e), param) from None
-    return params
+    return ConstraintCheck(params, param, where, param)
 
 
 def _response_format(value: Any) -> tuple[StructuredOutputsParams, str] | None:

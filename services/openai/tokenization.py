@@ -14,7 +14,8 @@ itself when the server answers them).
   added-token table as id -> text), with tokenizer_class and the chat_template the server renders.
 
 Bounds as on the generation routes: a prompt (or messages) of more bytes than max_model_len
-tokens could take is refused before it is tokenized; at most max_model_len tokens are decoded,
+tokens could take is refused before it is tokenized, and one of more than max_model_len tokens
+after; at most max_model_len tokens are decoded,
 each inside the vocabulary; every error is a 400 naming the field and the limit. The routes sit
 behind the API key when one is configured (`PATHS`), and tokenizing holds admission as a request.
 """
@@ -63,6 +64,12 @@ def tokenize(body: dict, frontend: Frontend) -> dict:
             raise ApiError("prompt must be a string", "prompt")
         check_text_bytes(prompt, tok, frontend.max_model_len)
         ids = tok.encode(prompt, add_special_tokens=read_bool(body, "add_special_tokens", True))
+    if len(ids) > frontend.max_model_len:  # the byte bound lets through what no request could run
+        field = "messages" if messages is not None else "prompt"
+        raise ApiError(
+            f"{field} has {len(ids)} tokens, more than the limit of max_model_len ({frontend.max_model_len})",
+            field,
+        )
     return {
         "count": len(ids),
         "max_model_len": frontend.max_model_len,
@@ -133,6 +140,7 @@ class TokenizerRoutes:
         return web.json_response(self.info)
 
     async def _run(self, request: web.Request, fn) -> web.Response:
-        body = await self.frontend.off_loop(parse_json, await read_body(request))
+        client = self.frontend.client(request.headers.get("Authorization"), request.remote)
+        body = await self.frontend.prepare(client, parse_json, await read_body(request))
         async with self.frontend.admit(1, None):
-            return web.json_response(await self.frontend.off_loop(fn, body, self.frontend))
+            return web.json_response(await self.frontend.prepare(client, fn, body, self.frontend))

@@ -73,7 +73,8 @@ class Admission:
             self._waiters.append(waiter)
             wait = self.queue_timeout_s if timeout is None else min(self.queue_timeout_s, timeout)
             try:
-                await asyncio.wait_for(asyncio.shield(waiter.future), wait)
+                async with asyncio.timeout(wait):  # not wait_for: 3.11's can swallow a cancel
+                    await asyncio.shield(waiter.future)
             except (TimeoutError, asyncio.CancelledError) as e:
                 if waiter.future.done() and not waiter.future.cancelled():
                     self._release(weight)  # admitted just now: give the room back

@@ -1,7 +1,8 @@
 """What the router's fronts (gRPC `Inference`, OpenAI HTTP) call: engine types, no protos.
 
 A front first takes admission for the request's generations (`Frontend.admit`), and only then
-tokenizes (off the event loop), validates through `Frontend`, and iterates `Frontend.generate`
+tokenizes (off the event loop, fairly among clients: `Frontend.prepare`), validates through
+`Frontend`, and iterates `Frontend.generate`
 once per generation. Closing the iterator early (client gone) or cancelling the task that
 iterates it cancels the request on every worker it touched.
 """
@@ -12,17 +13,23 @@ import abc
 import asyncio
 import dataclasses
 import enum
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputsParams
+from engine.structured.compiler import ConstraintChecker
 from engine.tokenizer import Tokenizer
+from services.common.fair import FairExecutor, client_id
 
 T = TypeVar("T")
 
+PREPARATION_THREADS = 2
+"""Threads preparing requests (Frontend.prepare). One client uses at most one of them."""
+GRAMMAR_THREADS = 1
+"""Threads checking structured-output constraints (Frontend.check_constraints)."""
 MAX_TEMPERATURE = 2.0
 """API limit on temperature (OpenAI's); the engine itself accepts any temperature >= 0."""
 MAX_STOP = 16
@@ -47,6 +54,30 @@ def check_api_limits(params: SamplingParams) -> None:
         raise ValueError(f"stop has {len(params.stop)} strings, more than the limit of {MAX_STOP}")
 
 
+class ConstraintError(ValueError):
+    """A constraint the check refused; `param` names the request field for the API's error."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ConstraintCheck:
+    """A structured-output constraint a front checks before it accepts a request
+    (Frontend.check_constraints), and how to name it in the error."""
+
+    params: StructuredOutputsParams
+    field: str
+    """The request field the constraint came in (`response_format`, `sampling.structured_outputs`)."""
+    where: str
+    """The field holding its value (`response_format.json_schema.schema`): the error names it."""
+    param: str
+    """The error's `param` (OpenAI's error body)."""
+    note: str = ""
+    """Added to the error message (what the grammar is, when the server built it)."""
+
+
 def check_prompt_bytes(num_bytes: int, tokenizer: Tokenizer, max_model_len: int) -> None:
     """Refuse a prompt text too long to fit in max_model_len tokens from its byte length alone,
     before paying for its tokenization; ValueError naming `prompt` and the limit."""
@@ -55,6 +86,26 @@ def check_prompt_bytes(num_bytes: int, tokenizer: Tokenizer, max_model_len: int)
         raise ValueError(
             f"prompt has {num_bytes} bytes of text; more than {limit} bytes cannot fit in "
             f"max_model_len ({max_model_len} tokens)"
+        )
+
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
+"""Most prompt logprob entries (a token's, and each alternative's) one response may hold (echo with
+logprobs, prompt_logprobs), all of them at once: 524,288 is ~15 MB of JSON; a 48-prompt echo of 800
+tokens with 20 alternatives (806,400) returned 23.8 MB. A 128K-token prompt scored with one
+alternative fits."""
+
+
+def check_prompt_logprobs(prompt_tokens: int, top: int | None, field: str) -> None:
+    """ValueError naming `field` and the limit when `top` prompt logprobs over `prompt_tokens`
+    tokens (every prompt, times n) would pass MAX_PROMPT_LOGPROB_ENTRIES."""
+    if top is None:
+        return
+    entries = prompt_tokens * (top + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"{field} = {top} over {prompt_tokens:,} prompt tokens (every prompt, n times) asks for "
+            f"{entries:,} logprob entries, more than the limit of {MAX_PROMPT_LOGPROB_ENTRIES:,} a response"
         )
 
 
@@ -121,6 +172,14 @@ class GenerateInput:
     score_only: bool = False
     """Score the prompt, generate nothing (max_tokens 0 with echo; see `prepare_echo`): the
     deltas carry the prompt logprobs but no tokens, and end with finish_reason "length"."""
+    client: str = ""
+    """Who asked (Frontend.client): the router's fair share of its threads and the workers' of
+    their pinned KV go by it."""
+    prefilled: asyncio.Event | None = None
+    """Set once this generation's prompt KV exists on a worker (its first output) or it ended."""
+    after: asyncio.Event | None = None
+    """Another sample's `prefilled`: this one waits for it, and then finds the prompt in that
+    worker's prefix cache instead of computing and pinning a copy of its own."""
 
 
 @dataclass
@@ -162,6 +221,9 @@ class Delta:
     timings: Timings | None = None
     """Last delta only."""
     disaggregated: bool = False
+    error: str | None = None
+    """Last delta from a worker only, with "abort": why the request could not go on (the router
+    core raises it as the request's error; a front never sees it set)."""
 
 
 def score_only_delta(delta: Delta) -> Delta:
@@ -188,15 +250,51 @@ class Frontend(abc.ABC):
     max_generations_per_request: int
     """Most generations (prompts x n) one request may ask for; more is a 400 naming the limit."""
 
-    _tokenizer_pool: ThreadPoolExecutor | None = None
+    keyed: bool = False
+    """Whether the public API checks API keys: a client is then known by its key, else by its
+    address (an unchecked key names nobody: anyone may send any)."""
+    _preparation: FairExecutor | None = None
 
-    async def off_loop(self, fn: Callable[..., T], *args) -> T:
-        """Run a request's CPU-bound preparation (JSON parsing, template rendering, tokenizing)
-        off the event loop, one job at a time: the loop keeps serving streams, and a flood of
-        long prompts takes one core, not every core the workers need."""
-        if self._tokenizer_pool is None:
-            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+    def client(self, authorization: str | bytes | None, address: str | None) -> str:
+        """Who a request comes from (services/common/fair.py client_id), from its Authorization
+        header or metadata and its peer address."""
+        key = None
+        if self.keyed and authorization is not None:
+            text = (
+                authorization.decode(errors="replace") if isinstance(authorization, bytes) else authorization
+            )
+            key = text.removeprefix("Bearer ")
+        return client_id(key, address)
+
+    _grammar: FairExecutor | None = None
+    _checker: ConstraintChecker | None = None
+
+    async def check_constraints(self, client: str, checks: Sequence[ConstraintCheck]) -> None:
+        """Check each constraint as a worker would compile it (engine/structured/compiler.py
+        ConstraintChecker: its cost bounded by the library's limits, verdicts cached) on a
+        GRAMMAR_THREADS pool of its own, fairly among clients, so that costly checks queue neither
+        other clients' checks nor the preparation of requests without one. Raises ConstraintError
+        naming the check's field."""
+        if not checks:
+            return
+        if self._grammar is None:
+            self._grammar = FairExecutor(GRAMMAR_THREADS, "grammar")
+            self._checker = ConstraintChecker(self.tokenizer.tokenizer, [self.tokenizer.eos_token_id])
+        for check in checks:
+            try:
+                await self._grammar.run(client, self._checker.check, check.params, check.field, check.where)
+            except ValueError as e:
+                raise ConstraintError(f"{e}{check.note}", check.param) from None
+
+    async def prepare(self, client: str, fn: Callable[..., T], *args) -> T:
+        """Run a request's CPU-bound preparation (JSON parsing, template rendering, tokenizing,
+        encoding a large response) off the event loop, on PREPARATION_THREADS threads shared
+        fairly among clients: each client's jobs run one at a time, and a client's backlog never
+        queues another's work behind it. The loop keeps serving streams, and one client's flood
+        takes at most one core."""
+        if self._preparation is None:
+            self._preparation = FairExecutor(PREPARATION_THREADS, "prepare")
+        return await self._preparation.run(client, fn, *args)
 
     def not_ready(self) -> str | None:
         """Why a request cannot be routed now (what both fronts' readiness reports: HTTP /health
@@ -208,6 +306,10 @@ class Frontend(abc.ABC):
         """Hold admission for `weight` generations (1 <= weight <= max_generations_per_request)
         while the body runs; yields the seconds spent queued. Raises ResourceExhausted when the
         router is full (at once, or after the queue timeout)."""
+
+    def check_fits(self, prompts: list[list[int]], n: int, mode: ServingMode) -> None:  # noqa: B027
+        """Raise ValueError naming `prompt` or `n` and the limit when the request's generations
+        could never run at once (the KV they would hold pinned). Default: they always can."""
 
     @abc.abstractmethod
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

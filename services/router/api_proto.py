@@ -60,6 +60,7 @@ def delta_from_proto(msg: pb.GenerateResponse) -> Delta:
         finish_reason=FINISH_NAMES.get(msg.finish_reason),
         stop_reason=getattr(msg, which) if which else None,
         disaggregated=msg.disaggregated,
+        error=msg.error or None,
     )
     if msg.HasField("usage"):
         u = msg.usage

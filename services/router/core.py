@@ -14,6 +14,7 @@ a worker. With an internal token, every handle passed to a decode worker is sign
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -29,7 +30,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common import convert
-from services.common.errors import ServiceError, Unavailable
+from services.common.errors import InvalidArgument, ServiceError, Unavailable
 from services.common.metrics import Metrics
 from services.common.security import handle_mac
 from services.router import api_proto
@@ -38,11 +39,13 @@ from services.router.api import (
     Delta,
     Frontend,
     GenerateInput,
+    ServingMode,
     Timings,
     Usage,
     check_api_limits,
     score_only_delta,
 )
+from services.router.pins import PinBudget
 from services.router.policy import Route, RoutingConfig, choose
 from services.router.pool import WorkerHandle, WorkerPool
 
@@ -97,6 +100,8 @@ class RouterCore(Frontend):
         self.pool = pool
         self.metrics = metrics
         self.admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+        self.pins = PinBudget(self._pin_capacity)
+        """The prefill workers' pinned KV blocks, shared fairly among clients (services/router/pins.py)."""
         self.max_generations_per_request = min(settings.max_generations_per_request, settings.max_in_flight)
         self.kv_redis = None
         if settings.kv_redis_url:
@@ -150,6 +155,30 @@ class RouterCore(Frontend):
             min(i.kv_cache.num_blocks for i in infos),
         )
 
+    def _pin_capacity(self) -> int:
+        """The KV blocks the healthy prefill workers pin for hand-overs, together."""
+        return sum(w.info.max_pinned_blocks for w in self.pool.healthy("prefill") if w.role == "prefill")
+
+    def check_fits(self, prompts: list[list[int]], n: int, mode: ServingMode) -> None:
+        """A request whose prompts the prefill workers could never hold pinned at once (each prompt
+        handed over pins its blocks until the decode side has them; its n samples share the full
+        blocks and take one more each) is refused: ValueError naming prompt or n and the limit,
+        not a retryable 429 from every worker. Prompts that run colocated pin nothing."""
+        limit = self._pin_capacity()
+        if mode is ServingMode.COLOCATED or not limit:  # no prefill worker (or none that says)
+            return
+        block = self.block_size
+        shortest = 0 if mode is ServingMode.DISAGGREGATED else self.settings.routing.colocate_max_tokens
+        handed = [len(p) for p in prompts if len(p) > shortest]
+        need = sum(-(-tokens // block) + n - 1 for tokens in handed)
+        if need > limit:
+            field = "n" if n > 1 and sum(-(-t // block) for t in handed) <= limit else "prompt"
+            raise ValueError(
+                f"{field}: {len(handed)} prompt(s) of up to {max(handed)} tokens with n = {n} need {need:,} KV "
+                f"blocks pinned at once for their hand-over, more than the prefill workers hold for it "
+                f"({limit:,} blocks, max_pinned_fraction)"
+            )
+
     # ---- the request path -----------------------------------------------------------------------
 
     def admit(self, weight: int, timeout: float | None):
@@ -186,6 +215,13 @@ class RouterCore(Frontend):
         finish = "abort"
         failed: set[str] = set()
         try:
+            if inp.after is not None:  # another sample of this prompt computes its KV first
+                try:
+                    await asyncio.wait_for(inp.after.wait(), max(deadline - time.monotonic(), 0.001))
+                except TimeoutError:
+                    raise ServiceError(
+                        "the request's deadline passed before it ran", grpc.StatusCode.DEADLINE_EXCEEDED
+                    ) from None
             for attempt in range(self.settings.max_attempts):
                 delivered = False
                 try:
@@ -212,6 +248,8 @@ class RouterCore(Frontend):
                     m.labels(m.retries).inc()
                     await asyncio.sleep(backoff)
         finally:
+            if inp.prefilled is not None:
+                inp.prefilled.set()
             m.labels(m.requests, finish).inc()
 
     async def _shared_blocks(self, hashes: list[bytes]) -> int:
@@ -253,6 +291,10 @@ class RouterCore(Frontend):
         route.decode.in_flight += 1
         try:
             async for delta in self._run(rid, inp, route, hashes, deadline, usage, timings):
+                if delta.error:  # a worker could not go on (a constraint failed at run time)
+                    raise InvalidArgument(delta.error)
+                if inp.prefilled is not None:  # the prompt's KV is in a worker's prefix cache now
+                    inp.prefilled.set()
                 now = time.monotonic()
                 if delta.token_ids:
                     if first_token_time is None:
@@ -288,67 +330,92 @@ class RouterCore(Frontend):
     async def _run(
         self, rid, inp: GenerateInput, route: Route, hashes, deadline, usage: Usage, timings: Timings
     ):
-        sampling = convert.sampling_to_proto(inp.params)
         prompt = inp.prompt_token_ids
-        decode_req = wpb.DecodeRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            kv_failure_policy=api_proto.KV_FAILURE_POLICY_TO_PROTO[inp.kv_failure_policy],
-        )
         if route.prefill is not None:
-            p = route.prefill
-            t0 = time.monotonic()
-            p.in_flight += 1
-            try:
-                resp = await p.worker.Prefill(
-                    wpb.PrefillRequest(
-                        request_id=rid,
-                        prompt_token_ids=prompt,
-                        sampling=sampling,
-                        lease_ms=self.settings.lease_ms,
-                    ),
-                    timeout=max(deadline - time.monotonic(), 0.001),
-                )
-            except grpc.aio.AioRpcError as e:
-                raise self._check_rpc_error(p, e) from None
-            finally:
-                p.in_flight -= 1
-            timings.prefill = time.monotonic() - t0
-            p.prefix.add(hashes)
-            first = api_proto.delta_from_proto(resp.output)
-            usage.cached_tokens = resp.output.usage.cached_tokens
-            usage.completion_tokens = len(first.token_ids)
-            if not resp.HasField("kv_handle"):  # finished at its first token
-                yield first
-                return
-            # The decode worker releases the producer once it holds the KV, and on its own
-            # failures; until its stream has said something we cannot know it got the request
-            # (a cancel right after the first token may stop the call before it left), so then
-            # we release. A second release of the same transfer is answered NOT_FOUND, harmlessly.
-            decode_answered = False
-            try:
-                yield first  # the first token reaches the client before the KV moves
-                decode_req.kv_handle.CopyFrom(resp.kv_handle)
-                token = self.pool.security.token if self.pool.security is not None else None
-                if token:
-                    decode_req.kv_handle_mac = handle_mac(token, resp.kv_handle)
-                decode_req.output_token_ids.extend(first.token_ids)
-                decode_req.sampler_state = resp.sampler_state
-                async for delta in self._decode(
-                    route.decode, decode_req, deadline, usage, timings, prefilled=True
+            async with contextlib.AsyncExitStack() as pinned:
+                # The prompt's blocks, held in the router's budget while the worker pins them.
+                blocks = -(-len(prompt) // self.block_size)
+                timeout = min(self.settings.queue_timeout_s, max(deadline - time.monotonic(), 0.001))
+                await pinned.enter_async_context(self.pins.hold(inp.client, blocks, timeout))
+                async for delta in self._handed_over(
+                    rid, inp, route, hashes, deadline, usage, timings, pinned
                 ):
-                    decode_answered = True
                     yield delta
-            finally:
-                if not decode_answered:
-                    self._background(self._release(p, resp.kv_handle))
         else:
+            decode_req = self._decode_request(rid, inp)
             async for delta in self._decode(
-                route.decode, decode_req, deadline, usage, timings, prefilled=False
+                route.decode, decode_req, deadline, usage, timings, prefilled=False, client=inp.client
             ):
                 yield delta
         route.decode.prefix.add(hashes)
+
+    def _decode_request(self, rid: str, inp: GenerateInput) -> wpb.DecodeRequest:
+        return wpb.DecodeRequest(
+            request_id=rid,
+            prompt_token_ids=inp.prompt_token_ids,
+            sampling=convert.sampling_to_proto(inp.params),
+            kv_failure_policy=api_proto.KV_FAILURE_POLICY_TO_PROTO[inp.kv_failure_policy],
+            client=inp.client,
+        )
+
+    async def _handed_over(
+        self, rid, inp: GenerateInput, route: Route, hashes, deadline, usage, timings, pinned
+    ):
+        """A disaggregated generation: the prefill, the first token, the decode taking the KV over;
+        `pinned` (the prompt's blocks in the router's budget) is closed once the decode side has
+        the KV, or the prefill ended the request."""
+        prompt = inp.prompt_token_ids
+        decode_req = self._decode_request(rid, inp)
+        p = route.prefill
+        t0 = time.monotonic()
+        p.in_flight += 1
+        try:
+            resp = await p.worker.Prefill(
+                wpb.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    sampling=decode_req.sampling,
+                    lease_ms=self.settings.lease_ms,
+                    client=inp.client,
+                ),
+                timeout=max(deadline - time.monotonic(), 0.001),
+            )
+        except grpc.aio.AioRpcError as e:
+            raise self._check_rpc_error(p, e) from None
+        finally:
+            p.in_flight -= 1
+        timings.prefill = time.monotonic() - t0
+        p.prefix.add(hashes)
+        first = await self._delta(inp.client, resp.output)
+        usage.cached_tokens = resp.output.usage.cached_tokens
+        usage.completion_tokens = len(first.token_ids)
+        if not resp.HasField("kv_handle"):  # finished at its first token
+            await pinned.aclose()
+            yield first
+            return
+        # The decode worker releases the producer once it holds the KV, and on its own
+        # failures; until its stream has said something we cannot know it got the request
+        # (a cancel right after the first token may stop the call before it left), so then
+        # we release. A second release of the same transfer is answered NOT_FOUND, harmlessly.
+        decode_answered = False
+        try:
+            yield first  # the first token reaches the client before the KV moves
+            decode_req.kv_handle.CopyFrom(resp.kv_handle)
+            token = self.pool.security.token if self.pool.security is not None else None
+            if token:
+                decode_req.kv_handle_mac = handle_mac(token, resp.kv_handle)
+            decode_req.output_token_ids.extend(first.token_ids)
+            decode_req.sampler_state = resp.sampler_state
+            async for delta in self._decode(
+                route.decode, decode_req, deadline, usage, timings, prefilled=True, client=inp.client
+            ):
+                if not decode_answered:  # it holds the KV: the producer's pins are released
+                    decode_answered = True
+                    await pinned.aclose()
+                yield delta
+        finally:
+            if not decode_answered:
+                self._background(self._release(p, resp.kv_handle))
 
     async def _decode(
         self,
@@ -358,6 +425,7 @@ class RouterCore(Frontend):
         usage: Usage,
         timings: Timings,
         prefilled: bool,
+        client: str = "",
     ):
         try:
             joined = await w.subscription.join(req.request_id)
@@ -372,9 +440,9 @@ class RouterCore(Frontend):
         if self.settings.stream_interval > 1:
             messages = self._gathered(messages, first_at_once=not prefilled)
         async for msg in messages:
-            delta = api_proto.delta_from_proto(msg)
             if prefilled:
-                delta.prompt_logprobs = None  # the prefill rank sent them
+                msg.ClearField("prompt_logprobs")  # the prefill rank sent them
+            delta = await self._delta(client, msg)
             if msg.HasField("usage"):
                 usage.completion_tokens = msg.usage.completion_tokens
                 usage.kv_transfer_bytes = msg.usage.kv_transfer_bytes
@@ -384,6 +452,13 @@ class RouterCore(Frontend):
                 timings.queue = msg.timings.queue_ns / 1e9
                 delta.usage = delta.timings = None
             yield delta
+
+    async def _delta(self, client: str, msg) -> Delta:
+        """A worker's message as a Delta; one carrying a prompt's logprobs (thousands of entries,
+        tens of milliseconds) is converted off the event loop, in the client's turn."""
+        if len(msg.prompt_logprobs):
+            return await self.prepare(client, api_proto.delta_from_proto, msg)
+        return api_proto.delta_from_proto(msg)
 
     async def _gathered(self, messages, first_at_once: bool):
         """The messages merged into runs of at least stream_interval tokens; the first at once

@@ -9,13 +9,21 @@ import dataclasses
 import json
 import uuid
 
-from engine.structured.compiler import check as check_structured_outputs
 from pdserve.v1 import inference_pb2 as pb
 from pdserve.v1 import inference_pb2_grpc as pb_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument, NotFound
 from services.router import api_proto
-from services.router.api import CHAT_ROLES, GenerateInput, check_prompt_bytes, echo_text, prepare_echo
+from services.router.api import (
+    CHAT_ROLES,
+    ConstraintCheck,
+    ConstraintError,
+    GenerateInput,
+    check_prompt_bytes,
+    check_prompt_logprobs,
+    echo_text,
+    prepare_echo,
+)
 from services.router.core import RouterCore
 from services.router.tool_parser import ToolCallParser
 from services.router.tools import ToolError, ToolRequest, conflict, tool_request
@@ -119,6 +127,12 @@ class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, core: RouterCore):
         self.core = core
 
+    def _client(self, context) -> str:
+        """Who a call comes from: its checked API key, else its peer address."""
+        return self.core.client(
+            dict(context.invocation_metadata() or ()).get("authorization"), context.peer()
+        )
+
     def _check_model(self, model: str) -> None:
         if model and model != self.core.model_name:
             raise NotFound(f"model {model!r} is not served here (serving {self.core.model_name!r})")
@@ -171,30 +185,44 @@ class InferenceService(pb_grpc.InferenceServicer):
             score_only=prepare_echo(params) if request.echo else False,
         )
         self._check_prompt_bytes(which, request)
+        client = self._client(context)
         async with self.core.admit(1, context.time_remaining()) as queued:
-            # Tokenizing (and rendering a chat template) costs time linear in the text: off the loop.
-            inp.prompt_token_ids, tools = await self.core.off_loop(self._encode, which, request)
+            # Tokenizing (and rendering a chat template) costs time linear in the text: off the
+            # loop, fairly among clients.
+            inp.prompt_token_ids, tools = await self.core.prepare(client, self._encode, which, request)
+            field = "sampling.prompt_logprobs" if not request.echo else "sampling.logprobs"
+            try:
+                check_prompt_logprobs(len(inp.prompt_token_ids), params.prompt_logprobs, field)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
+            checks = []
             if inp.params.structured_outputs is not None:  # the grammar library's own check
                 kind = request.sampling.structured_outputs.WhichOneof("kind")
-                await self.core.off_loop(
-                    check_structured_outputs,
-                    inp.params.structured_outputs,
-                    "sampling.structured_outputs",
-                    f"sampling.structured_outputs.{kind}",
-                )
+                field = "sampling.structured_outputs"
+                checks.append(ConstraintCheck(inp.params.structured_outputs, field, f"{field}.{kind}", field))
             constraint = tools.constraint() if tools is not None else None
             if constraint is not None:  # tool_choice required or a named function
                 if inp.params.structured_outputs is not None:
                     raise InvalidArgument(f"chat.{conflict(tools, 'sampling.structured_outputs')}")
                 inp.params.structured_outputs = constraint
+                checks = tools.checks("chat.")
+            try:
+                await self.core.check_constraints(client, checks)
+            except ConstraintError as e:
+                raise InvalidArgument(str(e)) from None
+            try:  # the context first, then what the hand-over would pin
+                self.core.validate(inp.prompt_token_ids, params)
+                self.core.check_fits([inp.prompt_token_ids], 1, inp.mode)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
             parser = ToolCallParser(tools.max_calls) if tools is not None and tools.parse else None
             echo = None
             if request.echo:
                 text = request.text if which == "text" else None
-                echo = await self.core.off_loop(
-                    echo_text, text, inp.prompt_token_ids, params, self.core.tokenizer
+                echo = await self.core.prepare(
+                    client, echo_text, text, inp.prompt_token_ids, params, self.core.tokenizer
                 )
-            inp.timeout, inp.queued = context.time_remaining(), queued
+            inp.timeout, inp.queued, inp.client = context.time_remaining(), queued, client
             async for delta in self.core.generate(inp):
                 calls = []
                 if parser is not None:  # the text before the calls, and the calls
@@ -216,7 +244,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         which = request.WhichOneof("input")
         self._check_prompt_bytes(which, request)
         async with self.core.admit(1, context.time_remaining()):
-            ids, _ = await self.core.off_loop(self._encode, which, request, add)
+            ids, _ = await self.core.prepare(self._client(context), self._encode, which, request, add)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.max_model_len)
 
     def _card(self) -> pb.ModelCard:

@@ -79,6 +79,7 @@ async def serve(cfg: RouterServerConfig, on_bound=None) -> int:
         security=cfg.security,
     )
     core = RouterCore(cfg.settings, Tokenizer(Path(cfg.model)), pool, metrics)
+    core.keyed = bool(cfg.api_keys)  # a client is then known by its key
     metrics.gauge(
         "pdserve_num_requests_running",
         "Requests in flight through the router",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import StructuredOutputsParams
-from engine.structured.compiler import check
 from engine.structured.params import MAX_STRUCTURED_OUTPUT_CHARS
+from services.router.api import ConstraintCheck
 from services.router.tool_parser import (
     ARGS_CLOSE,
     ARGS_OPEN,
@@ -92,8 +92,29 @@ class ToolRequest:
         """The grammar that enforces "required" / a named function (None for auto and none)."""
         if self.choice in (ToolChoice.NONE, ToolChoice.AUTO):
             return None
-        chosen = [t for t in self.tools if self.name in (None, t["function"]["name"])]
-        return StructuredOutputsParams(grammar=call_grammar(chosen, self.max_calls == 1))
+        return StructuredOutputsParams(grammar=call_grammar(self._chosen(), self.max_calls == 1))
+
+    def _chosen(self) -> list[dict]:
+        return [t for t in self.tools if self.name in (None, t["function"]["name"])]
+
+    def checks(self, prefix: str = "") -> list[ConstraintCheck]:
+        """What the grammar library must accept before the request is (Frontend.check_constraints):
+        for "required" / a named function, each callable tool's parameters and the call grammar
+        built from them; `prefix` goes before the field names (gRPC's "chat.")."""
+        constraint = self.constraint()
+        if constraint is None:
+            return []
+        checks = []
+        for i, tool in enumerate(self.tools):
+            if tool in self._chosen():
+                where = f"{prefix}tools[{i}].function.parameters"
+                params = StructuredOutputsParams(json=tool["function"]["parameters"])
+                checks.append(ConstraintCheck(params, f"{prefix}tools", where, where))
+        note = " (the grammar of the tools it may call)"
+        checks.append(
+            ConstraintCheck(constraint, f"{prefix}tool_choice", f"{prefix}tool_choice", "tool_choice", note)
+        )
+        return checks
 
 
 def call_grammar(tools: list[dict], one: bool) -> str:
@@ -119,8 +140,8 @@ def _with_whitespace(schema: Any) -> Any:
 
 def tool_request(body: dict) -> ToolRequest | None:
     """The request's tool fields (None without tools). A required / named choice's constraint is
-    checked by the grammar library (about a millisecond per tool); the caller refuses it next to
-    another structured output field (`conflict`)."""
+    for the grammar library to check (`ToolRequest.checks`); the caller refuses it next to another
+    structured output field (`conflict`)."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
             raise ToolError(
@@ -142,10 +163,6 @@ def tool_request(body: dict) -> ToolRequest | None:
         for i, tool in enumerate(tools):
             if name in (None, tool["function"]["name"]):
                 _check_schema(tool["function"]["parameters"], i)
-        try:
-            check(request.constraint(), "tool_choice", "tool_choice")
-        except ValueError as e:
-            raise ToolError(f"{e} (the grammar of the tools it may call)", "tool_choice") from None
     return request
 
 
@@ -239,9 +256,10 @@ def _choice(raw: Any, names: set[str]) -> tuple[ToolChoice, str | None]:
 
 
 def _check_schema(schema: dict, i: int) -> None:
+    """The schema's form (the grammar library's verdict comes from ToolRequest.checks)."""
     where = f"tools[{i}].function.parameters"
     try:
-        check(StructuredOutputsParams(json=schema), "tools", where)
+        StructuredOutputsParams(json=schema).validate("tools", where)
     except ValueError as e:
         raise ToolError(str(e), where) from None
 

@@ -13,7 +13,7 @@ from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import KVPort
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
-from services.common.errors import ResourceExhausted
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.worker.async_engine import AsyncEngine
 from services.worker.settings import WorkerSettings
 
@@ -42,14 +42,26 @@ class KvExporter:
         self.nixl = nixl
         self.checksums = nixl and self.settings.kv_checksums
 
+    @property
+    def pin_limit(self) -> int:
+        """The blocks this worker pins for transfers, every caller's together (its fair-share
+        pool: ExportTable.reserve)."""
+        return int(self.settings.max_pinned_fraction * self.engine.core.num_kv_blocks)
+
     @contextmanager
     def reserved(self, caller: str, num_blocks: int) -> Iterator[None]:
-        """Hold a prompt's blocks against the caller's pin limit while its Prefill runs
-        (RESOURCE_EXHAUSTED before it runs); once the Prefill ends, its export (if any) counts
-        its blocks itself."""
-        limit = int(self.settings.max_pinned_fraction * self.engine.core.num_kv_blocks)
+        """Hold a prompt's blocks against the caller's share of the pinned blocks while its
+        Prefill runs (RESOURCE_EXHAUSTED before it runs; INVALID_ARGUMENT for a prompt that could
+        never be pinned); once the Prefill ends, its export (if any) counts its blocks itself.
+        Callers under their fair share may pin past the limit up to halfway to the whole cache."""
+        limit, total = self.pin_limit, self.engine.core.num_kv_blocks
+        if num_blocks > limit:
+            raise InvalidArgument(
+                f"prompt needs {num_blocks} KV blocks pinned until its transfer, more than this worker's "
+                f"limit of {limit} (max_pinned_fraction of {total} blocks)"
+            )
         try:
-            self.exports.reserve(caller, num_blocks, limit)
+            self.exports.reserve(caller, num_blocks, limit, ceiling=limit + (total - limit) // 2)
         except PinLimitExceeded as e:
             raise ResourceExhausted(str(e)) from None
         try:

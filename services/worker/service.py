@@ -135,6 +135,7 @@ class WorkerService(wgrpc.WorkerServicer):
             vocab_size=core.model_cfg.vocab_size,
             dp_size=self.settings.dp_size,
             ep_size=self.settings.ep_size,
+            max_pinned_blocks=self.exporter.pin_limit,
             # Only callers that passed the internal token / mutual TLS get here (the interceptor
             # guards every Worker method): the metadata lets its holder READ all of our KV memory.
             nixl=agent_info(self.nixl, self.settings.kv_checksums) if self.nixl is not None else None,
@@ -170,7 +171,7 @@ class WorkerService(wgrpc.WorkerServicer):
         label = request.request_id or rid
         prompt = list(request.prompt_token_ids)
         params = convert.sampling_from_proto(request.sampling)
-        caller = caller_key(context.peer())
+        caller = request.client or caller_key(context.peer())  # the end client, where a router says
         num_blocks = -(-len(prompt) // self.kv_spec.block_size)
         with self.exporter.reserved(caller, num_blocks):  # RESOURCE_EXHAUSTED before the prompt runs
             lease_s = request.lease_ms / 1000 if request.lease_ms > 0 else None
@@ -179,7 +180,9 @@ class WorkerService(wgrpc.WorkerServicer):
             exported = False
             try:
                 await self.engine.call(
-                    lambda core: core.add_request(rid, prompt, params, kv_export=export_options)
+                    lambda core: core.add_request(
+                        rid, prompt, params, kv_export=export_options, client=caller
+                    )
                 )
                 out = await stream.get()
                 if isinstance(out, BaseException):
@@ -250,7 +253,9 @@ class WorkerService(wgrpc.WorkerServicer):
             else:
                 self.engine.open_sink(rid, member)
             if handle is None:
-                await self.engine.call(lambda core: core.add_request(rid, prompt, params))
+                await self.engine.call(
+                    lambda core: core.add_request(rid, prompt, params, client=request.client)
+                )
             else:
                 kv_bytes, kv_seconds, pulled = await self.importer.run(
                     rid, label, request, prompt, params, remaining(context)
