@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.quant import QuantConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.rotary import yarn_mscale
 
@@ -115,6 +116,8 @@ class ModelConfig:
     num_nextn_predict_layers: int
     """MTP layers stored after the main layers in the checkpoint."""
     hidden_act: str = "silu"
+    quant: QuantConfig | None = None
+    """How the checkpoint's linears are quantized (engine/quant.py); None: kept as stored, bf16 or wider."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -189,6 +192,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
             hidden_act=hidden_act,
+            quant=QuantConfig.from_hf(raw),
         )
         cfg.check()
         return cfg

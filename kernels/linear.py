@@ -26,15 +26,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, quant
+from kernels.quant import QuantWeight
 
 FEW_ROWS = 16  # from 2 rows to below this many, CPU products are taken as w @ x^T
 PAD_ONE_ROW_MIN = 1 << 18  # a single row through a weight this large is padded to 2 rows: the
 # GEMV streams it ~1.5x slower; through smaller weights the GEMV is as fast or faster
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K], weight [N, K], bias [N] | None -> [M, N] (contiguous), any device."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K], weight [N, K] (or kept quantized: kernels/quant.py), bias [N] | None -> [M, N]
+    (contiguous), any device."""
+    if isinstance(weight, QuantWeight):
+        return quant.linear(x, weight, bias)
     if x.dim() == 2 and (y := native.few_rows_linear(x, weight)) is not None:
         return y if bias is None else y.add_(bias)
     return linear_torch(x, weight, bias)

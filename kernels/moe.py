@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.dispatch import cdiv, resolve_impl
 from kernels.linear import FEW_ROWS, linear
+from kernels.quant import QuantWeight
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -197,11 +198,35 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H] in
     x's dtype. shared: the shared experts' (w13 [2Is, H], w2 [H, Is]), whose `swiglu` is then added
-    to the output (in the same native call as the routed experts where those run natively)."""
+    to the output (in the same native call as the routed experts where those run natively).
+    Quantized experts (kernels/quant.py QuantWeight) take their own path."""
+    if isinstance(w13, QuantWeight):
+        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids, shared)
     if resolve_impl(impl, x, has_triton=True) == "triton":
         out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
         return out if shared is None else out + swiglu(x, *shared)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
+
+
+def fused_moe_quant(
+    x: torch.Tensor,
+    w13: QuantWeight,
+    w2: QuantWeight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: tuple[QuantWeight, QuantWeight] | None = None,
+) -> torch.Tensor:
+    """fused_moe with quantized weights (kernels/quant.py), the torch path: each expert a token
+    routes to widened once for its tokens, the products in float32 for the weighted sum."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1)
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        y = swiglu(x[token], w13[e], w2[e])  # [n, H]
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+    if shared is not None:
+        out += swiglu(x, *shared).float()
+    return out.to(x.dtype)
 
 
 MOE_PASS_TOKENS = 256

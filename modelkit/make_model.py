@@ -22,13 +22,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 import torch
 from safetensors.torch import save_file
 
 from modelkit.bpe_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
+
+if TYPE_CHECKING:
+    from modelkit.quantize import QuantOptions
 
 __all__ = ["PRESETS", "ModelPreset", "make_model", "train_tokenizer", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN"]
 
@@ -318,10 +321,11 @@ def make_weights(p: ModelPreset) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def fingerprint(name: str) -> str:
+def fingerprint(name: str, quant: QuantOptions | None = None) -> str:
     """Hash of everything a build depends on: the preset, the recipe, and the versions that feed it."""
     deps = {
         "preset": name,
+        **({} if quant is None else {"quant": asdict(quant)}),
         "fields": asdict(PRESETS[name]),
         "builder": BUILDER_VERSION,
         "python": platform.python_version(),  # the tokenizer corpus is this Python's stdlib
@@ -338,12 +342,12 @@ def _read_config(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def is_complete(folder: Path, name: str) -> bool:
+def is_complete(folder: Path, name: str, quant: QuantOptions | None = None) -> bool:
     """True if folder holds all output files of a build of this preset with the current fingerprint."""
     cfg = _read_config(folder)
     return (
         cfg is not None
-        and cfg.get(FINGERPRINT_KEY) == fingerprint(name)
+        and cfg.get(FINGERPRINT_KEY) == fingerprint(name, quant)
         and all((folder / f).is_file() for f in OUTPUT_FILES)
     )
 
@@ -352,15 +356,22 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _build(name: str, folder: Path) -> None:
+def _build(name: str, folder: Path, quant: QuantOptions | None) -> None:
     p = PRESETS[name]
     tok = train_tokenizer(p.vocab_size)
     tok.save(str(folder / "tokenizer.json"))
     _write_json(folder / "tokenizer_config.json", tokenizer_config(p.max_position_embeddings))
     _write_json(folder / "generation_config.json", generation_config())
-    save_file(make_weights(p), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    weights = make_weights(p)
+    config = hf_config(p, fingerprint(name, quant), name)
+    if quant is not None:  # the same weights, as DeepSeek's quantized checkpoints store them
+        from modelkit.quantize import quantize_tensor  # it reads this module's FINGERPRINT_KEY
+
+        weights = dict(item for n, w in weights.items() for item in quantize_tensor(n, w, quant))
+        config = quant.config(config)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # config.json last: it carries the fingerprint that marks the folder complete.
-    _write_json(folder / "config.json", hf_config(p, fingerprint(name), name))
+    _write_json(folder / "config.json", config)
     # mkdtemp makes the folder 0700 and safetensors writes 0600; give the usual umask modes so a
     # server running as another user can read the model.
     umask = os.umask(0)
@@ -391,8 +402,11 @@ def _replace(tmp: Path, out: Path) -> None:
     shutil.rmtree(trash)
 
 
-def make_model(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
-    """Build preset `name` into out_dir (HF format) unless a complete build is already there.
+def make_model(
+    name: str, out_dir: str | Path, *, force: bool = False, quant: QuantOptions | None = None
+) -> Path:
+    """Build preset `name` into out_dir (HF format) unless a complete build is already there; with
+    quant, its weights quantized as DeepSeek's checkpoints are (modelkit/quantize.py).
 
     The build goes into a temporary folder beside out_dir that is renamed at the end, so out_dir is
     never seen half-written. force=True rebuilds even over a complete build.
@@ -400,7 +414,7 @@ def make_model(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
     if name not in PRESETS:
         raise ValueError(f"name={name!r} is not a preset; choose one of {sorted(PRESETS)}")
     out = Path(out_dir).absolute()
-    if not force and is_complete(out, name):
+    if not force and is_complete(out, name, quant):
         logger.info("reusing %s model at %s", name, out)
         return out
     _check_replaceable(out)  # fail before spending seconds on a build we could not install
@@ -408,12 +422,12 @@ def make_model(name: str, out_dir: str | Path, *, force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     start = time.perf_counter()
     try:
-        _build(name, tmp)
+        _build(name, tmp, quant)
         try:
             _replace(tmp, out)
         except OSError:
             # Another process may have finished the same build between our check and our rename.
-            if not is_complete(out, name):
+            if not is_complete(out, name, quant):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename

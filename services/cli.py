@@ -115,10 +115,27 @@ def _pick(args: argparse.Namespace, flags: dict[str, dict]) -> dict:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     from modelkit.make_model import make_model
+    from modelkit.quantize import QuantOptions
 
     start = time.perf_counter()
-    path = make_model(args.name, args.out, force=args.force)
+    path = make_model(args.name, args.out, force=args.force, quant=QuantOptions() if args.fp8 else None)
     print(f"{args.name}: {path} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from modelkit.quantize import QuantOptions, quantize_folder
+
+    opts = QuantOptions(
+        block=args.block,
+        ue8m0=args.ue8m0,
+        scale_dtype=args.scale_dtype or ("e8m0" if args.names == "deepseek" and args.ue8m0 else "f32"),
+        experts_fp4=args.experts == "fp4",
+        names=args.names,
+    )
+    start = time.perf_counter()
+    path = quantize_folder(args.model, args.out, opts, shard_bytes=int(args.shard_gb * 1e9))
+    print(f"{path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -505,7 +522,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=["tiny", "tiny-mtp", "bench"])
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    p.add_argument(
+        "--fp8", action="store_true", help="its weights as DeepSeek's FP8 checkpoints store them (128 x 128)"
+    )
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser(
+        "quantize",
+        help="write a bf16/fp32 model folder in DeepSeek's quantized format (FP8 block scales, MXFP4 experts)",
+    )
+    p.add_argument("model", help="the HF-format folder to read")
+    p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    p.add_argument(
+        "--block", type=int, choices=[128, 32], default=128, help="FP8 block edge (V3: 128, V4.1: 32)"
+    )
+    p.add_argument("--ue8m0", action="store_true", help="scales rounded up to powers of two (V3.1 and later)")
+    p.add_argument(
+        "--scale-dtype",
+        choices=["f32", "e8m0"],
+        help="how scales are stored (default: e8m0 bytes for --ue8m0 with DeepSeek's names, else float32)",
+    )
+    p.add_argument(
+        "--experts", choices=["fp8", "fp4"], default="fp8", help="routed experts' format (fp4: MXFP4, V4's)"
+    )
+    p.add_argument(
+        "--names",
+        choices=["hf", "deepseek"],
+        default="hf",
+        help="tensor names: HF's or DeepSeek's own (V4's)",
+    )
+    p.add_argument("--shard-gb", type=float, default=4.0, help="largest output shard, GB")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("train-tiny", help="train the small DeepSeek-V3 + MTP model on the stdlib docs (CPU)")
     from modelkit.training import add_arguments  # flags only: the trainer (torch) loads on use

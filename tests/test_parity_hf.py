@@ -78,6 +78,12 @@ def _first_divergence(got: list[int], want: list[int]) -> int:
 @pytest.mark.parametrize("block_size", [4, 16], ids=lambda b: f"bs{b}")
 def test_logits_parity(case: tuple[Path, list[Reference]], block_size: int) -> None:
     model_dir, refs = case
+    assert_parity(model_dir, refs, block_size)
+
+
+def assert_parity(model_dir: Path, refs: list[Reference], block_size: int) -> None:
+    """The engine in float32 on model_dir against the references: greedy tokens exactly, every logprob
+    it returns (generated and prompt) within ATOL, the reference's top-N."""
     llm = LLM(model=str(model_dir), dtype="float32", block_size=block_size)
     params = SamplingParams(
         temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=TOP_N, prompt_logprobs=TOP_N

@@ -19,6 +19,7 @@ from engine.models.mla import MLAttention
 from engine.models.moe import DeepseekMoE
 from engine.models.mtp import make_mtp_layer
 from engine.models.registry import register_model
+from engine.quant import QuantSpec
 from engine.sampler import argmax
 from kernels import native
 from kernels.linear import FEW_ROWS, linear
@@ -34,7 +35,7 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             DeepseekMoE(cfg, dtype=dtype, layer_idx=layer_idx, ep=ep)
             if cfg.is_moe_layer(layer_idx)
-            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, quant=QuantSpec.of(cfg.quant))
         )
 
     def forward(

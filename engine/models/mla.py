@@ -20,6 +20,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.models.layers import Linear, RMSNorm
+from engine.quant import QuantSpec
 from kernels import native
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
@@ -38,19 +39,21 @@ class MLAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.interleaved = cfg.rope_interleave
         hidden, heads, qk_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        q = QuantSpec.of(cfg.quant)  # every projection, as DeepSeek's FP8 checkpoints store them
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_dim, dtype=dtype)
+            self.q_proj = Linear(hidden, heads * qk_dim, dtype=dtype, quant=q)
         else:
-            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype, quant=q)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim, dtype=dtype, quant=q)
         self.q_lora = cfg.q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(
-            hidden, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias, dtype=dtype
+            hidden, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias, dtype=dtype, quant=q
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype=dtype)
-        self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype=dtype, quant=q)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype, quant=q)
+        self.dtype = dtype
         self.w_uk: torch.Tensor | None = None  # [H, nope, L], set by process_weights
         self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
         self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native few-token products
@@ -61,8 +64,13 @@ class MLAttention(nn.Module):
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
     ) -> None:
         """Split kv_b_proj into the absorbed-form matrices once the weights are loaded. place(t):
-        a contiguous copy of t where the derived matrices should live (the model's arena)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        a contiguous copy of t where the derived matrices should live (the model's arena). A
+        quantized kv_b_proj is dequantized for them once, here (as vLLM does: the absorbed
+        products take it per head); the prefill's up-projection keeps reading it quantized."""
+        weight = self.kv_b_proj.weight
+        if self.kv_b_proj.quant is not None:
+            weight = place(self.kv_b_proj.dense(self.dtype))
+        w = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = place(w[:, : self.nope_dim])
         self.w_uv_t = place(w[:, self.nope_dim :].transpose(1, 2))
         if native.loaded() and native.takes(w):  # one decode token: per-head products as GEMVs

@@ -9,10 +9,12 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import GatedMLP, _param
+from engine.quant import QuantSpec
 from kernels import native
 from kernels.gate import grouped_topk
 from kernels.mla import NATIVE_MAX_BATCH
 from kernels.moe import fused_moe
+from kernels.quant import QuantWeight
 
 if TYPE_CHECKING:
     from engine.parallel.ep_moe import ExpertParallel
@@ -31,10 +33,36 @@ class MoEGate(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int, *, dtype: torch.dtype):
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, *, dtype: torch.dtype, quant: QuantSpec | None = None
+    ):
+        """quant: the weights kept as the checkpoint stores them (w13 / w2 their data, w13_scale /
+        w2_scale their scales); None: plain in dtype."""
         super().__init__()
-        self.w13 = _param(num_experts, 2 * inter, hidden, dtype=dtype)  # gate rows, then up rows
-        self.w2 = _param(num_experts, hidden, inter, dtype=dtype)
+        self.quant = quant
+        if quant is None:
+            self.w13 = _param(num_experts, 2 * inter, hidden, dtype=dtype)  # gate rows, then up rows
+            self.w2 = _param(num_experts, hidden, inter, dtype=dtype)
+            return
+        (rows13, cols13), (_, scales13) = quant.shapes(2 * inter, hidden)
+        (rows2, cols2), (_, scales2) = quant.shapes(hidden, inter)
+        self.w13 = _param(num_experts, rows13, cols13, dtype=quant.data_dtype)
+        self.w13_scale = _param(num_experts, rows13, scales13, dtype=quant.scale_dtype)
+        self.w2 = _param(num_experts, rows2, cols2, dtype=quant.data_dtype)
+        self.w2_scale = _param(num_experts, rows2, scales2, dtype=quant.scale_dtype)
+
+    def slot_params(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor with one entry per expert slot (EPLB moves an expert's entries together:
+        its weights and, when quantized, their scales)."""
+        if self.quant is None:
+            return self.w13, self.w2
+        return self.w13, self.w13_scale, self.w2, self.w2_scale
+
+    def weights(self) -> tuple[torch.Tensor | QuantWeight, torch.Tensor | QuantWeight]:
+        """(w13, w2) as the kernels take them: the tensors, or QuantWeights over data and scales."""
+        if self.quant is None:
+            return self.w13, self.w2
+        return self.quant.weight(self.w13, self.w13_scale), self.quant.weight(self.w2, self.w2_scale)
 
 
 class DeepseekMoE(nn.Module):
@@ -49,9 +77,20 @@ class DeepseekMoE(nn.Module):
         self.ep = ep
         self.gate = MoEGate(cfg)
         num_local = ep.slots_per_rank if ep is not None else cfg.n_routed_experts
-        self.experts = FusedExperts(num_local, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype)
+        self.experts = FusedExperts(
+            num_local,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype=dtype,
+            quant=QuantSpec.of(cfg.quant, experts=True),
+        )
         self.shared_experts = (
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype=dtype)
+            GatedMLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                dtype=dtype,
+                quant=QuantSpec.of(cfg.quant),
+            )
             if cfg.n_shared_experts
             else None
         )
@@ -68,6 +107,8 @@ class DeepseekMoE(nn.Module):
         shared = self.shared_experts
         shared_weights = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
         experts = (self.experts.w13, self.experts.w2, *(shared_weights or ()))
+        if self.experts.quant is not None or (shared is not None and shared.gate_up_proj.quant is not None):
+            return  # the one-call kernel takes bf16 weights
         if self.ep is not None or not (native.loaded() and native.takes(*experts)):
             return
         if not all(t.is_contiguous() for t in (self.gate.weight, *experts)):
@@ -103,16 +144,15 @@ class DeepseekMoE(nn.Module):
             scoring=cfg.scoring_func,
         )
         shared = self.shared_experts
+        w13, w2 = self.experts.weights()
         if self.ep is not None:
-            out = self.ep.forward(
-                self.layer_idx, x, topk_weights, topk_ids, self.experts.w13, self.experts.w2
-            )
+            out = self.ep.forward(self.layer_idx, x, topk_weights, topk_ids, w13, w2)
             return out if shared is None else out + shared(x)
         return fused_moe(
             x,
-            self.experts.w13,
-            self.experts.w2,
+            w13,
+            w2,
             topk_weights,
             topk_ids,
-            shared=None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight),
+            shared=None if shared is None else (shared.gate_up_proj.w, shared.down_proj.w),
         )

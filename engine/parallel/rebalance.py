@@ -114,8 +114,9 @@ class Rebalancer:
         if it has one, else from the lowest-numbered rank that held it."""
         rank, size, slots = self.ep.group.rank, self.ep.group.size, old.slots_per_rank
         for moe, experts in self._moe_modules():
-            params = (experts.w13, experts.w2)
-            before = [p.detach().clone() for p in params]  # sources stay intact while slots change
+            # Bytes: float8 weights (and e8m0 scales) travel as what they are; gloo has no float8.
+            params = tuple(p.detach().view(torch.uint8) for p in experts.slot_params())
+            before = [p.clone() for p in params]  # sources stay intact while slots change
             ops, received = [], []
             old_row, new_row = old.phy2log[moe].tolist(), new.phy2log[moe].tolist()
             for dst in range(size):
@@ -133,7 +134,7 @@ class Rebalancer:
                     q = old_row.index(expert)  # it has at least one replica somewhere
                     src_rank = q // slots
                     for k, (param, src) in enumerate(zip(params, before, strict=True)):
-                        tag = ((moe * size + dst) * slots + s) * 2 + k
+                        tag = ((moe * size + dst) * slots + s) * len(params) + k
                         if rank == src_rank:
                             ops.append(
                                 dist.P2POp(dist.isend, src[q - src_rank * slots].contiguous(), dst, tag=tag)
