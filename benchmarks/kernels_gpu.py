@@ -7,8 +7,9 @@ One prepared run for a lent H200 (a few minutes, no autotuning):
 2. timings with triton.testing.do_bench (median, L2 flushed between runs):
    mla_decode at B in {1, 8, 64, 256}, context 4096, H in {16, 128}, L+R = 512+64, block 64,
    in ms and GB/s against HBM; fused_moe with DeepSeek-V3's experts (H 7168, I 2048, 256
-   experts, top 8) in TFLOP/s against the bf16 peak; extend_attention at n = ctx = 4096; each
-   beside the PyTorch path's time;
+   experts, top 8) in TFLOP/s against the bf16 peak; extend_attention at n = ctx = 4096; the
+   block-FP8 GEMM (w8a8) at V3's o_proj shape and the fused MoE with FP8 and MXFP4 experts at V3's
+   expert shape; each beside the PyTorch path's (or the bf16 kernel's) time;
 3. everything (hardware, date, git revision, per-case max error and verdict, timings) to
    benchmarks/results/kernels_gpu_<hardware>_<date>.json (or --out), and a compact table.
 
@@ -61,8 +62,9 @@ from kernels.gate import grouped_topk  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.mla import BLOCK_M as MLA_BLOCK_M  # noqa: E402
 from kernels.mla import default_num_splits, mla_decode, mla_decode_ref  # noqa: E402
-from kernels.moe import fused_moe, fused_moe_ref  # noqa: E402
+from kernels.moe import fused_moe, fused_moe_quant_ref, fused_moe_quant_triton, fused_moe_ref  # noqa: E402
 from kernels.norm import rms_norm  # noqa: E402
+from kernels.quant import QuantWeight, act_quant, act_quant_ref, w8a8_linear, w8a8_linear_ref  # noqa: E402
 from kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
 NAME = "kernels_gpu"
@@ -492,6 +494,104 @@ def bench_moe(run: Run, s: Shapes) -> None:
     run.free()
 
 
+def quant_experts(run: Run, s: Shapes, fmt: str, seed: int) -> tuple[QuantWeight, QuantWeight]:
+    """V3's routed experts kept as released: FP8 e4m3 with a float32 scale per row per 128 of K
+    (values drawn in range, scales ~1/sqrt(K)), or MXFP4 bytes with e8m0 scales per 32."""
+    g = run.gen(seed)
+
+    def one(n: int, k: int) -> QuantWeight:
+        if fmt == "fp8":  # an expert at a time: V3's float32 draws whole would take 30 GB
+            data = torch.empty(s.experts, n, k, dtype=torch.float8_e4m3fn, device=run.device)
+            for e in range(s.experts):
+                data[e] = run.randn(n, k, g=g, std=64.0, dtype=torch.float32).clamp(-448, 448)
+            scale = torch.full((s.experts, n, -(-k // 128)), k**-0.5 / 64, device=run.device)
+            return QuantWeight("fp8", data, scale, 128)
+        data = torch.randint(
+            0, 256, (s.experts, n, k // 2), generator=g, device=run.device, dtype=torch.uint8
+        )
+        scale = torch.full((s.experts, n, k // 32), 127 - max(1, round(math.log2(k) / 2)), device=run.device)
+        return QuantWeight("mxfp4", data, scale.to(torch.uint8), 32)
+
+    return one(2 * s.inter, s.hidden), one(s.hidden, s.inter)
+
+
+def bench_quant(run: Run, s: Shapes) -> None:
+    """The kernels for checkpoints kept quantized: activation quantization, the block-FP8 GEMM
+    (w8a8) at V3's o_proj shape, the fused MoE with FP8 and MXFP4 experts; timed beside bf16."""
+    g = run.gen(11)
+    for rows in (3, 33):
+
+        def compute_act(rows=rows) -> list[Cmp]:
+            x = run.randn(rows, s.hidden, g=g)
+            q, scale = act_quant(x, 128, impl="triton")
+            q_ref, scale_ref = act_quant_ref(x, 128)
+            return [close("q", q.float(), q_ref.float(), **EXACT), close("scale", scale, scale_ref, **EXACT)]
+
+        run.check("act_quant", f"M{rows}-K{s.hidden}", compute_act)
+    _bench_w8a8(run, s, g)
+    run.free()
+    bf16 = moe_weights(run, s, seed=3)
+    for fmt in ("fp8", "mxfp4"):
+        _bench_quant_moe(run, s, fmt, bf16)
+        run.free()
+
+
+def _bench_w8a8(run: Run, s: Shapes, g: torch.Generator) -> None:
+    k = 2 * s.inter
+    data = run.randn(s.hidden, k, g=g, std=64.0, dtype=torch.float32).clamp(-448, 448)
+    scale = torch.full((s.hidden, -(-k // 128)), k**-0.5 / 64, device=run.device)
+    w = QuantWeight("fp8", data.to(torch.float8_e4m3fn), scale, 128)
+    dense = w.dequantize(run.dtype)
+    for rows in (1, 77):
+
+        def compute(rows=rows) -> list[Cmp]:
+            x = run.randn(rows, k, g=g)
+            return [close("y", w8a8_linear(x, w, impl="triton"), w8a8_linear_ref(x, w), **BF16_TOL)]
+
+        run.check("w8a8_linear", f"M{rows}-N{s.hidden}-K{k}", compute)
+    for tokens in s.moe_tokens:
+        x = run.randn(tokens, k, g=g)
+        run.time(
+            "w8a8_linear",
+            f"M{tokens}-N{s.hidden}-K{k}",
+            {"tokens": tokens},
+            lambda x=x: w8a8_linear(x, w, impl="triton"),
+            {"bf16 torch": lambda x=x: torch.nn.functional.linear(x, dense)},
+            bytes_=w.nbytes + 2 * x.numel() * x.element_size(),
+            flops=2 * tokens * s.hidden * k,
+        )
+
+
+def _bench_quant_moe(run: Run, s: Shapes, fmt: str, bf16: tuple[torch.Tensor, torch.Tensor]) -> None:
+    w13, w2 = quant_experts(run, s, fmt, seed=4)
+    for tokens, off_rank in s.moe_checks:
+
+        def compute(tokens=tokens, off_rank=off_rank) -> list[Cmp]:
+            x, weights, ids = moe_routing(run, s, tokens, off_rank, seed=tokens)
+            out = fused_moe_quant_triton(x, w13, w2, weights, ids)
+            ref = fused_moe_quant_ref(x, w13, w2, weights, ids)
+            # A bf16 rounding of gate_up that differs moves the activations' quantization and
+            # everything after it: the tolerance scales with the output (float32: ~1e-6).
+            return [close("out", out, ref, atol=0.03 * ref.abs().max().item(), rtol=0.02)]
+
+        if tokens <= 64 or not run.smoke:  # the reference loops over pairs in Python
+            run.check(f"fused_moe_{fmt}", f"M{tokens}-E{s.experts}-K{s.top_k}", compute)
+    expert_bytes = (w13.nbytes + w2.nbytes) / s.experts
+    for tokens in s.moe_tokens:
+        x, weights, ids = moe_routing(run, s, tokens, 0.0, seed=tokens)
+        args = (x, weights, ids)
+        touched = int(ids.unique().numel())
+        run.time(
+            f"fused_moe_{fmt}",
+            f"M{tokens}-H{s.hidden}-I{s.inter}",
+            {"tokens": tokens, "experts_touched": touched, "top_k": s.top_k},
+            lambda args=args: fused_moe_quant_triton(args[0], w13, w2, *args[1:]),
+            {"bf16 triton": lambda args=args: fused_moe(args[0], *bf16, *args[1:], impl="triton")},
+            bytes_=touched * expert_bytes + 2 * x.numel() * x.element_size(),
+            flops=2 * tokens * s.top_k * 3 * s.hidden * s.inter,
+        )
+
+
 def bench_attention(run: Run, s: Shapes) -> None:
     for n, ctx, heads, d_qk, d_v in s.ext_checks:
 
@@ -636,6 +736,7 @@ FAMILIES = (
     ("moe", bench_moe),
     ("attention", bench_attention),
     ("small", check_small),
+    ("quant", bench_quant),
 )
 
 

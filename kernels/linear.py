@@ -40,6 +40,8 @@ def linear(
     """x [M, K], weight [N, K] (or kept quantized: kernels/quant.py), bias [N] | None -> [M, N]
     (contiguous), any device."""
     if isinstance(weight, QuantWeight):
+        if x.dim() == 2 and (y := native.few_rows_quant_linear(x, weight)) is not None:
+            return y if bias is None else y.add_(bias)
         return quant.linear(x, weight, bias)
     if x.dim() == 2 and (y := native.few_rows_linear(x, weight)) is not None:
         return y if bias is None else y.add_(bias)

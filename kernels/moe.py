@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, quant
 from kernels.dispatch import cdiv, resolve_impl
 from kernels.linear import FEW_ROWS, linear
 from kernels.quant import QuantWeight
@@ -201,11 +201,87 @@ def fused_moe(
     to the output (in the same native call as the routed experts where those run natively).
     Quantized experts (kernels/quant.py QuantWeight) take their own path."""
     if isinstance(w13, QuantWeight):
-        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids, shared)
+        return fused_moe_quant(x, w13, w2, topk_weights, topk_ids, shared, impl)
     if resolve_impl(impl, x, has_triton=True) == "triton":
         out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
         return out if shared is None else out + swiglu(x, *shared)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, shared)
+
+
+def _quant_products(a, w, c, topk_weights, sorted_ids, expert_ids, num_post, top_k, mul_weight, block_m):
+    """c[p] = (w[p] *) a[p // top_k] @ w[expert of p]^T with w kept quantized: FP8 with a quantized
+    per row per block of K (act_quant), MXFP4 with a as it is."""
+    from kernels.jit import moe as jit
+
+    fp8 = w.fmt == "fp8"
+    if fp8:
+        a_q, a_scale = quant.act_quant(a, w.block_k, impl="triton")
+    else:
+        a_q, a_scale = a.contiguous(), a.new_empty(0, 0, dtype=torch.float32)
+    n, k = w.shape[1], w.shape[2]
+    grid = (cdiv(sorted_ids.numel(), block_m), cdiv(n, 32))
+    jit.fused_moe_quant_kernel[grid](
+        a_q, a_scale, w.data, w.scale, c, topk_weights, sorted_ids, expert_ids, num_post, n, k, c.shape[0],
+        a_q.stride(0), a_scale.stride(0) if fp8 else 0, w.data.stride(0), w.data.stride(1), w.scale.stride(0),
+        w.scale.stride(1), c.stride(0), TOP_K=top_k, MUL_ROUTED_WEIGHT=mul_weight, MXFP4=not fp8,
+        WIDEN=not a.is_cuda, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=w.block_k,
+    )  # fmt: skip
+
+
+def fused_moe_quant_triton(
+    x: torch.Tensor, w13: QuantWeight, w2: QuantWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """fused_moe_triton with the experts kept quantized (kernels/jit/moe.py fused_moe_quant_kernel):
+    FP8 experts as w8a8 block products (x, then the activations, quantized per token per block of
+    K), MXFP4 experts weight-only. fused_moe_quant_ref's arithmetic."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if w13.shape != (num_experts, 2 * inter, hidden) or w2.shape[1] != hidden or w13.fmt != w2.fmt:
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E, 2I, H={hidden}] and [E, H, I]"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={num_tokens}, K]")
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    block_m = moe_block_sizes(num_tokens, num_experts)[0]
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, num_experts)
+    topk_weights = topk_weights.contiguous()
+    gate_up = x.new_empty(num_tokens * top_k, 2 * inter)
+    out_k = x.new_zeros(num_tokens, top_k, hidden)
+    _quant_products(
+        x.contiguous(), w13, gate_up, topk_weights, sorted_ids, expert_ids, num_post, top_k, False, block_m
+    )
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    out_rows = out_k.view(num_tokens * top_k, hidden)
+    _quant_products(act, w2, out_rows, topk_weights, sorted_ids, expert_ids, num_post, 1, True, block_m)
+    return out_k.sum(dim=1)
+
+
+def _quant_product_ref(a: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """a @ w^T in float32 as the Triton path computes it: FP8 w8a8, MXFP4 weight-only."""
+    if w.fmt == "fp8":
+        return quant.w8a8_linear_ref(a.float(), w)
+    return F.linear(a.float(), w.dequantize(torch.float32))
+
+
+def fused_moe_quant_ref(
+    x: torch.Tensor, w13: QuantWeight, w2: QuantWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """fused_moe_quant_triton's arithmetic in torch, pair by pair: gate_up and the activations in
+    x's dtype, each pair's weighted row in x's dtype, summed over k in float32."""
+    num_tokens, top_k = topk_ids.shape
+    inter = w2.shape[-1]
+    out_k = torch.zeros(num_tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for t in range(num_tokens):
+        for j, e in enumerate(topk_ids[t].tolist()):
+            if e < 0:
+                continue
+            gate_up = _quant_product_ref(x[t : t + 1], w13[e]).to(x.dtype)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out_k[t, j] = (_quant_product_ref(act, w2[e])[0] * topk_weights[t, j].float()).to(x.dtype)
+    return out_k.sum(dim=1)
 
 
 def fused_moe_quant(
@@ -215,9 +291,26 @@ def fused_moe_quant(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     shared: tuple[QuantWeight, QuantWeight] | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """fused_moe with quantized weights (kernels/quant.py), the torch path: each expert a token
-    routes to widened once for its tokens, the products in float32 for the weighted sum."""
+    """fused_moe with quantized weights (kernels/quant.py). A few tokens' (as many pairs per expert
+    as `native_pairs_per_expert`, any number in a batch-invariant step) run in the native kernel
+    where it takes them, each weight widened as it is read, with the bf16 loop's roundings
+    (_fused_moe_few's). Otherwise torch: each expert a token routes to widened once for its
+    tokens, the products in float32 for the weighted sum. On a GPU: fused_moe_quant_triton."""
+    if resolve_impl(impl, x, has_triton=True) == "triton":
+        out = fused_moe_quant_triton(x, w13, w2, topk_weights, topk_ids)
+        return out if shared is None else out + swiglu(x, *shared)
+    num_experts = w13.shape[0]
+    if (
+        native.loaded()
+        and native.takes(x)
+        and all(native.takes_weight(w) for w in (w13, w2, *(shared or ())))
+        and topk_ids.numel() <= native_pairs_per_expert() * num_experts
+    ):
+        out = torch.zeros_like(x)
+        native.moe_topk(x, w13, w2, out, topk_ids.long(), topk_weights.float(), shared)
+        return out
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     flat = topk_ids.reshape(-1)
     for e in torch.unique(flat[flat >= 0]).tolist():

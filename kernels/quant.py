@@ -6,9 +6,11 @@ A `QuantWeight` is a weight's stored values and scales, [..., N, K] as the produ
 - "mxfp4": two e2m1 values a byte [..., N, K / 2], the even column in the low nibble, and an e8m0
   scale (2^(b - 127)) per row per 32 of K.
 
-`dequantize` is the reference every kernel is held to; `linear` here is the torch path (a weight
-widened per call; kernels/moe.py's `fused_moe_quant` the experts'), for devices and batches no native
-or Triton kernel takes.
+`dequantize` is the reference every kernel is held to. `linear` takes an FP8 weight on a GPU
+through Triton's block-FP8 GEMM (`w8a8_linear`: the activations quantized per token per block of
+K, as DeepSeek's inference and vLLM's Triton path run it; `act_quant`), elsewhere widens the
+weight per call in torch (kernels/moe.py's `fused_moe_quant` the experts'), for the devices and
+batches the native kernels do not take.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import cdiv, next_power_of_2, resolve_impl
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """An e2m1 nibble's magnitude by its low three bits; bit 3 is the sign."""
@@ -89,6 +93,90 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((_E2M1[low], _E2M1[high]), dim=-1).flatten(-2)
 
 
-def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w^T -> [M, N]: the weight widened to x's dtype (float32 scales applied in float32)."""
+def linear(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """x [M, K] @ w^T -> [M, N]: an FP8 weight through `w8a8_linear` where Triton runs (a GPU),
+    else the weight widened to x's dtype (float32 scales applied in float32)."""
+    if w.fmt == "fp8" and resolve_impl(impl, x, has_triton=True) == "triton":
+        return w8a8_linear(x, w, bias, impl="triton")
     return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+E4M3_MAX = 448.0
+
+
+def act_quant_ref(x: torch.Tensor, group: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]): per row and group of K,
+    scale = max(amax, 1e-10) / 448 (with ue8m0 rounded up to a power of two), values x / scale
+    rounded to e4m3 (DeepSeek's act_quant, vLLM's per_token_group_quant_fp8)."""
+    m, k = x.shape
+    groups = cdiv(k, group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp_min(1e-10) / E4M3_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (padded / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, groups * group)[:, :k].contiguous(), scale
+
+
+def act_quant(
+    x: torch.Tensor, group: int, ue8m0: bool = False, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant_ref's values; through Triton on a GPU (one program per row and group)."""
+    if resolve_impl(impl, x, has_triton=True) == "torch":
+        return act_quant_ref(x, group, ue8m0)
+    from kernels.jit import quant as jit
+
+    if x.dim() != 2 or x.stride(1) != 1 or group != next_power_of_2(group):
+        raise ValueError(f"x must be [M, K] with unit stride along K and group a power of two, got {group}")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, cdiv(k, group), dtype=torch.float32, device=x.device)
+    if m and k:
+        jit.act_quant_kernel[(m, scale.shape[1])](
+            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=group, UE8M0=ue8m0
+        )
+    return q, scale
+
+
+def w8a8_linear_ref(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w^T with x quantized as act_quant_ref (groups of w.block_k) -> [M, N] in x's
+    dtype: both widened in float32, the product in float32."""
+    q, scale = act_quant_ref(x, w.block_k)
+    k = x.shape[1]
+    xd = q.float() * scale.repeat_interleave(w.block_k, dim=1)[:, :k]
+    return F.linear(xd, w.dequantize(torch.float32), None if bias is None else bias.float()).to(x.dtype)
+
+
+def w8a8_linear(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """w8a8_linear_ref's product through Triton's block-FP8 GEMM on a GPU: x quantized per row
+    per block of K (act_quant), each K block's e4m3 product scaled by the row's and the weight
+    row's scales into float32 sums."""
+    if w.fmt != "fp8" or w.data.dim() != 2:
+        raise ValueError(f"w8a8_linear takes an FP8 weight [N, K], got {w.fmt} {tuple(w.shape)}")
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [M, K={w.shape[1]}], got {tuple(x.shape)}")
+    if resolve_impl(impl, x, has_triton=True) == "torch":
+        return w8a8_linear_ref(x, w, bias)
+    from kernels.jit import quant as jit
+
+    if w.block_k != next_power_of_2(w.block_k) or w.block_k < 16 or w.data.stride(1) != 1:
+        raise ValueError(
+            f"the Triton GEMM takes power-of-two blocks of at least 16 along unit-stride K, got {w.block_k}"
+        )
+    x = x.contiguous()
+    q, scale = act_quant(x, w.block_k, impl="triton")
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        block_m = min(64, max(16, next_power_of_2(m)))
+        grid = (cdiv(m, block_m), cdiv(n, 64))
+        jit.w8a8_block_gemm_kernel[grid](
+            q, scale, w.data, w.scale, y, m, n, k, q.stride(0), scale.stride(0), w.data.stride(0),
+            w.scale.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=w.block_k,
+            WIDEN=not x.is_cuda,
+        )  # fmt: skip
+    return y if bias is None else y + bias

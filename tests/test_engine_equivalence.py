@@ -215,3 +215,24 @@ def test_batch_invariant_keeps_a_requests_bits_whatever_its_batch():
     assert not native.batch_invariant()  # the default engine's step turned it off again
     with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels.*float32 on cpu"):
         LLM(TRAINED, dtype="float32", batch_invariant=True, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("experts", ["fp8", "fp4"])
+def test_batch_invariant_holds_with_weights_kept_quantized(tmp_path, experts):
+    """The same with the tiny model as DeepSeek releases its checkpoints (FP8 128 x 128 block
+    scales; MXFP4 routed experts): every product and MoE widens the stored weights in the native
+    kernels, so a request's bits are the same alone and among others."""
+    from engine.platform import use_native_kernels
+    from modelkit.quantize import QuantOptions, quantize_folder
+
+    folder = quantize_folder(TRAINED, tmp_path / "q", QuantOptions(experts_fp4=experts == "fp4"))
+    kw = dict(dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256)
+    if not use_native_kernels(torch.bfloat16, torch.device("cpu")):  # off, or not on this CPU
+        with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels"):
+            LLM(str(folder), batch_invariant=True, **kw)
+        return
+    llm = LLM(str(folder), batch_invariant=True, **kw)
+    model = llm.engine.runner.model
+    assert model.native_stack is not None  # decode steps in one native call, weights quantized
+    alone, among = _alone_and_among_others(llm, seed=2)
+    assert alone == among

@@ -21,8 +21,12 @@ KERNELS = {
     "rms_norm",
     "apply_rotary",
     "store_kv",
+    "act_quant",
+    "w8a8_linear",
+    "fused_moe_fp8",
+    "fused_moe_mxfp4",
 }
-TIMED = {"mla_decode", "fused_moe", "extend_attention"}
+TIMED = {"mla_decode", "fused_moe", "extend_attention", "w8a8_linear", "fused_moe_fp8", "fused_moe_mxfp4"}
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:

@@ -182,13 +182,14 @@ def test_edited_sources_compile_once_at_first_use_and_say_so(tmp_path, monkeypat
 @pytest.mark.parametrize(
     "flags, want",
     [
-        ({"avx2", "fma"}, "avx2"),
-        ({"avx2", "fma", *build.AVX512_FLAGS}, "avx512"),
-        ({"avx2", "fma", *build.AVX512_FLAGS, "avx512_bf16", "amx_tile", "amx_bf16"}, "avx512_bf16"),
-        ({"avx2", "fma", "avx512f"}, "avx2"),  # AVX512F alone lacks the 16-bit masked loads
+        ({"avx2", "fma", "f16c"}, "avx2"),
+        ({"avx2", "fma"}, None),  # no F16C: none (every AVX2 CPU has it)
+        ({"avx2", "fma", "f16c", *build.AVX512_FLAGS}, "avx512"),
+        ({"avx2", "fma", "f16c", *build.AVX512_FLAGS, "avx512_bf16", "amx_tile", "amx_bf16"}, "avx512_bf16"),
+        ({"avx2", "fma", "f16c", "avx512f"}, "avx2"),  # AVX512F alone lacks the 16-bit masked loads
         ({"avx", "sse4_2"}, None),
     ],
-    ids=["avx2", "avx512", "amx", "avx512f-only", "avx"],
+    ids=["avx2", "avx2-no-f16c", "avx512", "amx", "avx512f-only", "avx"],
 )
 def test_each_cpu_takes_the_best_level_it_runs(flags, want):
     chosen = build.choose(frozenset(flags))

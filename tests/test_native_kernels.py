@@ -947,10 +947,12 @@ def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(l
     assert (got is None) == (many > native.max_rows())
 
 
-def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0):
+def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0, quant: str | None = None):
     """A three-layer model with random bf16 weights: a dense first layer, then two MoE layers; V3's
     routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without. rope 32 makes
-    the cache rows 96 wide, which the AMX tile attention takes."""
+    the cache rows 96 wide, which the AMX tile attention takes. quant "fp8": every projection kept
+    FP8 with 32 x 32 block scales (partial blocks: 80 and 48 are not multiples of 32); "mxfp4": the
+    routed experts MXFP4 besides."""
     from engine.config import ModelConfig
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 
@@ -968,6 +970,10 @@ def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0):
             architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
             topk_method="greedy", scoring_func="softmax", n_shared_experts=2, routed_scaling_factor=1.0,
         )  # fmt: skip
+    if quant is not None:
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}
+        if quant == "mxfp4":
+            raw["expert_dtype"] = "fp4"
     cfg = ModelConfig.from_dict(raw)
     model = DeepseekV2ForCausalLM(cfg, dtype=torch.bfloat16, max_positions=256, num_mtp_layers=mtp)
     gen = torch.Generator().manual_seed(seed)
@@ -975,6 +981,14 @@ def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif param.dtype == torch.float8_e4m3fn:  # values in range; their scales set the size
+                param.copy_((torch.randn(param.shape, generator=gen) * 64).clamp(-448, 448))
+            elif param.dtype == torch.uint8 and "scale" in name:  # e8m0: 2^-4 .. 2^-2
+                param.copy_(torch.randint(123, 126, param.shape, generator=gen))
+            elif param.dtype == torch.uint8:  # two e2m1 codes a byte
+                param.copy_(torch.randint(0, 256, param.shape, generator=gen))
+            elif "scale" in name:  # FP8's float32 block scales: the values' 64 undone, 1/sqrt(K)
+                param.copy_(torch.rand(param.shape, generator=gen) * 0.01 + 0.005)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
     model.process_weights()
@@ -1004,16 +1018,20 @@ def _decode_batch(seqs: int, s_q: int, block_size: int, blocks: int, vocab: int,
     )
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["v3", "v2"])
+@pytest.mark.parametrize(
+    "v2, quant", [(False, None), (True, None), (False, "fp8"), (False, "mxfp4")], ids=["v3", "v2", "fp8", "mxfp4"]
+)
 @pytest.mark.parametrize("seqs, s_q", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 3), (2, 2)], ids=str)
 @torch.inference_mode()
-def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, products, v2, seqs, s_q):
+def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, products, v2, quant, seqs, s_q):
     """native.decode_stack, a decode step's embedding, layers and final norm in one call, against the
     model's layer by layer calls: the same hidden states and the same cache rows written in every
-    layer, bit for bit, for batch 1, a few sequences and a verification's tokens."""
+    layer, bit for bit, for batch 1, a few sequences and a verification's tokens; with the weights
+    bf16 or kept quantized (FP8 projections, MXFP4 experts: the layer calls' products and experts
+    then widen them in the same kernels)."""
     from kernels.mla import NATIVE_MAX_BATCH
 
-    cfg, model = _small_model(v2, seqs * 10 + s_q)
+    cfg, model = _small_model(v2, seqs * 10 + s_q, quant=quant)
     if not loaded:
         assert model.native_stack is None
         return

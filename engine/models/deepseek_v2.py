@@ -151,8 +151,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             if isinstance(mlp, DeepseekMoE):
                 mlp_weights = mlp.native_weights
             else:
-                mlp_weights = (mlp.gate_up_proj.weight, mlp.down_proj.weight)
-                if not (native.takes(*mlp_weights) and all(w.is_contiguous() for w in mlp_weights)):
+                mlp_weights = (mlp.gate_up_proj.w, mlp.down_proj.w)
+                if not all(native.takes_weight(w) for w in mlp_weights):
                     mlp_weights = None
             if layer.self_attn.native_weights is None or mlp_weights is None:
                 return None

@@ -80,21 +80,22 @@ class MLAttention(nn.Module):
 
     def _native_weights(self) -> native.MLAWeights | None:
         """The weights of the one-call native decode (native.mla_attention), or None where it
-        cannot take them (biases, another dtype, non-contiguous rows)."""
+        cannot take them (biases, another dtype, non-contiguous rows). The projections go as they
+        are kept: bf16, or quantized (FP8, widened as they are read)."""
         q_a = self.q_a_proj if self.q_lora else None
         linears = [*([q_a] if q_a is not None else []), self.q_b_proj if self.q_lora else self.q_proj]
         linears += [self.kv_a_proj_with_mqa, self.o_proj]
         if any(m.bias is not None for m in linears):
             return None
         weights = native.MLAWeights(
-            q_a=q_a.weight if q_a is not None else None,
+            q_a=q_a.w if q_a is not None else None,
             q_a_norm=self.q_a_layernorm.weight if self.q_lora else None,
-            q_b=(self.q_b_proj if self.q_lora else self.q_proj).weight,
-            kv_a=self.kv_a_proj_with_mqa.weight,
+            q_b=(self.q_b_proj if self.q_lora else self.q_proj).w,
+            kv_a=self.kv_a_proj_with_mqa.w,
             kv_a_norm=self.kv_a_layernorm.weight,
             w_uk_t=self.w_uk_t,
             w_uv=self.w_uv,
-            o_proj=self.o_proj.weight,
+            o_proj=self.o_proj.w,
             heads=self.num_heads,
             nope_dim=self.nope_dim,
             rope_dim=self.rope_dim,
@@ -105,9 +106,13 @@ class MLAttention(nn.Module):
             scale=self.scale,
             interleaved=self.interleaved,
         )
-        tensors = [t for t in (weights.q_a, weights.q_a_norm) if t is not None]
-        tensors += [weights.q_b, weights.kv_a, weights.kv_a_norm, weights.w_uk_t, weights.o_proj]
-        if not (native.takes(*tensors, weights.w_uv) and all(t.is_contiguous() for t in tensors)):
+        projections = [t for t in (weights.q_a, weights.q_b, weights.kv_a, weights.o_proj) if t is not None]
+        tensors = [t for t in (weights.q_a_norm, weights.kv_a_norm, weights.w_uk_t) if t is not None]
+        if not (
+            native.takes(*tensors, weights.w_uv)
+            and all(t.is_contiguous() for t in tensors)
+            and all(native.takes_weight(p) for p in projections)
+        ):
             return None
         return weights
 

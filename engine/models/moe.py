@@ -103,15 +103,15 @@ class DeepseekMoE(nn.Module):
 
     def process_weights(self) -> None:
         """The one-call native MoE of a decode step's few tokens (native.moe_block), where the
-        kernels take the experts as they are and this rank holds them all."""
+        kernels take the experts as they are (bf16, or kept quantized) and this rank holds them all."""
         shared = self.shared_experts
-        shared_weights = None if shared is None else (shared.gate_up_proj.weight, shared.down_proj.weight)
-        experts = (self.experts.w13, self.experts.w2, *(shared_weights or ()))
-        if self.experts.quant is not None or (shared is not None and shared.gate_up_proj.quant is not None):
-            return  # the one-call kernel takes bf16 weights
-        if self.ep is not None or not (native.loaded() and native.takes(*experts)):
+        shared_weights = None if shared is None else (shared.gate_up_proj.w, shared.down_proj.w)
+        w13, w2 = self.experts.weights()
+        if self.ep is not None or not native.loaded():
             return
-        if not all(t.is_contiguous() for t in (self.gate.weight, *experts)):
+        if not all(native.takes_weight(w) for w in (w13, w2, *(shared_weights or ()))):
+            return
+        if not self.gate.weight.is_contiguous():
             return
         self.native_weights = native.MoEWeights(
             gate=self.gate.weight,
@@ -122,8 +122,8 @@ class DeepseekMoE(nn.Module):
             top_k=self.cfg.num_experts_per_tok,
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.cfg.routed_scaling_factor,
-            w13=self.experts.w13,
-            w2=self.experts.w2,
+            w13=w13,
+            w2=w2,
             shared=shared_weights,
         )
 

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from kernels.native import build
+from kernels.quant import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -343,6 +344,65 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
             x.data_ptr(), 0, x.stride(0), weight.data_ptr(), 0, weight.stride(0), y.data_ptr(), 0, n, 1, rows, n, k
         )  # fmt: skip
     return y
+
+
+WEIGHT_FORMATS = {"fp8": 1, "mxfp4": 2}
+"""The kernels' codes of a QuantWeight's formats (quantized.h; 0: a plain bf16 weight)."""
+
+
+def takes_weight(w: torch.Tensor | QuantWeight) -> bool:
+    """Whether the kernels take this weight as it is: a CPU bf16 tensor with unit stride along its
+    last dimension (`takes`), or a QuantWeight on the CPU, unit stride along K in its values and
+    scales, in blocks of a multiple of 32 of K (DeepSeek's 128 and 32; MXFP4's 32)."""
+    if not isinstance(w, QuantWeight):
+        return takes(w)
+    return (
+        w.data.is_cpu
+        and w.data.stride(-1) == 1
+        and w.scale.stride(-1) == 1
+        and w.block_k % 32 == 0
+        and (w.fmt == "fp8" or w.shape[-1] % 32 == 0)
+    )
+
+
+def weight_args(w: torch.Tensor | QuantWeight | None) -> tuple[int, int, int, int, int, int]:
+    """A weight [..., N, K] as the kernels take one (quantized.h QW): its data and row stride (bf16
+    values, or bytes), its scales and their row stride, block_k and format (0 for bf16); None: all
+    zeros (no weight)."""
+    if w is None:
+        return 0, 0, 0, 0, 0, 0
+    if not isinstance(w, QuantWeight):
+        return w.data_ptr(), w.stride(-2), 0, 0, 0, 0
+    return (
+        w.data.data_ptr(), w.data.stride(-2), w.scale.data_ptr(), w.scale.stride(-2), w.block_k,
+        WEIGHT_FORMATS[w.fmt],
+    )  # fmt: skip
+
+
+def few_rows_quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
+    """x [M, K] @ w^T -> [M, N] with w kept quantized (FP8 or MXFP4, widened as it is read), here
+    where `few_rows_linear` would take a bf16 weight of the same shape and `takes_weight`; None:
+    the caller takes torch's path."""
+    (rows, k), (n, k_w) = x.shape, w.shape
+    if (
+        _library is None
+        or k != k_w
+        or not (x.dtype is _BF16 and x.is_cpu and x.stride(1) == 1)
+        or not _few_enough(rows)
+        or not takes_weight(w)
+    ):
+        return None
+    y = torch.empty((rows, n), dtype=_BF16)
+    if n and rows:
+        _library.linear_q(x.data_ptr(), x.stride(0), *weight_args(w), y.data_ptr(), n, rows, n, k)
+    return y
+
+
+def use_quant_generic(on: bool) -> bool:
+    """The AVX2 build's quantized products through the AVX-512 builds' code on its emulation
+    (quantized.h qcolumns_512), for tests; -> the setting it replaces. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    return bool(_library.use_quant_generic(on))
 
 
 def exp_f32(x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ inline I16 lanes16_of(__mmask16 k) { return {lanes_of(k & 0xFF), lanes_of(k >> 8
 // ---- set, cast, load, store -----------------------------------------------------------------
 inline F16 set1_ps(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
 inline I16 set1_epi32(int32_t i) { return {_mm256_set1_epi32(i), _mm256_set1_epi32(i)}; }
+inline I16 set1_epi16(int16_t i) { return {_mm256_set1_epi16(i), _mm256_set1_epi16(i)}; }
 inline F16 setzero_ps() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline I16 set_epi32(int e15, int e14, int e13, int e12, int e11, int e10, int e9, int e8, int e7, int e6, int e5,
                      int e4, int e3, int e2, int e1, int e0) {
@@ -104,6 +105,12 @@ inline void mask_storeu_epi16_256(void* p, __mmask16 k, __m256i v) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(t), v);
   masked_copy16<16>(static_cast<uint16_t*>(p), t, k);
 }
+inline __m256i maskz_loadu_epi8_256(__mmask32 k, const void* p) {  // the first popcount(k) bytes
+  if (k == ~__mmask32(0)) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  alignas(32) uint8_t t[32] = {};
+  std::memcpy(t, p, size_t(__builtin_popcount(k)));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+}
 inline I16 maskz_loadu_epi16(__mmask32 k, const void* p) {
   if (k == ~__mmask32(0)) return loadu_si512(p);
   alignas(32) uint16_t t[32] = {};
@@ -130,6 +137,8 @@ PDSERVE_AVX2_F2(max_ps, _mm256_max_ps)
 PDSERVE_AVX2_I2(add_epi32, _mm256_add_epi32)
 PDSERVE_AVX2_I2(mullo_epi32, _mm256_mullo_epi32)
 PDSERVE_AVX2_I2(and_si512, _mm256_and_si256)
+PDSERVE_AVX2_I2(or_si512, _mm256_or_si256)
+PDSERVE_AVX2_I2(add_epi16, _mm256_add_epi16)
 PDSERVE_AVX2_I2(unpacklo_epi16, _mm256_unpacklo_epi16)
 PDSERVE_AVX2_I2(unpackhi_epi16, _mm256_unpackhi_epi16)
 #undef PDSERVE_AVX2_F2
@@ -140,6 +149,7 @@ inline F16 fmadd_ps(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c
 inline F16 fnmadd_ps(F16 a, F16 b, F16 c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
 }
+inline I16 slli_epi16(I16 a, int n) { return {_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
 inline I16 slli_epi32(I16 a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 inline I16 srli_epi32(I16 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 template <int IMM>
@@ -176,6 +186,22 @@ inline __mmask16 testn_epi32_mask(I16 a, I16 b) {
   return __mmask16(bits_of(_mm256_cmpeq_epi32(_mm256_and_si256(a.lo, b.lo), zero)) |
                    bits_of(_mm256_cmpeq_epi32(_mm256_and_si256(a.hi, b.hi), zero)) << 8);
 }
+// 16-bit lanes, a lane at a time (run here only by the generic quantized products, which tests
+// force): bit i set where a[i] & b[i] is not zero; lane i of b where bit i of k, else a's.
+inline __mmask32 test_epi16_mask(I16 a, I16 b) {
+  alignas(32) uint16_t x[32], y[32];
+  store_si512(x, a), store_si512(y, b);
+  __mmask32 k = 0;
+  for (int i = 0; i < 32; ++i) k |= __mmask32((x[i] & y[i]) != 0) << i;
+  return k;
+}
+inline I16 mask_blend_epi16(__mmask32 k, I16 a, I16 b) {
+  alignas(32) uint16_t x[32], y[32];
+  store_si512(x, a), store_si512(y, b);
+  for (int i = 0; i < 32; ++i)
+    if ((k >> i) & 1) x[i] = y[i];
+  return loadu_si512(x);
+}
 inline I16 mask_mov_epi32(I16 src, __mmask16 k, I16 a) {
   const I16 m = lanes16_of(k);
   return {_mm256_blendv_epi8(src.lo, a.lo, m.lo), _mm256_blendv_epi8(src.hi, a.hi, m.hi)};
@@ -188,6 +214,10 @@ inline I16 mask_or_epi32(I16 src, __mmask16 k, I16 a, I16 b) {
 inline I16 mask_and_epi32(I16 src, __mmask16 k, I16 a, I16 b) { return mask_mov_epi32(src, k, and_si512(a, b)); }
 
 // ---- widening, narrowing, shuffles ----------------------------------------------------------------
+inline I16 cvtepi8_epi16(__m256i b) {
+  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1))};
+}
+inline I16 cvtepu8_epi32(__m128i b) { return {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))}; }
 inline I16 cvtepu16_epi32(__m256i h) {
   return {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1))};
 }
@@ -219,9 +249,8 @@ inline F16 permutex2var_ps(F16 a, I16 idx, F16 b) {
   };
   return {half(idx.lo), half(idx.hi)};
 }
-// The next two are called only on the AMX paths: they compile here and never run (a CPU with AMX
-// has AVX-512).
-// 16-bit lane i: a[idx[i] & 31].
+// 16-bit lane i: a[idx[i] & 31]. Run here only by the tile paths' software tiles and the generic
+// quantized products (quantized.h), both forced by tests; the next, only on the tile paths.
 inline I16 permutexvar_epi16(I16 idx, I16 a) {
   alignas(32) uint16_t i[32], v[32], out[32];
   store_si512(i, idx), store_si512(v, a);
@@ -262,6 +291,15 @@ inline int32_t reduce_min_epi32(I16 a) {
 #define __m512d avx2::D8
 #define _mm512_set1_ps avx2::set1_ps
 #define _mm512_set1_epi32 avx2::set1_epi32
+#define _mm512_set1_epi16 avx2::set1_epi16
+#define _mm256_maskz_loadu_epi8 avx2::maskz_loadu_epi8_256
+#define _mm512_or_si512 avx2::or_si512
+#define _mm512_add_epi16 avx2::add_epi16
+#define _mm512_slli_epi16 avx2::slli_epi16
+#define _mm512_test_epi16_mask avx2::test_epi16_mask
+#define _mm512_mask_blend_epi16 avx2::mask_blend_epi16
+#define _mm512_cvtepi8_epi16 avx2::cvtepi8_epi16
+#define _mm512_cvtepu8_epi32 avx2::cvtepu8_epi32
 #define _mm512_setzero_ps avx2::setzero_ps
 #define _mm512_set_epi32 avx2::set_epi32
 #define _mm512_castsi512_ps avx2::castsi512_ps

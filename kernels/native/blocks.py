@@ -15,21 +15,25 @@ from dataclasses import dataclass
 import torch
 
 from kernels import native
+from kernels.quant import QuantWeight
 
 
 @dataclass(frozen=True)
 class MLAWeights:
-    """One MLA layer's decode weights as mla_attention takes them: bf16, contiguous rows, no biases.
-    Built by engine/models/mla.py once the weights are loaded."""
+    """One MLA layer's decode weights as mla_attention takes them: bf16, contiguous rows, no biases;
+    the four projections may be kept quantized (kernels/quant.py; native.takes_weight). Built by
+    engine/models/mla.py once the weights are loaded."""
 
-    q_a: torch.Tensor | None  # [q_lora, hidden], or None: q_b is then q_proj [H*(nope+R), hidden]
+    q_a: (
+        torch.Tensor | QuantWeight | None
+    )  # [q_lora, hidden], or None: q_b is then q_proj [H*(nope+R), hidden]
     q_a_norm: torch.Tensor | None  # [q_lora]
-    q_b: torch.Tensor  # [H*(nope+R), q_lora]
-    kv_a: torch.Tensor  # [L+R, hidden]
+    q_b: torch.Tensor | QuantWeight  # [H*(nope+R), q_lora]
+    kv_a: torch.Tensor | QuantWeight  # [L+R, hidden]
     kv_a_norm: torch.Tensor  # [L]
     w_uk_t: torch.Tensor  # [H, L, nope] contiguous
     w_uv: torch.Tensor  # [H, v, L], rows L apart (a view of kv_b_proj's weight)
-    o_proj: torch.Tensor  # [hidden, H*v]
+    o_proj: torch.Tensor | QuantWeight  # [hidden, H*v]
     heads: int
     nope_dim: int
     rope_dim: int
@@ -58,16 +62,49 @@ def _check_experts(x, w13, w2, out, shared) -> tuple[int, int, int, int]:
             f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] and out [T, H] must agree, got {tuple(x.shape)}, "
             f"{tuple(w13.shape)}, {tuple(w2.shape)} and {tuple(out.shape)}"
         )
-    if not native.takes(x, w13, w2, out):
-        raise ValueError("x, w13, w2 and out must be CPU bfloat16 with unit stride along the last dimension")
+    if not (native.takes(x, out) and native.takes_weight(w13) and native.takes_weight(w2)):
+        raise ValueError(
+            "x and out must be CPU bfloat16 with unit stride along the last dimension, w13 and w2 the "
+            "same or kept quantized as native.takes_weight says"
+        )
     if shared is not None:
         s13, s2 = shared
-        if s13.shape != (2 * s2.shape[-1], hidden) or s2.shape[0] != hidden or not native.takes(s13, s2):
+        if (
+            s13.shape != (2 * s2.shape[-1], hidden)
+            or s2.shape[0] != hidden
+            or not (native.takes_weight(s13) and native.takes_weight(s2))
+        ):
             raise ValueError(
                 f"the shared expert must be w13 [2Is, H={hidden}] and w2 [H, Is], CPU bfloat16 with unit "
-                f"stride along the last dimension, got {tuple(s13.shape)} and {tuple(s2.shape)}"
+                f"stride along the last dimension or kept quantized as native.takes_weight says, got "
+                f"{tuple(s13.shape)} and {tuple(s2.shape)}"
             )
     return num_tokens, hidden, num_experts, inter
+
+
+def _expert_strides(w: torch.Tensor | QuantWeight) -> tuple[int, int]:
+    """An expert stack's per-expert strides: in its data's units and in its scales'."""
+    if isinstance(w, QuantWeight):
+        return w.data.stride(0), w.scale.stride(0)
+    return w.stride(0), 0
+
+
+def _experts_args(w13, w2) -> tuple:
+    """Routed experts as the kernels take them: each stack's weight_args and per-expert strides."""
+    return native.weight_args(w13), *_expert_strides(w13), native.weight_args(w2), *_expert_strides(w2)
+
+
+def _shared_weight_args(shared) -> tuple:
+    """The shared expert as the kernels take it: (s13's, s2's weight_args, Is); zeros for none."""
+    if shared is None:
+        return native.weight_args(None), native.weight_args(None), 0
+    return native.weight_args(shared[0]), native.weight_args(shared[1]), shared[1].shape[-1]
+
+
+def _plan_weight(name: str, w: torch.Tensor | QuantWeight | None) -> dict[str, int]:
+    """A weight's LayerPlan fields (layer.h PDSERVE_WEIGHT), from its weight_args."""
+    keys = (name, f"{name}_ld", f"{name}_scale", f"{name}_lds", f"{name}_block", f"{name}_fmt")
+    return dict(zip(keys, native.weight_args(w), strict=True))
 
 
 def _shared_args(shared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int, int]:
@@ -117,16 +154,17 @@ def moe_pairs(
 
 def moe_topk(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | QuantWeight,
+    w2: torch.Tensor | QuantWeight,
     out: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: tuple[torch.Tensor | QuantWeight, torch.Tensor | QuantWeight] | None = None,
 ) -> None:
     """moe_pairs from the router's output: topk_ids [T, K] (int64, -1 for an expert on another
     rank) and topk_weights [T, K] (float32), the pairs grouped by expert in ascending order (an
-    expert's in (token, k) order), in one call without the Python lists. Requires `loaded()`."""
+    expert's in (token, k) order), in one call without the Python lists. The weights may be kept
+    quantized (FP8, MXFP4: kernels/quant.py), each widened as it is read. Requires `loaded()`."""
     assert native._library is not None, "kernels.native.load() first"
     num_tokens, hidden, num_experts, inter = _check_experts(x, w13, w2, out, shared)
     top_k = topk_ids.shape[-1]
@@ -140,13 +178,20 @@ def moe_topk(
             f"topk_ids must be int64 and topk_weights float32, got {topk_ids.dtype} and {topk_weights.dtype}"
         )
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    bad = native._library.moe_topk(
-        x.data_ptr(), x.stride(0),
-        w13.data_ptr(), w13.stride(0), w13.stride(1),
-        w2.data_ptr(), w2.stride(0), w2.stride(1),
-        out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
-        num_tokens, top_k, num_experts, hidden, inter, *_shared_args(shared),
-    )  # fmt: skip
+    if any(isinstance(w, QuantWeight) for w in (w13, w2, *(shared or ()))):
+        bad = native._library.moe_topk_q(
+            x.data_ptr(), x.stride(0), *_experts_args(w13, w2),
+            out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
+            num_tokens, top_k, num_experts, hidden, inter, *_shared_weight_args(shared),
+        )  # fmt: skip
+    else:
+        bad = native._library.moe_topk(
+            x.data_ptr(), x.stride(0),
+            w13.data_ptr(), w13.stride(0), w13.stride(1),
+            w2.data_ptr(), w2.stride(0), w2.stride(1),
+            out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
+            num_tokens, top_k, num_experts, hidden, inter, *_shared_args(shared),
+        )  # fmt: skip
     if bad:
         raise ValueError(f"{bad} expert ids lie at or past E={num_experts}")
 
@@ -224,10 +269,10 @@ def mla_attention(
     pre, pre_eps, post, post_eps = norms if norms is not None else (None, 0.0, None, 0.0)
     bad = native._library.mla_attention(
         x.data_ptr(), rows, hidden,
-        0 if w.q_a is None else w.q_a.data_ptr(), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
-        w.q_lora_rank, w.q_eps, w.q_b.data_ptr(),
-        w.kv_a.data_ptr(), w.kv_a_norm.data_ptr(), w.kv_eps,
-        w.w_uk_t.data_ptr(), w.w_uv.data_ptr(), w.w_uv.stride(0), w.o_proj.data_ptr(),
+        native.weight_args(w.q_a), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
+        w.q_lora_rank, w.q_eps, native.weight_args(w.q_b),
+        native.weight_args(w.kv_a), w.kv_a_norm.data_ptr(), w.kv_eps,
+        w.w_uk_t.data_ptr(), w.w_uv.data_ptr(), w.w_uv.stride(0), native.weight_args(w.o_proj),
         cos.data_ptr(), sin.data_ptr(), w.interleaved,
         kv_cache.data_ptr(), num_blocks, block_size,
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
@@ -290,8 +335,8 @@ def route(
 @dataclass(frozen=True)
 class MoEWeights:
     """One MoE layer as moe_block takes it: the router in float32, its routing, and the experts in
-    bf16 with unit stride along their last dimension. Built by engine/models/moe.py once the
-    weights are loaded."""
+    bf16 with unit stride along their last dimension, or kept quantized (native.takes_weight).
+    Built by engine/models/moe.py once the weights are loaded."""
 
     gate: torch.Tensor  # [E, hidden] float32
     bias: torch.Tensor | None  # [E] float32: V3's score correction, or None
@@ -301,9 +346,11 @@ class MoEWeights:
     top_k: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-    w13: torch.Tensor  # [E, 2I, hidden]
-    w2: torch.Tensor  # [E, hidden, I]
-    shared: tuple[torch.Tensor, torch.Tensor] | None  # the shared experts' w13 [2Is, hidden], w2 [hidden, Is]
+    w13: torch.Tensor | QuantWeight  # [E, 2I, hidden]
+    w2: torch.Tensor | QuantWeight  # [E, hidden, I]
+    shared: (
+        tuple[torch.Tensor | QuantWeight, torch.Tensor | QuantWeight] | None
+    )  # w13 [2Is, hidden], w2 [hidden, Is]
 
     def __post_init__(self):
         num_experts, hidden = self.gate.shape
@@ -332,9 +379,7 @@ def moe_block(x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
             x.data_ptr(), x.stride(0), num_tokens, hidden, w.gate.data_ptr(), w.gate.stride(0),
             0 if w.bias is None else w.bias.data_ptr(), num_experts, w.softmax,
             w.n_group, w.topk_group, w.top_k, w.norm_topk_prob, w.routed_scaling_factor,
-            w.w13.data_ptr(), w.w13.stride(0), w.w13.stride(1),
-            w.w2.data_ptr(), w.w2.stride(0), w.w2.stride(1),
-            out.data_ptr(), out.stride(0), inter, *_shared_args(w.shared),
+            *_experts_args(w.w13, w.w2), out.data_ptr(), out.stride(0), inter, *_shared_weight_args(w.shared),
         )  # fmt: skip
     return out
 
@@ -352,9 +397,12 @@ class StackLayer:
 
 
 _ROUTED_FIELDS = (
-    "moe gate ld_gate bias experts softmax n_group topk_group top_k norm_topk_prob w13 w13_expert ld13 w2 "
-    "w2_expert ld2 inter"
-).split()  # a LayerPlan's MoE fields, 0 in a dense layer's
+    "moe gate ld_gate bias experts softmax n_group topk_group top_k norm_topk_prob w13_expert w13_scale_expert "
+    "w2_expert w2_scale_expert inter"
+).split() + [
+    *_plan_weight("w13", None),
+    *_plan_weight("w2", None),
+]  # a LayerPlan's MoE fields, 0 in a dense layer's
 
 
 class DecodeStack:
@@ -403,10 +451,11 @@ class DecodeStack:
         if not (pre.shape == post.shape == (hidden,) and native.takes(pre, post)):
             raise ValueError(f"the norms' weights must be [hidden={hidden}] CPU bfloat16")
         fields: dict[str, int | float] = dict(
-            qa=0 if w.q_a is None else w.q_a.data_ptr(),
+            **_plan_weight("qa", w.q_a), **_plan_weight("qb", w.q_b), **_plan_weight("kva", w.kv_a),
+            **_plan_weight("o", w.o_proj),
             qa_norm=0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
-            q_lora=w.q_lora_rank, qb=w.q_b.data_ptr(), kva=w.kv_a.data_ptr(), kva_norm=w.kv_a_norm.data_ptr(),
-            wuk=w.w_uk_t.data_ptr(), wuv=w.w_uv.data_ptr(), wuv_h=w.w_uv.stride(0), o=w.o_proj.data_ptr(),
+            q_lora=w.q_lora_rank, kva_norm=w.kv_a_norm.data_ptr(),
+            wuk=w.w_uk_t.data_ptr(), wuv=w.w_uv.data_ptr(), wuv_h=w.w_uv.stride(0),
             heads=w.heads, nope=w.nope_dim, rope=w.rope_dim, latent=w.kv_lora_rank, v=w.v_dim,
             interleaved=int(w.interleaved), pre_norm=pre.data_ptr(), post_norm=post.data_ptr(),
             q_eps=w.q_eps, kv_eps=w.kv_eps, scale=w.scale, pre_eps=pre_eps, post_eps=post_eps,
@@ -420,21 +469,32 @@ class DecodeStack:
                 moe=1, gate=m.gate.data_ptr(), ld_gate=m.gate.stride(0),
                 bias=0 if m.bias is None else m.bias.data_ptr(), experts=num_experts, softmax=int(m.softmax),
                 n_group=m.n_group, topk_group=m.topk_group, top_k=m.top_k, norm_topk_prob=int(m.norm_topk_prob),
-                w13=m.w13.data_ptr(), w13_expert=m.w13.stride(0), ld13=m.w13.stride(1),
-                w2=m.w2.data_ptr(), w2_expert=m.w2.stride(0), ld2=m.w2.stride(1), inter=inter,
+                **_plan_weight("w13", m.w13), **_plan_weight("w2", m.w2), inter=inter,
             )  # fmt: skip
+            routed["w13_expert"], routed["w13_scale_expert"] = _expert_strides(m.w13)
+            routed["w2_expert"], routed["w2_scale_expert"] = _expert_strides(m.w2)
             shared, fields["routed_scaling_factor"] = m.shared, m.routed_scaling_factor
         else:
             w13, w2 = shared = layer.mlp
             inter = w2.shape[-1]
-            if w13.shape != (2 * inter, hidden) or w2.shape[0] != hidden or not native.takes(w13, w2):
+            if (
+                w13.shape != (2 * inter, hidden)
+                or w2.shape[0] != hidden
+                or not (native.takes_weight(w13) and native.takes_weight(w2))
+            ):
                 raise ValueError(
                     f"a dense MLP must be gate_up [2I, H={hidden}] and down [H, I], CPU bfloat16 with unit "
-                    f"stride along the last dimension, got {tuple(w13.shape)} and {tuple(w2.shape)}"
+                    f"stride along the last dimension or kept quantized as native.takes_weight says, got "
+                    f"{tuple(w13.shape)} and {tuple(w2.shape)}"
                 )
             fields["routed_scaling_factor"] = 0.0
-        s13, ld_s13, s2, ld_s2, shared_inter = _shared_args(shared)
-        fields.update(routed, s13=s13, ld_s13=ld_s13, s2=s2, ld_s2=ld_s2, shared_inter=shared_inter)
+        s13, s2, shared_inter = _shared_weight_args(shared)
+        fields.update(
+            routed,
+            **dict(zip(_plan_weight("s13", None), s13, strict=True)),
+            **dict(zip(_plan_weight("s2", None), s2, strict=True)),
+            shared_inter=shared_inter,
+        )
         return fields
 
     def takes_rows(self, rows: int) -> bool:

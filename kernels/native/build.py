@@ -46,6 +46,7 @@ HEADERS = tuple(
         "tiles.h",
         "products.h",
         "products_avx2.h",
+        "quantized.h",
         "experts.h",
         "attention.h",
         "layer.h",
@@ -59,7 +60,7 @@ HEADERS = tuple(
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 """/proc/cpuinfo flags the AVX-512 builds need: 512-bit float32 arithmetic and the masked 16-bit
 loads and stores (Intel from Skylake-SP, AMD from Zen 4)."""
-AVX2_FLAGS = ("avx2", "fma")
+AVX2_FLAGS = ("avx2", "fma", "f16c")
 BF16_FLAG = "avx512_bf16"
 
 
@@ -83,9 +84,9 @@ VARIANTS = {
     for v in (
         Variant(
             "avx2",
-            ("-O3", "-fopenmp", "-mavx2", "-mfma"),
+            ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
             AVX2_FLAGS,
-            "AVX2 + FMA, 512-bit vectors as register pairs (Zen 1-3, Intel client cores)",
+            "AVX2 + FMA + F16C, 512-bit vectors as register pairs (Zen 1-3, Intel client cores)",
         ),
         Variant(
             "avx512",

@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "products.h"
+#include "quantized.h"
 
 namespace {
 
@@ -42,29 +42,53 @@ inline void swiglu_act(const uint16_t* gate_up, uint16_t* act, int64_t m, int64_
 }
 
 
+// A layer's experts as the kernels take them: the routed ones' w13 [E, 2I, H] and w2 [E, H, I]
+// (expert e's at e times its strides, in data units and in scales), and the shared expert's
+// (s13 [2Is, H], s2 [H, Is]; data null when there is none), each bf16 or kept quantized.
+struct Experts {
+  QW w13, w2;
+  int64_t w13_expert = 0, w13_scale_expert = 0, w2_expert = 0, w2_scale_expert = 0, I = 0;
+  QW s13, s2;
+  int64_t Is = 0;
+
+  QW gate_up(int64_t e) const { return e < 0 ? s13 : w13.offset(e * w13_expert, e * w13_scale_expert); }
+  QW down(int64_t e) const { return e < 0 ? s2 : w2.offset(e * w2_expert, e * w2_scale_expert); }
+  int64_t inter(int64_t e) const { return e < 0 ? Is : I; }
+  bool has_shared() const { return s13.data != nullptr; }
+};
+
+// bf16 experts from their pointers and strides (the bf16 entry points' arguments).
+inline Experts bf16_experts(int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr, int64_t w2_expert,
+                            int64_t ld2, int64_t I, int64_t s13_ptr, int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2,
+                            int64_t Is) {
+  Experts x;
+  x.w13 = bf16_weight(reinterpret_cast<const void*>(w13_ptr), ld13);
+  x.w2 = bf16_weight(reinterpret_cast<const void*>(w2_ptr), ld2);
+  x.w13_expert = w13_expert, x.w2_expert = w2_expert, x.I = I;
+  if (s13_ptr != 0) {
+    x.s13 = bf16_weight(reinterpret_cast<const void*>(s13_ptr), ld_s13);
+    x.s2 = bf16_weight(reinterpret_cast<const void*>(s2_ptr), ld_s2);
+    x.Is = Is;
+  }
+  return x;
+}
+
 // The experts of a few decode tokens, given as (expert, token, weight) pairs grouped by expert
 // (kernels/moe.py _fused_moe_few passes them in ascending expert order, then the shared expert's),
 // with the torch loop's arithmetic and roundings:
 //   gate_up = bf16(x[t] @ w13[e]^T)                       [2I]
 //   act     = bf16(bf16(silu(gate)) * up)                  [I]
 //   out[t]  = bf16(out[t] + bf16(bf16(act @ w2[e]^T) * weight))
-// Expert -1 is the shared expert (its own weights s13 [2Is, H], s2 [H, Is]; weight 1, added after
-// a token's routed experts, as `out + shared(x)` rounds). An expert's pairs (a run of equal
-// experts) are one product of their rows, so its weights are read once. Experts are shared over
-// the threads whole (one thread streams an expert's weights end to end: 35 GB/s on two threads
-// at batch 1, where splitting every expert's products by columns, in two rounds, reached 25);
-// each pair's scaled output lands in its own row, and the additions into out then run in pair
-// order on one thread, so the sums round exactly as the loop's.
-void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
-               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
-               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I,
-               int64_t s13_ptr, int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
-  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
-  const auto* w13 = reinterpret_cast<const uint16_t*>(w13_ptr);
-  const auto* w2 = reinterpret_cast<const uint16_t*>(w2_ptr);
-  const auto* s13 = reinterpret_cast<const uint16_t*>(s13_ptr);
-  const auto* s2 = reinterpret_cast<const uint16_t*>(s2_ptr);
-  auto* out = reinterpret_cast<uint16_t*>(out_ptr);
+// Expert -1 is the shared expert (weight 1, added after a token's routed experts, as `out +
+// shared(x)` rounds). An expert's pairs (a run of equal experts) are one product of their rows,
+// so its weights are read once. Experts are shared over the threads whole (one thread streams an
+// expert's weights end to end: 35 GB/s on two threads at batch 1, where splitting every expert's
+// products by columns, in two rounds, reached 25); each pair's scaled output lands in its own
+// row, and the additions into out then run in pair order on one thread, so the sums round
+// exactly as the loop's.
+void run_pairs(const uint16_t* x, int64_t ldx, const Experts& ex, uint16_t* out, int64_t ldo,
+               const std::vector<int64_t>& experts, const std::vector<int64_t>& tokens,
+               const std::vector<float>& weights, int64_t H) {
   const int64_t P = int64_t(experts.size());
   std::vector<int64_t> runs;  // [runs[r], runs[r + 1]): the pairs of one expert
   for (int64_t p = 0; p < P; ++p)
@@ -72,19 +96,15 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
   runs.push_back(P);
   const int64_t R = int64_t(runs.size()) - 1;
   std::unique_ptr<uint16_t[]> scaled(new uint16_t[P * H]);  // [P, H]: bf16(bf16(down) * weight), every row written
-  maybe_parallel(R, 1, R * 3 * I * H * 2, [&](int64_t r0, int64_t r1) {
+  maybe_parallel(R, 1, R * 3 * ex.I * ex.w13.row_bytes(H), [&](int64_t r0, int64_t r1) {
     std::vector<uint16_t> xs, gate_up, act, down;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t p0 = runs[r], m = runs[r + 1] - p0, e = experts[p0];
-      const bool shared = e < 0;
-      const int64_t inter = shared ? Is : I;
-      const uint16_t* we13 = shared ? s13 : w13 + e * w13_expert;
-      const uint16_t* we2 = shared ? s2 : w2 + e * w2_expert;
+      const int64_t p0 = runs[r], m = runs[r + 1] - p0, e = experts[p0], inter = ex.inter(e);
       xs.resize(m * H), gate_up.resize(m * 2 * inter), act.resize(m * inter), down.resize(m * H);
       for (int64_t i = 0; i < m; ++i) std::memcpy(&xs[i * H], x + tokens[p0 + i] * ldx, H * 2);
-      product(xs.data(), H, we13, shared ? ld_s13 : ld13, gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
+      product(xs.data(), H, ex.gate_up(e), gate_up.data(), 2 * inter, m, H, 0, 2 * inter);
       swiglu_act(gate_up.data(), act.data(), m, inter);
-      product(act.data(), inter, we2, shared ? ld_s2 : ld2, down.data(), H, m, inter, 0, H);
+      product(act.data(), inter, ex.down(e), down.data(), H, m, inter, 0, H);
       for (int64_t i = 0; i < m; ++i) scale_bf16(&down[i * H], weights[p0 + i], &scaled[(p0 + i) * H], H);
     }
   });
@@ -97,17 +117,12 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
   });
 }
 
-
-// The experts of T tokens from their top-k ids [T, K] (int64; -1: an expert on another rank) and
-// weights [T, K] (float32): moe_pairs over their pairs grouped by expert in ascending order, an
-// expert's pairs in (token, k) order (kernels/moe.py _fused_moe_few's order), then the shared
-// expert's when s13_ptr is given. Returns the count of ids >= E (0: fine; the caller raises).
-int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
-                 int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t ids_ptr, int64_t weights_ptr,
-                 int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t s13_ptr, int64_t ld_s13,
-                 int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
-  const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
-  const auto* topk_weights = reinterpret_cast<const float*>(weights_ptr);
+// The experts of T tokens from their top-k ids [T, K] (-1: an expert on another rank) and weights
+// [T, K]: run_pairs over their pairs grouped by expert in ascending order, an expert's pairs in
+// (token, k) order (kernels/moe.py _fused_moe_few's order), then the shared expert's when there is
+// one. Returns the count of ids >= E (0: fine; the caller raises).
+int64_t run_topk(const uint16_t* x, int64_t ldx, const Experts& ex, uint16_t* out, int64_t ldo, const int64_t* ids,
+                 const float* topk_weights, int64_t T, int64_t K, int64_t E, int64_t H) {
   std::vector<int64_t> pairs;  // flat (token, k) indices of the local experts' pairs
   int64_t bad = 0;
   for (int64_t p = 0; p < T * K; ++p) {
@@ -119,11 +134,63 @@ int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert
   std::vector<int64_t> experts, tokens;
   std::vector<float> weights;
   for (const int64_t p : pairs) experts.push_back(ids[p]), tokens.push_back(p / K), weights.push_back(topk_weights[p]);
-  if (s13_ptr != 0)
+  if (ex.has_shared())
     for (int64_t t = 0; t < T; ++t) experts.push_back(-1), tokens.push_back(t), weights.push_back(1.0f);
-  moe_pairs(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo, experts, tokens, weights, H,
-            I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is);
+  run_pairs(x, ldx, ex, out, ldo, experts, tokens, weights, H);
   return 0;
+}
+
+// run_pairs with bf16 experts, from Python (kernels/native/blocks.py moe_pairs).
+void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, const std::vector<int64_t>& experts,
+               const std::vector<int64_t>& tokens, const std::vector<float>& weights, int64_t H, int64_t I,
+               int64_t s13_ptr, int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  run_pairs(reinterpret_cast<const uint16_t*>(x_ptr), ldx,
+            bf16_experts(w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is),
+            reinterpret_cast<uint16_t*>(out_ptr), ldo, experts, tokens, weights, H);
+}
+
+// run_topk with bf16 experts (ids int64, weights float32), from Python.
+int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
+                 int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t ids_ptr, int64_t weights_ptr,
+                 int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t s13_ptr, int64_t ld_s13,
+                 int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+  return run_topk(reinterpret_cast<const uint16_t*>(x_ptr), ldx,
+                  bf16_experts(w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is),
+                  reinterpret_cast<uint16_t*>(out_ptr), ldo, reinterpret_cast<const int64_t*>(ids_ptr),
+                  reinterpret_cast<const float*>(weights_ptr), T, K, E, H);
+}
+
+// A weight from Python as (data, ld, scale, lds, block_k, fmt): kernels/native weight_args.
+using WeightArgs = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+inline QW weight_of(const WeightArgs& a) {
+  const auto [data, ld, scale, lds, block_k, fmt] = a;
+  return QW{reinterpret_cast<const void*>(data), ld, reinterpret_cast<const void*>(scale), lds, block_k, fmt};
+}
+
+// Experts in any format from Python's arguments: w13 and w2 with their per-expert (data, scale)
+// strides; the shared expert's with s13's data 0 for none.
+inline Experts experts_of(const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert, const WeightArgs& w2,
+                          int64_t w2_expert, int64_t w2_scale_expert, int64_t I, const WeightArgs& s13,
+                          const WeightArgs& s2, int64_t Is) {
+  Experts ex;
+  ex.w13 = weight_of(w13), ex.w2 = weight_of(w2);
+  ex.w13_expert = w13_expert, ex.w13_scale_expert = w13_scale_expert;
+  ex.w2_expert = w2_expert, ex.w2_scale_expert = w2_scale_expert, ex.I = I;
+  if (std::get<0>(s13) != 0) ex.s13 = weight_of(s13), ex.s2 = weight_of(s2), ex.Is = Is;
+  return ex;
+}
+
+// run_topk with experts in any format (experts_of), from Python (kernels/native/blocks.py moe_topk).
+int64_t moe_topk_q(int64_t x_ptr, int64_t ldx, const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert,
+                   const WeightArgs& w2, int64_t w2_expert, int64_t w2_scale_expert, int64_t out_ptr, int64_t ldo,
+                   int64_t ids_ptr, int64_t weights_ptr, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
+                   const WeightArgs& s13, const WeightArgs& s2, int64_t Is) {
+  const Experts ex = experts_of(w13, w13_expert, w13_scale_expert, w2, w2_expert, w2_scale_expert, I, s13, s2, Is);
+  return run_topk(reinterpret_cast<const uint16_t*>(x_ptr), ldx, ex, reinterpret_cast<uint16_t*>(out_ptr), ldo,
+                  reinterpret_cast<const int64_t*>(ids_ptr), reinterpret_cast<const float*>(weights_ptr), T, K, E,
+                  H);
 }
 
 }  // namespace

@@ -110,12 +110,12 @@ void rotary(int64_t x_ptr, int64_t x_n, int64_t x_g, int64_t cos_ptr, int64_t si
 // norm): kv_a = kv_a(x); c = norm(kv_a[:, :L]); k_pe = rotary(kv_a[:, L:]); cache[slot] = (c,
 // k_pe), slots [M] int64, -1 to skip (MLAttention.store_latents). Returns the count of slots
 // outside the cache (skipped).
-int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, int64_t kva_ptr, int64_t kva_norm_ptr, double kv_eps,
+int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, const QW& kva, int64_t kva_norm_ptr, double kv_eps,
                       int64_t cos_ptr, int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks,
                       int64_t block_size, int64_t slots_ptr, int64_t R, int64_t L) {
   const int64_t W = L + R;
   std::vector<uint16_t> kv_a(M * W), c(M * L), k_pe(M * R);
-  linear_bf16(x_ptr, 0, hidden, kva_ptr, 0, hidden, int64_t(kv_a.data()), 0, W, 1, M, W, hidden);
+  linear_w(x_ptr, hidden, kva, int64_t(kv_a.data()), W, M, W, hidden);
   rms_norm(int64_t(kv_a.data()), W, 0, 0, kva_norm_ptr, int64_t(c.data()), L, 0, L, M, L, kv_eps);
   rotary(int64_t(kv_a.data() + L), W, R, cos_ptr, sin_ptr, R / 2, int64_t(k_pe.data()), M, 1, R, interleaved);
   auto* kv = reinterpret_cast<uint16_t*>(kv_ptr);
@@ -151,14 +151,16 @@ int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, int64_t kva_ptr,
 // post-attention norm of (attention + stream), res_out the new stream: DecoderLayer's rms_norm
 // calls around the attention. Returns the count of block ids and slots outside the cache (0:
 // fine; the caller raises).
-int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, int64_t qa_norm_ptr, int64_t q_lora,
-                      double q_eps, int64_t qb_ptr, int64_t kva_ptr, int64_t kva_norm_ptr, double kv_eps,
-                      int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h, int64_t o_ptr, int64_t cos_ptr,
+int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs& qa_args, int64_t qa_norm_ptr,
+                      int64_t q_lora, double q_eps, const WeightArgs& qb_args, const WeightArgs& kva_args,
+                      int64_t kva_norm_ptr, double kv_eps, int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h,
+                      const WeightArgs& o_args, int64_t cos_ptr,
                       int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks, int64_t block_size,
                       int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t out_ptr,
                       int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
                       double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
   const int64_t qk = nope + R, W = L + R;
+  const QW qa = weight_of(qa_args), qb = weight_of(qb_args), kva = weight_of(kva_args), o = weight_of(o_args);
   struct Kept {
     std::vector<uint16_t> q, q_pe, q_lat, q_full, o_lat, o_v, o_heads, normed, attended, q_a, q_an;
   };
@@ -178,17 +180,17 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
   }
   const int64_t final_out = out_ptr;
   if (post_norm_ptr != 0) out_ptr = at(scratch(kept.attended, M * hidden));
-  if (qa_ptr != 0) {
+  if (qa.data != nullptr) {
     uint16_t *q_a = scratch(kept.q_a, M * q_lora), *q_an = scratch(kept.q_an, M * q_lora);
-    linear_bf16(x_ptr, 0, hidden, qa_ptr, 0, hidden, at(q_a), 0, q_lora, 1, M, q_lora, hidden);
+    linear_w(x_ptr, hidden, qa, at(q_a), q_lora, M, q_lora, hidden);
     rms_norm(at(q_a), q_lora, 0, 0, qa_norm_ptr, at(q_an), q_lora, 0, q_lora, M, q_lora, q_eps);
-    linear_bf16(at(q_an), 0, q_lora, qb_ptr, 0, q_lora, at(q), 0, H * qk, 1, M, H * qk, q_lora);
+    linear_w(at(q_an), q_lora, qb, at(q), H * qk, M, H * qk, q_lora);
   } else {
-    linear_bf16(x_ptr, 0, hidden, qb_ptr, 0, hidden, at(q), 0, H * qk, 1, M, H * qk, hidden);
+    linear_w(x_ptr, hidden, qb, at(q), H * qk, M, H * qk, hidden);
   }
   rotary(at(q, nope), H * qk, qk, cos_ptr, sin_ptr, R / 2, at(q_pe), M, H, R, interleaved);
 
-  int64_t bad = store_latents(x_ptr, M, hidden, kva_ptr, kva_norm_ptr, kv_eps, cos_ptr, sin_ptr, interleaved, kv_ptr,
+  int64_t bad = store_latents(x_ptr, M, hidden, kva, kva_norm_ptr, kv_eps, cos_ptr, sin_ptr, interleaved, kv_ptr,
                               num_blocks, block_size, slots_ptr, R, L);
 
   linear_bf16(at(q), qk, H * qk, wuk_ptr, L * nope, nope, at(q_lat), M * L, L, H, M, L, nope);
@@ -204,7 +206,7 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, int64_t qa_ptr, 
   linear_bf16(at(o_lat), L, H * L, wuv_ptr, wuv_h, L, at(o_v), M * v, v, H, M, v, L);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t h = 0; h < H; ++h) std::memcpy(&o_heads[(i * H + h) * v], &o_v[(h * M + i) * v], v * 2);
-  linear_bf16(at(o_heads), 0, H * v, o_ptr, 0, H * v, out_ptr, 0, hidden, 1, M, hidden, H * v);
+  linear_w(at(o_heads), H * v, o, out_ptr, hidden, M, hidden, H * v);
   if (post_norm_ptr != 0)  // the post-attention norm over attended + the stream, which it then replaces
     rms_norm(out_ptr, hidden, res_out_ptr, hidden, post_norm_ptr, final_out, hidden, res_out_ptr, hidden, M, hidden,
              post_eps);
@@ -279,9 +281,7 @@ void route(int64_t scores_ptr, int64_t bias_ptr, int64_t T, int64_t E, int64_t n
 // operations whatever T is, so a verification's tokens are each a one-token decode's bits.
 void moe_block(int64_t x_ptr, int64_t ldx, int64_t T, int64_t H, int64_t gate_ptr, int64_t ld_gate, int64_t bias_ptr,
                int64_t E, bool softmax, int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob,
-               double routed_scaling_factor, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
-               int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t I, int64_t s13_ptr,
-               int64_t ld_s13, int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
+               double routed_scaling_factor, const Experts& experts, int64_t out_ptr, int64_t ldo) {
   const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
   const auto* gate = reinterpret_cast<const float*>(gate_ptr);
   std::vector<float> wide(H), scores(T * E), weights(T * top_k);
@@ -309,9 +309,20 @@ void moe_block(int64_t x_ptr, int64_t ldx, int64_t T, int64_t H, int64_t gate_pt
   }
   route(reinterpret_cast<int64_t>(scores.data()), bias_ptr, T, E, n_group, topk_group, top_k, norm_topk_prob,
         routed_scaling_factor, reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()));
-  moe_topk(x_ptr, ldx, w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, out_ptr, ldo,
-           reinterpret_cast<int64_t>(ids.data()), reinterpret_cast<int64_t>(weights.data()), T, top_k, E, H, I,
-           s13_ptr, ld_s13, s2_ptr, ld_s2, Is);  // route's ids lie in [0, E): nothing to refuse
+  run_topk(x, ldx, experts, reinterpret_cast<uint16_t*>(out_ptr), ldo, ids.data(), weights.data(), T, top_k, E,
+           H);  // route's ids lie in [0, E): nothing to refuse
+}
+
+// moe_block from Python (kernels/native/blocks.py), the experts in any format (experts_of).
+void moe_block_py(int64_t x_ptr, int64_t ldx, int64_t T, int64_t H, int64_t gate_ptr, int64_t ld_gate, int64_t bias_ptr,
+                  int64_t E, bool softmax, int64_t n_group, int64_t topk_group, int64_t top_k, bool norm_topk_prob,
+                  double routed_scaling_factor, const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert,
+                  const WeightArgs& w2, int64_t w2_expert, int64_t w2_scale_expert, int64_t out_ptr, int64_t ldo,
+                  int64_t I, const WeightArgs& s13, const WeightArgs& s2, int64_t Is) {
+  moe_block(x_ptr, ldx, T, H, gate_ptr, ld_gate, bias_ptr, E, softmax, n_group, topk_group, top_k, norm_topk_prob,
+            routed_scaling_factor,
+            experts_of(w13, w13_expert, w13_scale_expert, w2, w2_expert, w2_scale_expert, I, s13, s2, Is), out_ptr,
+            ldo);
 }
 
 // The MTP layer's input for M tokens (engine/models/mtp.py), in one call:
@@ -341,13 +352,17 @@ int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t 
 // layer on caches the weights had just swept). Each layer is one LayerPlan, the pointers and sizes
 // its mla_attention and moe_block calls take, filled once by kernels/native/blocks.py DecodeStack
 // by the field names layer_plan_fields() gives. A layer's MLP is its MoE block (moe != 0) or a
-// dense SwiGLU MLP (gate_up s13 [2Is, H], down s2 [H, Is]; swiglu's products and roundings).
+// dense SwiGLU MLP (gate_up s13 [2Is, H], down s2 [H, Is]; swiglu's products and roundings). A
+// weight's fields are a WeightArgs' (PDSERVE_WEIGHT: data, ld, scale, lds, block_k, fmt).
+#define PDSERVE_WEIGHT(INT, w) INT(w) INT(w##_ld) INT(w##_scale) INT(w##_lds) INT(w##_block) INT(w##_fmt)
 #define PDSERVE_LAYER_PLAN(INT, REAL)                                                                      \
-  INT(qa) INT(qa_norm) INT(q_lora) INT(qb) INT(kva) INT(kva_norm) INT(wuk) INT(wuv) INT(wuv_h) INT(o)    \
+  PDSERVE_WEIGHT(INT, qa) INT(qa_norm) INT(q_lora) PDSERVE_WEIGHT(INT, qb) PDSERVE_WEIGHT(INT, kva)        \
+  INT(kva_norm) INT(wuk) INT(wuv) INT(wuv_h) PDSERVE_WEIGHT(INT, o)                                        \
   INT(heads) INT(nope) INT(rope) INT(latent) INT(v) INT(interleaved) INT(pre_norm) INT(post_norm)          \
   INT(moe) INT(gate) INT(ld_gate) INT(bias) INT(experts) INT(softmax) INT(n_group) INT(topk_group)        \
-  INT(top_k) INT(norm_topk_prob) INT(w13) INT(w13_expert) INT(ld13) INT(w2) INT(w2_expert) INT(ld2)       \
-  INT(inter) INT(s13) INT(ld_s13) INT(s2) INT(ld_s2) INT(shared_inter)                                    \
+  INT(top_k) INT(norm_topk_prob) PDSERVE_WEIGHT(INT, w13) INT(w13_expert) INT(w13_scale_expert)           \
+  PDSERVE_WEIGHT(INT, w2) INT(w2_expert) INT(w2_scale_expert) INT(inter)                                  \
+  PDSERVE_WEIGHT(INT, s13) PDSERVE_WEIGHT(INT, s2) INT(shared_inter)                                      \
   REAL(q_eps) REAL(kv_eps) REAL(scale) REAL(pre_eps) REAL(post_eps) REAL(routed_scaling_factor)
 
 struct LayerPlan {  // every field 8 bytes, in the macro's order: a row of an int64 tensor
@@ -355,6 +370,9 @@ struct LayerPlan {  // every field 8 bytes, in the macro's order: a row of an in
 #define PDSERVE_REAL_FIELD(name) double name;
   PDSERVE_LAYER_PLAN(PDSERVE_INT_FIELD, PDSERVE_REAL_FIELD)
 };
+
+// A plan's weight w as a WeightArgs.
+#define PLAN_WEIGHT(p, w) WeightArgs{(p).w, (p).w##_ld, (p).w##_scale, (p).w##_lds, (p).w##_block, (p).w##_fmt}
 
 // LayerPlan's fields in order, each (name, whether it is a double).
 std::vector<std::pair<std::string, bool>> layer_plan_fields() {
@@ -390,8 +408,8 @@ int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int6
       std::memcpy(&x[m * H], reinterpret_cast<const uint16_t*>(embed_ptr) + ids[m] * H, H * 2);
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerPlan& p = plans[l];
-    bad = mla_attention(at(x), M, H, p.qa, p.qa_norm, p.q_lora, p.q_eps, p.qb, p.kva, p.kva_norm, p.kv_eps, p.wuk,
-                        p.wuv, p.wuv_h, p.o, cos_ptr, sin_ptr, p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
+    bad = mla_attention(at(x), M, H, PLAN_WEIGHT(p, qa), p.qa_norm, p.q_lora, p.q_eps, PLAN_WEIGHT(p, qb),
+                        PLAN_WEIGHT(p, kva), p.kva_norm, p.kv_eps, p.wuk, p.wuv, p.wuv_h, PLAN_WEIGHT(p, o), cos_ptr, sin_ptr, p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
                         slots_ptr, table_ptr, max_blocks, lens_ptr, at(normed), p.heads, p.nope, p.rope, p.latent, p.v,
                         p.scale, p.pre_norm, p.pre_eps, l == 0 ? 0 : at(residual), p.post_norm, p.post_eps,
                         at(residual));
@@ -399,16 +417,19 @@ int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int6
     if (p.moe) {
       std::fill(x.begin(), x.end(), uint16_t(0));
       moe_block(at(normed), H, M, H, p.gate, p.ld_gate, p.bias, p.experts, p.softmax != 0, p.n_group, p.topk_group,
-                p.top_k, p.norm_topk_prob != 0, p.routed_scaling_factor, p.w13, p.w13_expert, p.ld13, p.w2,
-                p.w2_expert, p.ld2, at(x), H, p.inter, p.s13, p.ld_s13, p.s2, p.ld_s2, p.shared_inter);
+                p.top_k, p.norm_topk_prob != 0, p.routed_scaling_factor,
+                experts_of(PLAN_WEIGHT(p, w13), p.w13_expert, p.w13_scale_expert, PLAN_WEIGHT(p, w2), p.w2_expert,
+                           p.w2_scale_expert, p.inter, PLAN_WEIGHT(p, s13), PLAN_WEIGHT(p, s2), p.shared_inter),
+                at(x), H);
     } else {
       const int64_t I = p.shared_inter;
       gate_up.resize(M * 2 * I), act.resize(M * I);
-      linear_bf16(at(normed), 0, H, p.s13, 0, p.ld_s13, at(gate_up), 0, 2 * I, 1, M, 2 * I, H);
+      linear_w(at(normed), H, weight_of(PLAN_WEIGHT(p, s13)), at(gate_up), 2 * I, M, 2 * I, H);
       swiglu_act(gate_up.data(), act.data(), M, I);
-      linear_bf16(at(act), 0, I, p.s2, 0, p.ld_s2, at(x), 0, H, 1, M, H, I);
+      linear_w(at(act), I, weight_of(PLAN_WEIGHT(p, s2)), at(x), H, M, H, I);
     }
   }
+
   rms_norm(at(x), H, at(residual), H, norm_ptr, out_ptr, H, at(residual), H, M, H, norm_eps);
   return 0;
 }

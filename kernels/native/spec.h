@@ -126,7 +126,8 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     mtp_input(int64_t(stored.ids.data()), embed_ptr, H, V, int64_t(stored.h.data()), H, enorm_ptr, e_eps, hnorm_ptr,
               h_eps, eh_ptr, int64_t(u.data()), n_stored, H);  // the target's tokens: in [0, vocab)
     rms_norm(int64_t(u.data()), H, 0, 0, p.pre_norm, int64_t(normed.data()), H, 0, H, n_stored, H, p.pre_eps);
-    bad = store_latents(int64_t(normed.data()), n_stored, H, p.kva, p.kva_norm, p.kv_eps, int64_t(stored.cos.data()),
+    bad = store_latents(int64_t(normed.data()), n_stored, H, weight_of(PLAN_WEIGHT(p, kva)), p.kva_norm, p.kv_eps,
+                        int64_t(stored.cos.data()),
                         int64_t(stored.sin.data()), p.interleaved != 0, mtp_kv, num_blocks, block_size,
                         int64_t(stored.slots.data()), p.rope, p.latent);
     if (bad) return bad;

@@ -1,0 +1,406 @@
+// The few-row product with a weight kept as DeepSeek's checkpoints store it (kernels/quant.py):
+//
+//   y[m, n] = sum_b scale[n, b] * sum_{k in block b} x[m, k] * w[n, k]     x, y bf16
+//
+// - FP8: w e4m3, one byte a value, a float32 scale per row per block_k of K (the checkpoint's
+//   128 x 128 or 32 x 32 grid expanded to rows at load);
+// - MXFP4: w e2m1, two values a byte (the even column in the low nibble), an e8m0 scale (2^(b -
+//   127)) per row per 32 of K.
+// The weight is widened in registers as it is read, exactly (every e4m3 and e2m1 value is a bf16
+// value), each block's products summed in float32 and its scale applied to that sum in float32
+// (one multiply-add per block), as the reference dequantizes: the weight's bytes are what streams
+// from memory, one byte a weight (half for MXFP4) where the bf16 products read two.
+//
+// Two forms, each row's operations independent of the rows beside it (batch invariance):
+// - qcolumns_512, in the AVX-512 intrinsics: the weight widened to bf16 pairs and multiplied by
+//   VDPBF16PS (or its emulation), the AVX-512 builds' path. The AVX2 build compiles it on avx2.h's
+//   emulation too, where tests force it (use_quant_generic), so its logic is checked on any CPU.
+// - qcolumns_avx2, the AVX2 build's own: x widened to float32 once per call, the weight widened
+//   to float32 as it is read (FP8 through F16C's half conversion, MXFP4 through a byte shuffle),
+//   FMAs.
+// Block sizes are multiples of 32 (the Python side sends others to torch); K any length.
+
+#pragma once
+
+#include "products.h"
+
+namespace {
+
+enum : int64_t { W_BF16 = 0, W_FP8 = 1, W_MXFP4 = 2 };
+
+// A weight as the products take it: row n at data + n * ld (ld in the format's storage units:
+// bf16 values, or bytes), its scales at scale + n * lds (float32 for FP8, e8m0 bytes for MXFP4),
+// one per block_k of K. W_BF16: a plain bf16 weight (scale unused).
+struct QW {
+  const void* data = nullptr;
+  int64_t ld = 0;
+  const void* scale = nullptr;
+  int64_t lds = 0;
+  int64_t block_k = 0;
+  int64_t fmt = W_BF16;
+
+  const uint8_t* row(int64_t n) const {
+    return static_cast<const uint8_t*>(data) + n * ld * (fmt == W_BF16 ? 2 : 1);
+  }
+  // The weight offset by `units` of data and `scales` of scale (an expert's: e * its strides).
+  QW offset(int64_t units, int64_t scales) const {
+    QW w = *this;
+    w.data = row(0) + units * (fmt == W_BF16 ? 2 : 1);
+    if (scale != nullptr) w.scale = static_cast<const uint8_t*>(scale) + scales * (fmt == W_FP8 ? 4 : 1);
+    return w;
+  }
+  // Row n's scale of block b, as a float32.
+  float scale_of(int64_t n, int64_t b) const;
+  // Bytes a row of K values takes.
+  int64_t row_bytes(int64_t K) const { return fmt == W_BF16 ? 2 * K : fmt == W_FP8 ? K : K / 2; }
+};
+
+inline QW bf16_weight(const void* w, int64_t ld) { return QW{w, ld, nullptr, 0, 0, W_BF16}; }
+
+// An e8m0 byte's value, 2^(b - 127) (b = 0: 2^-127, a denormal; 255: NaN).
+inline float e8m0(uint8_t b) {
+  if (b == 255) return NAN;
+  if (b == 0) return 0x1p-127f;
+  const uint32_t bits = uint32_t(b) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float QW::scale_of(int64_t n, int64_t b) const {
+  if (fmt == W_FP8) return static_cast<const float*>(scale)[n * lds + b];
+  return e8m0(static_cast<const uint8_t*>(scale)[n * lds + b]);
+}
+
+bool g_quant_generic = false;  // the AVX2 build takes qcolumns_512 (tests: use_quant_generic)
+
+bool use_quant_generic(bool on) {
+  const bool before = g_quant_generic;
+  g_quant_generic = on;
+  return before;
+}
+
+// ---- qcolumns_512: the weight widened to bf16 pairs, VDPBF16PS ----------------------------------
+
+// bf16 of m x 2^-9 (e4m3's subnormals, m = 1-7), by m.
+alignas(64) constexpr uint16_t E4M3_SUBNORMAL[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+// bf16 of each e2m1 code (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+alignas(64) constexpr uint16_t E2M1_BF16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// 32 e4m3 values from p as 32 bf16 values, exactly; zeros past `left`. A normal e4m3 value's bits
+// moved into bf16's fields with its exponent rebiased (+120: bf16's 127 less e4m3's 7), a
+// subnormal one (exponent 0: m x 2^-9) from a table. (e4m3's NaN, 0x7F, is not kept: checkpoints
+// hold none.)
+inline __m512i widen_e4m3(const uint8_t* p, int64_t left) {
+  const __m256i b = left >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_maskz_loadu_epi8(lanes(left), p);
+  const __m512i w = _mm512_cvtepi8_epi16(b);  // sign-extended: bit 15 is the sign, bits 6-0 the rest
+  const __m512i sign = _mm512_and_si512(w, _mm512_set1_epi16(int16_t(0x8000)));
+  const __m512i fields = _mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(int16_t(0x87F0)));
+  const __m512i normal = _mm512_add_epi16(fields, _mm512_set1_epi16(0x3C00));
+  const __m512i subnormal = _mm512_or_si512(
+      _mm512_permutexvar_epi16(w, _mm512_loadu_si512(E4M3_SUBNORMAL)), sign);  // index: bits 4-0, m when e = 0
+  return _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x78)), subnormal, normal);
+}
+
+// 32 e2m1 values from 16 bytes at p (the even value in each byte's low nibble) as 32 bf16 values
+// in pairs (even, odd), as VDPBF16PS takes them.
+inline __m512i widen_e2m1(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // a byte a pair
+  const __m512i codes = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)),
+                                        _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF0)), 12));
+  return _mm512_permutexvar_epi16(codes, _mm512_loadu_si512(E2M1_BF16));
+}
+
+// out[r][c] = x[r] . w[n + c] for ROWS rows of x and weight rows [n, n + width) (width <= TILE_N),
+// each weight row read once, front to back, for all ROWS rows. A block's sum in two parts
+// interleaved over k, each part times the block's scale into its total; then the totals added and
+// summed across lanes for TILE_N columns at once.
+template <int ROWS>
+inline void qdot_rows_512(const uint16_t* x, int64_t ldx, const QW& w, int64_t n, int64_t K, int64_t width,
+                          float out[][16]) {
+  __m512 sums[ROWS][16];
+  const bool fp8 = w.fmt == W_FP8;
+  for (int c = 0; c < 16; ++c) {
+    if (c >= width) {
+      for (int r = 0; r < ROWS; ++r) sums[r][c] = _mm512_setzero_ps();
+      continue;
+    }
+    const uint8_t* row = w.row(n + c);
+    __m512 total[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      const int64_t k1 = std::min(K, k0 + w.block_k);
+      __m512 acc[ROWS][2];
+      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      int i = 0;
+      for (int64_t k = k0; k < k1; k += 32, i ^= 1) {
+        const uint8_t* wk = fp8 ? row + k : row + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(wk + 2048), _MM_HINT_T0);
+        const __m512i wv = fp8 ? widen_e4m3(wk, k1 - k) : widen_e2m1(wk);
+        for (int r = 0; r < ROWS; ++r) acc[r][i] = dot_bf16(acc[r][i], wv, load32(x + r * ldx + k, k1 - k));
+      }
+      const __m512 s = _mm512_set1_ps(w.scale_of(n + c, b));
+      for (int r = 0; r < ROWS; ++r) {
+        total[r][0] = _mm512_fmadd_ps(acc[r][0], s, total[r][0]);
+        total[r][1] = _mm512_fmadd_ps(acc[r][1], s, total[r][1]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) sums[r][c] = _mm512_add_ps(total[r][0], total[r][1]);
+  }
+  for (int r = 0; r < ROWS; ++r) _mm512_storeu_ps(out[r], sum_lanes16(sums[r]));
+}
+
+constexpr int64_t QROWS = 4;  // rows of x per pass over a tile's weight rows
+
+// Columns n0 .. n1 of y, all M rows: tiles of 16 weight rows, each for every row of x in passes of QROWS.
+void qcolumns_512(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int64_t ldy, int64_t M, int64_t K,
+                  int64_t n0, int64_t n1) {
+  alignas(64) float tile[QROWS][16];
+  for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+    const int64_t width = std::min<int64_t>(16, n1 - t0);
+    for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
+      const int64_t rows = std::min(QROWS, M - m0);
+      const uint16_t* xm = x + m0 * ldx;
+      switch (rows) {
+        case 1: qdot_rows_512<1>(xm, ldx, w, t0, K, width, tile); break;
+        case 2: qdot_rows_512<2>(xm, ldx, w, t0, K, width, tile); break;
+        case 3: qdot_rows_512<3>(xm, ldx, w, t0, K, width, tile); break;
+        default: qdot_rows_512<4>(xm, ldx, w, t0, K, width, tile); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + t0, lanes16(width), narrow16(_mm512_loadu_ps(tile[r])));
+    }
+  }
+}
+
+#ifndef __AVX512F__
+// ---- qcolumns_avx2: the AVX2 build's, on x widened to float32 -----------------------------------
+
+// x's M rows widened to float32 in order, row m at xw + m * split_width(K), zeros past K.
+inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw) {
+  const int64_t K32 = split_width(K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K32; k += 8) {
+      const int64_t left = K - k;
+      __m128i v;
+      if (left >= 8) {
+        v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + m * ldx + k));
+      } else {
+        alignas(16) uint16_t t[8] = {};
+        if (left > 0) std::memcpy(t, x + m * ldx + k, size_t(left) * 2);
+        v = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+      }
+      _mm256_storeu_ps(xw + m * K32 + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+    }
+}
+
+// 16 bytes from p, the first `left` (zeros after).
+inline __m128i load_bytes16(const uint8_t* p, int64_t left) {
+  if (left >= 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  alignas(16) uint8_t t[16] = {};
+  if (left > 0) std::memcpy(t, p, size_t(left));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+}
+
+// 16 e4m3 values from p (the first `left`; zeros after) as float32 in order, each 2^-8 times its
+// value, exactly: the bits placed in a half's fields (its exponent bias, 15, is e4m3's 7 plus 8,
+// and an e4m3 subnormal lands on a half subnormal of the same scale) and widened by F16C. The
+// block's scale takes the 2^8.
+inline void widen_e4m3_avx2(const uint8_t* p, int64_t left, __m256& lo, __m256& hi) {
+  const __m256i w = _mm256_cvtepi8_epi16(load_bytes16(p, left));  // sign-extended: bit 8 is the sign
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(int16_t(0xBF80)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+}
+
+// 32 e2m1 values from 16 bytes at p (the even value in each byte's low nibble) as float32 twice
+// their value (integers, exact), in order. (The block's scale takes the half.)
+inline void widen_e2m1_avx2(const uint8_t* p, __m256 out[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i even = _mm_shuffle_epi8(twice, _mm_and_si128(b, nibble));
+  const __m128i odd = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+  const __m128i first = _mm_unpacklo_epi8(even, odd), last = _mm_unpackhi_epi8(even, odd);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(last));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(last, 8)));
+}
+
+// 32 of a row's weights from k (zeros from k1 on) as float32 in order, 8 a register, and the
+// factor their block's scale takes (the widening's 2^-8 or 2 undone).
+template <int64_t FMT>
+__attribute__((always_inline)) inline float widen32_avx2(const uint8_t* row, int64_t k, int64_t k1, __m256 wv[4]) {
+  if (FMT == W_FP8) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + k + 2048), _MM_HINT_T0);
+    widen_e4m3_avx2(row + k, k1 - k, wv[0], wv[1]);
+    widen_e4m3_avx2(row + k + 16, k1 - k - 16, wv[2], wv[3]);
+    return 0x1p8f;
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(row + k / 2 + 2048), _MM_HINT_T0);
+  widen_e2m1_avx2(row + k / 2, wv);
+  return 0.5f;
+}
+
+// Every output x[m] . w[n] sums the same way, whatever the rows beside it: per block of K, two
+// chains of FMAs in 8 lanes (each 16 values of k: the first 8 into one, the last 8 into the
+// other), added, times the block's scale into the output's total; 32 values of k a step, zeros
+// past K. One row reads the weight widened in registers, four columns at once (eight chains, so
+// the FMAs' latency hides); more rows widen a tile of 16 columns' block into float32 once and run
+// four rows of x over it at a time.
+
+// totals[c], c < 16: x . w[n + c] for the one row x (widened, zeros past K) over columns [n, n +
+// width).
+template <int64_t FMT>
+inline void qdot_row_avx2(const float* x, const QW& w, int64_t n, int64_t K, int64_t width, __m256 totals[16]) {
+  constexpr int COLS = 4;
+  for (int64_t c0 = 0; c0 < width; c0 += COLS) {
+    int64_t col[COLS];  // past width: the last column again (its sums unused), so every loop is whole
+    for (int c = 0; c < COLS; ++c) col[c] = n + std::min(c0 + c, width - 1);
+    __m256 total[COLS];
+    for (int c = 0; c < COLS; ++c) total[c] = _mm256_setzero_ps();
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      const int64_t k1 = std::min(K, k0 + w.block_k);
+      __m256 acc[COLS][2];
+      float factor = 1.0f;
+      for (int c = 0; c < COLS; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 32)
+        for (int c = 0; c < COLS; ++c) {
+          __m256 wv[4];
+          factor = widen32_avx2<FMT>(w.row(col[c]), k, k1, wv);
+          for (int i = 0; i < 4; ++i) acc[c][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(x + k + 8 * i), acc[c][i & 1]);
+        }
+      for (int c = 0; c < COLS; ++c)
+        total[c] = _mm256_fmadd_ps(_mm256_add_ps(acc[c][0], acc[c][1]), _mm256_set1_ps(factor * w.scale_of(col[c], b)),
+                                   total[c]);
+    }
+    for (int c = 0; c < COLS && c0 + c < 16; ++c) totals[c0 + c] = total[c];
+  }
+}
+
+// ROWS rows of x (K32 floats apart, from the block's start) over one column's widened block wc
+// (steps values, zeros past the block): the rows' totals += their block sums times s.
+template <int ROWS>
+inline void qdot_tile_rows(const float* x, int64_t K32, const float* wc, int64_t steps, __m256 s, __m256* totals) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < steps; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(wc + k), w1 = _mm256_loadu_ps(wc + k + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K32 + k), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K32 + k + 8), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) totals[r * 16] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, totals[r * 16]);
+}
+
+// totals[m * 16 + c]: x[m] . w[n + c] for M rows of widened x (K32 floats apart) over columns [n,
+// n + width), through a float32 tile of the columns' block (tile: 16 x block_k rounded up to 32).
+template <int64_t FMT>
+inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K, int64_t width,
+                           __m256* totals, float* tile) {
+  const int64_t bk = split_width(w.block_k);
+  for (int64_t i = 0; i < M * 16; ++i) totals[i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+    const int64_t k1 = std::min(K, k0 + w.block_k), steps = split_width(k1 - k0);
+    float factor = 1.0f;
+    for (int64_t c = 0; c < width; ++c)
+      for (int64_t k = k0; k < k0 + steps; k += 32) {
+        __m256 wv[4];
+        factor = widen32_avx2<FMT>(w.row(n + c), k, k1, wv);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(tile + c * bk + (k - k0) + 8 * i, wv[i]);
+      }
+    for (int64_t c = 0; c < width; ++c) {
+      const __m256 s = _mm256_set1_ps(factor * w.scale_of(n + c, b));
+      const float* wc = tile + c * bk;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* x = xs + m0 * K32 + k0;
+        __m256* t = totals + m0 * 16 + c;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: qdot_tile_rows<1>(x, K32, wc, steps, s, t); break;
+          case 2: qdot_tile_rows<2>(x, K32, wc, steps, s, t); break;
+          case 3: qdot_tile_rows<3>(x, K32, wc, steps, s, t); break;
+          default: qdot_tile_rows<4>(x, K32, wc, steps, s, t); break;
+        }
+      }
+    }
+  }
+}
+
+void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int64_t ldy, int64_t M, int64_t K,
+                   int64_t n0, int64_t n1, const float* xs) {
+  const int64_t K32 = split_width(K);
+  thread_local std::vector<float> kept_x, kept_tile;
+  thread_local std::vector<__m256> kept_totals;
+  if (xs == nullptr) {
+    float* widened = scratch(kept_x, M * K32);
+    widen_rows(x, ldx, M, K, widened);
+    xs = widened;
+  }
+  __m256* totals = scratch(kept_totals, M * 16);
+  float* tile = M > 1 ? scratch(kept_tile, 16 * split_width(w.block_k)) : nullptr;
+  for (int64_t t0 = n0; t0 < n1; t0 += 16) {
+    const int64_t width = std::min<int64_t>(16, n1 - t0);
+    const bool fp8 = w.fmt == W_FP8;
+    if (M == 1)
+      fp8 ? qdot_row_avx2<W_FP8>(xs, w, t0, K, width, totals) : qdot_row_avx2<W_MXFP4>(xs, w, t0, K, width, totals);
+    else if (fp8)
+      qdot_rows_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, tile);
+    else
+      qdot_rows_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, tile);
+    for (int64_t m = 0; m < M; ++m)
+      _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
+                               narrow16(__m512{sum_lanes8(totals + m * 16), sum_lanes8(totals + m * 16 + 8)}));
+  }
+}
+#endif  // !__AVX512F__
+
+// Columns [n0, n1) of y = x w^T, all M rows, w in any format. xs (the AVX2 build), or null: x
+// already prepared, by split_rows for a bf16 w, by widen_rows for a quantized one.
+void product(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int64_t ldy, int64_t M, int64_t K, int64_t n0,
+             int64_t n1, const float* xs = nullptr) {
+  if (w.fmt == W_BF16) return product(x, ldx, static_cast<const uint16_t*>(w.data), w.ld, y, ldy, M, K, n0, n1,
+                                      nullptr, xs);
+#ifndef __AVX512F__
+  if (!g_quant_generic) return qcolumns_avx2(x, ldx, w, y, ldy, M, K, n0, n1, xs);
+#endif
+  qcolumns_512(x, ldx, w, y, ldy, M, K, n0, n1);
+}
+
+// y [M, N] = x [M, K] @ w^T, w in any format, its columns shared over the threads in chunks of
+// about CHUNK_BYTES of weight; rows in blocks of ROW_BLOCK (each x block widened once, in the AVX2
+// build, for all its chunks).
+void linear_w(int64_t x_ptr, int64_t ldx, const QW& w, int64_t y_ptr, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  if (w.fmt == W_BF16)
+    return linear_bf16(x_ptr, 0, ldx, int64_t(w.data), 0, w.ld, y_ptr, 0, ldy, 1, M, N, K);
+  const int64_t step = 16, steps = (N + step - 1) / step;
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (step * w.row_bytes(K)));
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+    const int64_t rows = std::min(ROW_BLOCK, M - m0);
+    const auto* x = reinterpret_cast<const uint16_t*>(x_ptr) + m0 * ldx;
+    auto* y = reinterpret_cast<uint16_t*>(y_ptr) + m0 * ldy;
+#ifdef __AVX512F__
+    const float* split = nullptr;
+#else
+    thread_local std::vector<float> kept;
+    float* split = nullptr;
+    if (!g_quant_generic) split = scratch(kept, rows * split_width(K)), widen_rows(x, ldx, rows, K, split);
+#endif
+    const int64_t passes = (rows + QROWS - 1) / QROWS;
+    maybe_parallel(steps, chunk, N * w.row_bytes(K) * passes, [&](int64_t s0, int64_t s1) {
+      product(x, ldx, w, y, ldy, rows, K, s0 * step, std::min(N, s1 * step), split);
+    });
+  }
+}
+
+// linear_w from Python: w as (data, ld, scale, lds, block_k, fmt).
+void linear_q(int64_t x_ptr, int64_t ldx, int64_t w_ptr, int64_t ldw, int64_t scale_ptr, int64_t lds, int64_t block_k,
+              int64_t fmt, int64_t y_ptr, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  const QW w{reinterpret_cast<const void*>(w_ptr), ldw, reinterpret_cast<const void*>(scale_ptr), lds, block_k, fmt};
+  linear_w(x_ptr, ldx, w, y_ptr, ldy, M, N, K);
+}
+
+}  // namespace
