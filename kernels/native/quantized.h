@@ -230,17 +230,19 @@ inline void widen_e2m1_avx2(const uint8_t* p, __m256 out[4]) {
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(last, 8)));
 }
 
+constexpr int64_t QPREFETCH = 4096;  // bytes of a weight row read ahead
+
 // 32 of a row's weights from k (zeros from k1 on) as float32 in order, 8 a register, and the
 // factor their block's scale takes (the widening's 2^-8 or 2 undone).
 template <int64_t FMT>
 __attribute__((always_inline)) inline float widen32_avx2(const uint8_t* row, int64_t k, int64_t k1, __m256 wv[4]) {
   if (FMT == W_FP8) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + k + 2048), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + k + QPREFETCH), _MM_HINT_T0);
     widen_e4m3_avx2(row + k, k1 - k, wv[0], wv[1]);
     widen_e4m3_avx2(row + k + 16, k1 - k - 16, wv[2], wv[3]);
     return 0x1p8f;
   }
-  _mm_prefetch(reinterpret_cast<const char*>(row + k / 2 + 2048), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + k / 2 + QPREFETCH), _MM_HINT_T0);
   widen_e2m1_avx2(row + k / 2, wv);
   return 0.5f;
 }
@@ -248,15 +250,16 @@ __attribute__((always_inline)) inline float widen32_avx2(const uint8_t* row, int
 // Every output x[m] . w[n] sums the same way, whatever the rows beside it: per block of K, two
 // chains of FMAs in 8 lanes (each 16 values of k: the first 8 into one, the last 8 into the
 // other), added, times the block's scale into the output's total; 32 values of k a step, zeros
-// past K. One row reads the weight widened in registers, four columns at once (eight chains, so
-// the FMAs' latency hides); more rows widen a tile of 16 columns' block into float32 once and run
-// four rows of x over it at a time.
+// past K. One row reads the weight widened in registers, two columns at once (four chains, so
+// the FMAs' latency mostly hides; four columns, eight chains, measured no faster out of cache);
+// more rows widen a tile of 16 columns' chunk of K (QTILE_K) into float32 once and run four rows
+// of x over it at a time, a column's blocks in one call.
 
 // totals[c], c < 16: x . w[n + c] for the one row x (widened, zeros past K) over columns [n, n +
 // width).
 template <int64_t FMT>
 inline void qdot_row_avx2(const float* x, const QW& w, int64_t n, int64_t K, int64_t width, __m256 totals[16]) {
-  constexpr int COLS = 4;
+  constexpr int COLS = 2;  // two weight rows streamed at once: four chains of FMAs
   for (int64_t c0 = 0; c0 < width; c0 += COLS) {
     int64_t col[COLS];  // past width: the last column again (its sums unused), so every loop is whole
     for (int c = 0; c < COLS; ++c) col[c] = n + std::min(c0 + c, width - 1);
@@ -281,49 +284,65 @@ inline void qdot_row_avx2(const float* x, const QW& w, int64_t n, int64_t K, int
   }
 }
 
-// ROWS rows of x (K32 floats apart, from the block's start) over one column's widened block wc
-// (steps values, zeros past the block): the rows' totals += their block sums times s.
+// ROWS rows of x (K32 floats apart, from the chunk's start) over one column's widened chunk wc
+// (blocks of bk values from k0 to k1, zeros past K): per block, its sums times its scale (scales,
+// one a block) into the rows' totals.
 template <int ROWS>
-inline void qdot_tile_rows(const float* x, int64_t K32, const float* wc, int64_t steps, __m256 s, __m256* totals) {
-  __m256 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < steps; k += 16) {
-    const __m256 w0 = _mm256_loadu_ps(wc + k), w1 = _mm256_loadu_ps(wc + k + 8);
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K32 + k), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K32 + k + 8), acc[r][1]);
+inline void qdot_tile_rows(const float* x, int64_t K32, const float* wc, int64_t k0, int64_t k1, int64_t bk,
+                           const float* scales, __m256* totals) {
+  __m256 total[ROWS];
+  for (int r = 0; r < ROWS; ++r) total[r] = totals[r * 16];
+  for (int64_t b0 = k0, i = 0; b0 < k1; b0 += bk, ++i) {
+    const int64_t first = b0 - k0, last = first + split_width(std::min(k1, b0 + bk) - b0);
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = first; k < last; k += 16) {
+      const __m256 w0 = _mm256_loadu_ps(wc + k), w1 = _mm256_loadu_ps(wc + k + 8);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K32 + k), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K32 + k + 8), acc[r][1]);
+      }
     }
+    const __m256 s = _mm256_set1_ps(scales[i]);
+    for (int r = 0; r < ROWS; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, total[r]);
   }
-  for (int r = 0; r < ROWS; ++r) totals[r * 16] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, totals[r * 16]);
+  for (int r = 0; r < ROWS; ++r) totals[r * 16] = total[r];
 }
 
+constexpr int64_t QTILE_K = 1024;  // values of K per tile: 16 columns' widened chunk, 64 KB
+
 // totals[m * 16 + c]: x[m] . w[n + c] for M rows of widened x (K32 floats apart) over columns [n,
-// n + width), through a float32 tile of the columns' block (tile: 16 x block_k rounded up to 32).
+// n + width): K in chunks of whole blocks (QTILE_K values, or one block if larger), each chunk's
+// 16 columns widened once into tile (16 x split_width(chunk)), then every row over it, four at a
+// time, column by column.
 template <int64_t FMT>
 inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K, int64_t width,
-                           __m256* totals, float* tile) {
-  const int64_t bk = split_width(w.block_k);
+                           __m256* totals, std::vector<float>& tile_kept) {
+  const int64_t bk = w.block_k, chunk = std::max<int64_t>(1, QTILE_K / bk) * bk, ld = split_width(chunk);
+  float* tile = scratch(tile_kept, 16 * ld);
+  std::vector<float> scales(16 * (chunk / bk));
   for (int64_t i = 0; i < M * 16; ++i) totals[i] = _mm256_setzero_ps();
-  for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
-    const int64_t k1 = std::min(K, k0 + w.block_k), steps = split_width(k1 - k0);
-    float factor = 1.0f;
-    for (int64_t c = 0; c < width; ++c)
-      for (int64_t k = k0; k < k0 + steps; k += 32) {
-        __m256 wv[4];
-        factor = widen32_avx2<FMT>(w.row(n + c), k, k1, wv);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(tile + c * bk + (k - k0) + 8 * i, wv[i]);
-      }
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk), blocks = (k1 - k0 + bk - 1) / bk;
     for (int64_t c = 0; c < width; ++c) {
-      const __m256 s = _mm256_set1_ps(factor * w.scale_of(n + c, b));
-      const float* wc = tile + c * bk;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* x = xs + m0 * K32 + k0;
+      float factor = 1.0f;
+      for (int64_t k = k0; k < k0 + split_width(k1 - k0); k += 32) {
+        __m256 wv[4];
+        factor = widen32_avx2<FMT>(w.row(n + c), k, std::min(k1, (k / bk + 1) * bk), wv);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(tile + c * ld + (k - k0) + 8 * i, wv[i]);
+      }
+      for (int64_t i = 0; i < blocks; ++i) scales[c * blocks + i] = factor * w.scale_of(n + c, k0 / bk + i);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const float* x = xs + m0 * K32 + k0;
+      for (int64_t c = 0; c < width; ++c) {
+        const float *wc = tile + c * ld, *sc = &scales[c * blocks];
         __m256* t = totals + m0 * 16 + c;
         switch (std::min<int64_t>(4, M - m0)) {
-          case 1: qdot_tile_rows<1>(x, K32, wc, steps, s, t); break;
-          case 2: qdot_tile_rows<2>(x, K32, wc, steps, s, t); break;
-          case 3: qdot_tile_rows<3>(x, K32, wc, steps, s, t); break;
-          default: qdot_tile_rows<4>(x, K32, wc, steps, s, t); break;
+          case 1: qdot_tile_rows<1>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
+          case 2: qdot_tile_rows<2>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
+          case 3: qdot_tile_rows<3>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
+          default: qdot_tile_rows<4>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
         }
       }
     }
@@ -341,16 +360,15 @@ void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int
     xs = widened;
   }
   __m256* totals = scratch(kept_totals, M * 16);
-  float* tile = M > 1 ? scratch(kept_tile, 16 * split_width(w.block_k)) : nullptr;
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n1 - t0);
     const bool fp8 = w.fmt == W_FP8;
     if (M == 1)
       fp8 ? qdot_row_avx2<W_FP8>(xs, w, t0, K, width, totals) : qdot_row_avx2<W_MXFP4>(xs, w, t0, K, width, totals);
     else if (fp8)
-      qdot_rows_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, tile);
+      qdot_rows_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile);
     else
-      qdot_rows_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, tile);
+      qdot_rows_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
     for (int64_t m = 0; m < M; ++m)
       _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
                                narrow16(__m512{sum_lanes8(totals + m * 16), sum_lanes8(totals + m * 16 + 8)}));
