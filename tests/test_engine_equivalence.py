@@ -226,7 +226,9 @@ def test_batch_invariant_holds_with_weights_kept_quantized(tmp_path, experts):
     from modelkit.quantize import QuantOptions, quantize_folder
 
     folder = quantize_folder(TRAINED, tmp_path / "q", QuantOptions(experts_fp4=experts == "fp4"))
-    kw = dict(dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256)
+    kw = dict(
+        dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=256, max_num_batched_tokens=256
+    )
     if not use_native_kernels(torch.bfloat16, torch.device("cpu")):  # off, or not on this CPU
         with pytest.raises(ValueError, match="batch_invariant needs the native bf16 kernels"):
             LLM(str(folder), batch_invariant=True, **kw)

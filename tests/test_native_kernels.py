@@ -1019,7 +1019,9 @@ def _decode_batch(seqs: int, s_q: int, block_size: int, blocks: int, vocab: int,
 
 
 @pytest.mark.parametrize(
-    "v2, quant", [(False, None), (True, None), (False, "fp8"), (False, "mxfp4")], ids=["v3", "v2", "fp8", "mxfp4"]
+    "v2, quant",
+    [(False, None), (True, None), (False, "fp8"), (False, "mxfp4")],
+    ids=["v3", "v2", "fp8", "mxfp4"],
 )
 @pytest.mark.parametrize("seqs, s_q", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 3), (2, 2)], ids=str)
 @torch.inference_mode()
