@@ -13,10 +13,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from services.common.errors import ResourceExhausted
+
+
+async def wait_for_room(
+    admitted: asyncio.Future, timeout: float, *, release: Callable[[], None], withdraw: Callable[[], None]
+) -> None:
+    """Waits up to `timeout` for `admitted` (a waiter's future, resolved when it is given room).
+    On the timeout (TimeoutError) or a cancel (re-raised), gives back the room when it was given
+    just then (`release`), else cancels the future and takes the waiter out of line (`withdraw`).
+    The router's admission and its KV pin budget (services/router/pins.py) both wait this way."""
+    try:
+        async with asyncio.timeout(timeout):  # not wait_for: 3.11's can swallow a cancel
+            await asyncio.shield(admitted)
+    except (TimeoutError, asyncio.CancelledError):
+        if admitted.done() and not admitted.cancelled():
+            release()  # admitted just now: give the room back
+        else:
+            admitted.cancel()
+            withdraw()
+        raise
 
 
 @dataclass(eq=False)
@@ -72,22 +92,20 @@ class Admission:
             waiter = _Waiter(weight, asyncio.get_running_loop().create_future())
             self._waiters.append(waiter)
             wait = self.queue_timeout_s if timeout is None else min(self.queue_timeout_s, timeout)
+
+            def withdraw() -> None:
+                self._waiters.remove(waiter)
+                self._admit_waiters()  # the head may have changed
+
             try:
-                async with asyncio.timeout(wait):  # not wait_for: 3.11's can swallow a cancel
-                    await asyncio.shield(waiter.future)
-            except (TimeoutError, asyncio.CancelledError) as e:
-                if waiter.future.done() and not waiter.future.cancelled():
-                    self._release(weight)  # admitted just now: give the room back
-                else:
-                    waiter.future.cancel()
-                    self._waiters.remove(waiter)
-                    self._admit_waiters()  # the head may have changed
-                if isinstance(e, TimeoutError):
-                    raise self._refuse(
-                        f"request waited {wait:.1f} s (queue_timeout_s) for room among {self.max_in_flight} "
-                        "in-flight generations"
-                    ) from None
-                raise
+                await wait_for_room(
+                    waiter.future, wait, release=lambda: self._release(weight), withdraw=withdraw
+                )
+            except TimeoutError:
+                raise self._refuse(
+                    f"request waited {wait:.1f} s (queue_timeout_s) for room among {self.max_in_flight} "
+                    "in-flight generations"
+                ) from None
         try:
             yield time.monotonic() - start
         finally:

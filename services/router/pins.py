@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from services.common.errors import ResourceExhausted
+from services.router.admission import wait_for_room
 
 CLIENT_SHARE = 0.5
 """The most of the budget one client holds while it holds anything (its first request is never
@@ -62,23 +63,21 @@ class PinBudget:
             waiter = _Waiter(client, blocks, next(self._order))
             self._waiters.append(waiter)
             self._admit()
+
+            def withdraw() -> None:
+                self._waiters.remove(waiter)
+                self._admit()  # the first in line may have changed
+
             try:
-                async with asyncio.timeout(timeout):  # not wait_for: 3.11's can swallow a cancel
-                    await asyncio.shield(waiter.future)
-            except (TimeoutError, asyncio.CancelledError) as e:
-                if waiter.future.done() and not waiter.future.cancelled():
-                    self._release(waiter)  # admitted just now: give the room back
-                else:
-                    waiter.future.cancel()
-                    self._waiters.remove(waiter)
-                    self._admit()  # the first in line may have changed
-                if isinstance(e, TimeoutError):
-                    raise ResourceExhausted(
-                        f"waited {timeout:.1f} s for {blocks} KV blocks to pin for the hand-over "
-                        f"({self.in_use} of {self.capacity()} pinned)",
-                        retry_after_s=1.0,
-                    ) from None
-                raise
+                await wait_for_room(
+                    waiter.future, timeout, release=lambda: self._release(waiter), withdraw=withdraw
+                )
+            except TimeoutError:
+                raise ResourceExhausted(
+                    f"waited {timeout:.1f} s for {blocks} KV blocks to pin for the hand-over "
+                    f"({self.in_use} of {self.capacity()} pinned)",
+                    retry_after_s=1.0,
+                ) from None
         else:
             waiter = None
         try:
