@@ -63,7 +63,9 @@ def main() -> None:
 
         layers, keep = [], []
         mask = torch.zeros(e, dtype=torch.bool)  # no expert on a GPU
-        identity = torch.arange(e, dtype=torch.long)  # physical expert -> logical (kept alive: the task reads it)
+        identity = torch.arange(
+            e, dtype=torch.long
+        )  # physical expert -> logical (kept alive: the task reads it)
         for layer in range(args.layers):
             gate, gate_s = fp8(i, h)
             up, up_s = fp8(i, h)

@@ -98,9 +98,15 @@ def kt_kernel(python: str, count, experts, hidden, inter, top_k, tokens, steps, 
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
-    lines = [line for line in out.stdout.splitlines() if line.startswith('{"engine"')]  # it prints its own lines
+    lines = [
+        line for line in out.stdout.splitlines() if line.startswith('{"engine"')
+    ]  # it prints its own lines
     if not lines:
-        return {"error": f"exit {out.returncode}, no result", "stderr": out.stderr[-1500:], "stdout": out.stdout[-500:]}
+        return {
+            "error": f"exit {out.returncode}, no result",
+            "stderr": out.stderr[-1500:],
+            "stdout": out.stdout[-500:],
+        }
     return json.loads(lines[-1])
 
 
