@@ -178,20 +178,11 @@ def moe_topk(
             f"topk_ids must be int64 and topk_weights float32, got {topk_ids.dtype} and {topk_weights.dtype}"
         )
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    if any(isinstance(w, QuantWeight) for w in (w13, w2, *(shared or ()))):
-        bad = native._library.moe_topk_q(
-            x.data_ptr(), x.stride(0), *_experts_args(w13, w2),
-            out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
-            num_tokens, top_k, num_experts, hidden, inter, *_shared_weight_args(shared),
-        )  # fmt: skip
-    else:
-        bad = native._library.moe_topk(
-            x.data_ptr(), x.stride(0),
-            w13.data_ptr(), w13.stride(0), w13.stride(1),
-            w2.data_ptr(), w2.stride(0), w2.stride(1),
-            out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
-            num_tokens, top_k, num_experts, hidden, inter, *_shared_args(shared),
-        )  # fmt: skip
+    bad = native._library.moe_topk(
+        x.data_ptr(), x.stride(0), *_experts_args(w13, w2),
+        out.data_ptr(), out.stride(0), topk_ids.data_ptr(), topk_weights.data_ptr(),
+        num_tokens, top_k, num_experts, hidden, inter, *_shared_weight_args(shared),
+    )  # fmt: skip
     if bad:
         raise ValueError(f"{bad} expert ids lie at or past E={num_experts}")
 

@@ -30,7 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_quant_generic", &use_quant_generic);
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_topk", &moe_topk, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("moe_topk_q", &moe_topk_q, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -150,17 +150,6 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
             reinterpret_cast<uint16_t*>(out_ptr), ldo, experts, tokens, weights, H);
 }
 
-// run_topk with bf16 experts (ids int64, weights float32), from Python.
-int64_t moe_topk(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, int64_t ld13, int64_t w2_ptr,
-                 int64_t w2_expert, int64_t ld2, int64_t out_ptr, int64_t ldo, int64_t ids_ptr, int64_t weights_ptr,
-                 int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t s13_ptr, int64_t ld_s13,
-                 int64_t s2_ptr, int64_t ld_s2, int64_t Is) {
-  return run_topk(reinterpret_cast<const uint16_t*>(x_ptr), ldx,
-                  bf16_experts(w13_ptr, w13_expert, ld13, w2_ptr, w2_expert, ld2, I, s13_ptr, ld_s13, s2_ptr, ld_s2, Is),
-                  reinterpret_cast<uint16_t*>(out_ptr), ldo, reinterpret_cast<const int64_t*>(ids_ptr),
-                  reinterpret_cast<const float*>(weights_ptr), T, K, E, H);
-}
-
 // A weight from Python as (data, ld, scale, lds, block_k, fmt): kernels/native weight_args.
 using WeightArgs = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
@@ -183,7 +172,7 @@ inline Experts experts_of(const WeightArgs& w13, int64_t w13_expert, int64_t w13
 }
 
 // run_topk with experts in any format (experts_of), from Python (kernels/native/blocks.py moe_topk).
-int64_t moe_topk_q(int64_t x_ptr, int64_t ldx, const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert,
+int64_t moe_topk(int64_t x_ptr, int64_t ldx, const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert,
                    const WeightArgs& w2, int64_t w2_expert, int64_t w2_scale_expert, int64_t out_ptr, int64_t ldo,
                    int64_t ids_ptr, int64_t weights_ptr, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
                    const WeightArgs& s13, const WeightArgs& s2, int64_t Is) {

@@ -320,7 +320,8 @@ inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n,
                            __m256* totals, std::vector<float>& tile_kept) {
   const int64_t bk = w.block_k, chunk = std::max<int64_t>(1, QTILE_K / bk) * bk, ld = split_width(chunk);
   float* tile = scratch(tile_kept, 16 * ld);
-  std::vector<float> scales(16 * (chunk / bk));
+  thread_local std::vector<float> scales_kept;  // per column, its blocks' scales in this chunk
+  float* scales = scratch(scales_kept, 16 * (chunk / bk));
   for (int64_t i = 0; i < M * 16; ++i) totals[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk), blocks = (k1 - k0 + bk - 1) / bk;
