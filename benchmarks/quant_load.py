@@ -64,7 +64,7 @@ def one(folder: str, threads: int) -> dict:
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=64)
     seconds = time.perf_counter() - start
     model = llm.engine.runner.model
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    weights = llm.engine.runner.weight_bytes  # the checkpoint's and those derived at load
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     largest = largest_tensor_bytes(Path(folder))
     bound = (weights * 1.1 + largest) / 2**20

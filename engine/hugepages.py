@@ -148,12 +148,14 @@ class WeightArena:
         return out
 
 
-def place_parameters(model: nn.Module, arena: WeightArena) -> None:
+def place_parameters(model: nn.Module, arena: WeightArena, values: bool = True) -> None:
     """Moves every parameter and buffer of model into the arena, parameters in the order the
-    modules register them (a layer's together), keeping their values and their Parameter objects
-    (a parameter or buffer shared by two modules is moved once)."""
+    modules register them (a layer's together), keeping their Parameter objects (a parameter or
+    buffer shared by two modules is moved once). Buffers keep their values; parameters too, or
+    with values=False are left uninitialised, for a loader to fill in place (the weights are
+    then never in memory twice)."""
     for p in model.parameters():  # each once
-        p.data = arena.place(p.data)
+        p.data = arena.place(p.data) if values else arena.empty(p.shape, p.dtype)
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the buffer, its copy)
     for module in model.modules():
         for name, b in module.named_buffers(recurse=False):

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.progress import Progress
 from engine.quant import expand_scale_rows
+from engine.safetensors_io import SafetensorsFile
 from kernels.quant import e8m0_to_float
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
-def iter_checkpoint(folder: Path) -> Iterator[tuple[str, Path, object]]:
-    """Every tensor name in the folder's safetensors, with its file and the open handle to read it."""
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, Path, SafetensorsFile]]:
+    """Every tensor name in the folder's safetensors, with its file and the open file to read it."""
     for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:
+        with SafetensorsFile(file) as f:
             for name in f.keys():
                 yield name, file, f
 
@@ -271,12 +271,10 @@ def load_weights(
     for entry in entries:
         by_file.setdefault(entry.file, []).append(entry)
     for file, file_entries in by_file.items():
-        with safe_open(file, framework="pt") as handle:
+        with SafetensorsFile(file) as handle:
             for entry in file_entries:
-                tensor = handle.get_tensor(entry.name)
-                for target in entry.targets:
-                    _copy(tensor, params, target)
-                progress.advance(tensor.numel() * tensor.element_size())
+                _load(handle, entry, params)
+                progress.advance(handle.tensors[entry.name].nbytes)
     if cfg.tie_word_embeddings and "lm_head.weight" in params and not _filled(entries, "lm_head.weight"):
         params["lm_head.weight"].copy_(params["embed_tokens.weight"])
     progress.done()
@@ -302,7 +300,7 @@ def _plan(
     unexpected: list[str] = []
     mtp_skipped = 0
     for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as handle:
+        with SafetensorsFile(file) as handle:
             for name in handle.keys():
                 hf = deepseek_to_hf(name)
                 if hf in stored:
@@ -324,9 +322,9 @@ def _plan(
                         continue
                     unexpected.append(name)
                     continue
-                slc = handle.get_slice(name)
+                info = handle.tensors[name]
                 for target in targets:
-                    _check(name, slc.get_dtype(), list(slc.get_shape()), params, target, cfg)
+                    _check(name, info.dtype, list(info.shape), params, target, cfg)
                     filled[target.param] += _region(params, target).numel()
                 entries.append(_Entry(name, file, targets))
     quantized_unexpected = [n for n in unexpected if deepseek_to_hf(n).endswith(SCALE)]
@@ -436,6 +434,19 @@ def _check(
             f"checkpoint tensor {name!r} has shape {shape}, expected {list(dest.shape)} "
             f"(for parameter {target.param})"
         )
+
+
+def _load(handle: SafetensorsFile, entry: _Entry, params: dict[str, torch.Tensor]) -> None:
+    """One checkpoint tensor into its targets: read straight into the parameter where it is kept
+    as stored, else read once and converted into each target (peak: that tensor's bytes)."""
+    if len(entry.targets) == 1:
+        target = entry.targets[0]
+        if target.rows is None and not target.block_rows:
+            if handle.read_into(entry.name, _region(params, target)):
+                return
+    tensor = handle.read(entry.name)
+    for target in entry.targets:
+        _copy(tensor, params, target)
 
 
 def _copy(tensor: torch.Tensor, params: dict[str, torch.Tensor], target: Target) -> None:

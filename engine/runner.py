@@ -116,12 +116,16 @@ class ModelRunner:
                 ep=ep,
                 num_mtp_layers=self.num_mtp_layers,
             )
+        # The weights on huge pages, a layer's together (engine/hugepages.py), read there from the
+        # checkpoint: loading holds them once, plus one tensor of the checkpoint at a time.
+        arena = WeightArena()
+        place_parameters(self.model, arena, values=False)
         load_weights(
             self.model, model_cfg, cfg.model, expert_map=ep.local_experts if ep is not None else None
         )
-        arena = WeightArena()  # the weights on huge pages, a layer's together (engine/hugepages.py)
-        place_parameters(self.model, arena)
         self.model.process_weights(arena.place)
+        self.weight_bytes = arena.placed_bytes
+        """Bytes of the weights as the engine keeps them: the checkpoint's and those derived at load."""
         if draft_vocab is not None:
             self.model.use_draft_vocab(draft_vocab)
         self.model.eval()

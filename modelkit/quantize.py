@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.loader import SCALE, check_model_folder, deepseek_to_hf, hf_to_deepseek, iter_checkpoint
+from engine.safetensors_io import SafetensorsFile
 from kernels.quant import E2M1_VALUES, MXFP4_BLOCK, float_to_e8m0
 from modelkit.make_model import FINGERPRINT_KEY
 
@@ -166,7 +166,7 @@ def quantize_folder(
 
         for name, file, handle in iter_checkpoint(src):
             del file
-            for out_name, tensor in quantize_tensor(name, handle.get_tensor(name), opts):
+            for out_name, tensor in quantize_tensor(name, handle.read(name), opts):
                 if size and size + tensor.nbytes > shard_bytes:
                     flush()
                     size = 0
@@ -205,7 +205,7 @@ def _name_shards(folder: Path, paths: list[Path]) -> None:
     for i, path in enumerate(paths):
         final = f"model-{i + 1:05d}-of-{len(paths):05d}.safetensors"
         path.rename(folder / final)
-        with safe_open(folder / final, framework="pt") as f:
+        with SafetensorsFile(folder / final) as f:
             weight_map.update({name: final for name in f.keys()})
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n"

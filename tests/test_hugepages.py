@@ -193,7 +193,7 @@ def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model, m
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     placed = llm.generate(["The module provides"], params)[0].token_ids
     # The same model on plain allocations: the same tokens.
-    monkeypatch.setattr("engine.runner.place_parameters", lambda model, arena: None)
+    monkeypatch.setattr("engine.runner.place_parameters", lambda model, arena, values=True: None)
     plain = LLM(tiny_model, dtype="bfloat16", num_kv_blocks=1024)
     plain_params = list(plain.engine.runner.model.parameters())
     assert len({p.untyped_storage().data_ptr() for p in plain_params}) == len(plain_params)  # each its own

@@ -3,8 +3,11 @@ anything is copied), and the converter that writes them (`pdserve quantize`, mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.loader import deepseek_to_hf, hf_to_deepseek
 from kernels.quant import QuantWeight, e8m0_to_float, float_to_e8m0, unpack_e2m1
+from modelkit.make_model import PRESETS, hf_config, make_weights
 from modelkit.quantize import QuantOptions, quantize_folder, quantize_fp8, quantize_mxfp4
 from services.cli import main as cli
 
@@ -64,7 +68,8 @@ def test_weights_stay_quantized_in_memory(tiny_model, tmp_path) -> None:
         assert moe.shared_experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
         assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
         assert moe.experts.w13.dtype == experts_dtype and moe.experts.w2.dtype == experts_dtype
-        assert model.lm_head.weight.dtype == torch.bfloat16 and moe.gate.weight.dtype != torch.float8_e4m3fn
+        compute = llm.engine.runner.dtype  # bf16, or float32 where the CPU has no fast bf16 products
+        assert model.lm_head.weight.dtype == compute and moe.gate.weight.dtype != torch.float8_e4m3fn
         # FP8: a byte a weight and a float32 scale per row per 128 of K; MXFP4 half a byte
         bf16_bytes = plain.layers[1].mlp.experts.w13.nbytes
         w13 = moe.experts.w13.nbytes + moe.experts.w13_scale.nbytes
@@ -237,3 +242,58 @@ def test_quantize_cli_writes_deepseek_names_and_refuses_to_overwrite(tiny_model,
     assert cli(argv) == 2 and "exists and is not empty" in capsys.readouterr().err
     assert cli(["quantize", str(out), "--out", str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+PEAK_PROBE = """
+import gc, json, sys, torch
+torch.set_num_threads(1)
+from pathlib import Path
+from engine import LLM
+from engine.safetensors_io import SafetensorsFile
+
+def status(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(key)
+
+folder = Path(sys.argv[1])
+largest = 0
+for path in folder.glob("*.safetensors"):
+    with SafetensorsFile(path) as f:
+        largest = max([largest, *(t.nbytes for t in f.tensors.values())])
+first = LLM(str(folder), dtype="bfloat16", num_kv_blocks=16)  # what a load imports and caches
+del first
+gc.collect()
+before = status("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=16)
+print(json.dumps({"peak": status("VmHWM") - before, "weights": llm.engine.runner.weight_bytes,
+                  "largest": largest}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with 2048-wide experts (~60 MB of bf16 weights, 1 MiB at most a tensor):
+    weights that dominate what else an engine allocates, and its 2 MiB pages."""
+    p = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=2048, intermediate_size=2048)
+    folder = tmp_path_factory.mktemp("wide") / "wide"
+    shutil.copytree(tiny_model, folder)
+    save_file(make_weights(p), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(p, "wide", "tiny")))
+    return folder
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset is Linux's")
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8"])
+def test_loading_holds_the_weights_once(wide_model, tmp_path, quantized) -> None:
+    """Peak RSS while the engine loads <= its weights + 10% + the checkpoint's largest tensor (the
+    checkpoint's pages are read, not mapped; the parameters are filled where they will live)."""
+    folder = quantize_folder(wide_model, tmp_path / "fp8", QuantOptions()) if quantized else wide_model
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_PROBE, str(folder)], capture_output=True, text=True, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["weights"] > 4 * got["largest"]  # a model whose weights dominate the bound
+    assert got["peak"] <= got["weights"] * 1.1 + got["largest"], got
