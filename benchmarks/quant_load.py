@@ -63,7 +63,6 @@ def one(folder: str, threads: int) -> dict:
     start = time.perf_counter()
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=64)
     seconds = time.perf_counter() - start
-    model = llm.engine.runner.model
     weights = llm.engine.runner.weight_bytes  # the checkpoint's and those derived at load
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     largest = largest_tensor_bytes(Path(folder))
