@@ -16,8 +16,8 @@
 //   VDPBF16PS (or its emulation), the AVX-512 builds' path. The AVX2 build compiles it on avx2.h's
 //   emulation too, where tests force it (use_quant_generic), so its logic is checked on any CPU.
 // - qcolumns_avx2, the AVX2 build's own: x widened to float32 once per call, the weight widened
-//   to float32 as it is read (FP8 through F16C's half conversion, MXFP4 through a byte shuffle),
-//   FMAs.
+//   to float32 as it is read (FP8 by placing its bits in a float's, 32 values from three shifts
+//   and an AND a register; MXFP4 through a byte shuffle), FMAs.
 // Block sizes are multiples of 32 (the Python side sends others to torch); K any length.
 
 #pragma once
@@ -178,9 +178,39 @@ void qcolumns_512(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int6
 #ifndef __AVX512F__
 // ---- qcolumns_avx2: the AVX2 build's, on x widened to float32 -----------------------------------
 
-// x's M rows widened to float32 in order, row m at xw + m * split_width(K), zeros past K.
-inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw) {
+// FP8's x is scaled by 2^XS_LOG2 and each 32 of its values ordered as widen_e4m3x32_avx2 orders
+// the weight's; the outputs take the scale back, with the widening's 2^120 (FP8_UNDO).
+constexpr int XS_LOG2 = 40;
+constexpr float FP8_UNDO = 0x1p80f;  // 2^(120 - XS_LOG2)
+
+// x's M rows widened to float32, row m at xw + m * split_width(K), zeros past K: in order for
+// MXFP4; for FP8, times 2^XS_LOG2 and each 32 values k = 4j + i (j < 8, i < 4) at 8i + j.
+inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw, int64_t fmt) {
   const int64_t K32 = split_width(K);
+  if (fmt == W_FP8) {
+    const __m256 scale = _mm256_set1_ps(0x1p40f);
+    const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    static_assert(XS_LOG2 == 40, "the scale above");
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K32; k += 32) {
+        const uint16_t* p = x + m * ldx + k;
+        alignas(32) uint16_t tail[32] = {};
+        if (K - k < 32) std::memcpy(tail, p, size_t(K - k) * 2), p = tail;
+        __m256 v[4];  // x[k + 8i ..] in order, scaled
+        for (int i = 0; i < 4; ++i) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i));
+          v[i] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), scale);
+        }
+        // Per 128 bits, a 4 x 4 transpose: t[i] = v0[i], v1[i], v2[i], v3[i] (low half) and the
+        // same of lanes 4 + i (high half); then the halves interleaved: x[4j + i] at lane j.
+        const __m256 a = _mm256_unpacklo_ps(v[0], v[1]), b = _mm256_unpackhi_ps(v[0], v[1]);
+        const __m256 c = _mm256_unpacklo_ps(v[2], v[3]), d = _mm256_unpackhi_ps(v[2], v[3]);
+        const __m256 t[4] = {_mm256_shuffle_ps(a, c, 0x44), _mm256_shuffle_ps(a, c, 0xEE),
+                             _mm256_shuffle_ps(b, d, 0x44), _mm256_shuffle_ps(b, d, 0xEE)};
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(xw + m * K32 + k + 8 * i, _mm256_permutevar8x32_ps(t[i], lanes));
+      }
+    return;
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K32; k += 8) {
       const int64_t left = K - k;
@@ -196,23 +226,26 @@ inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, flo
     }
 }
 
-// 16 bytes from p, the first `left` (zeros after).
-inline __m128i load_bytes16(const uint8_t* p, int64_t left) {
-  if (left >= 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  alignas(16) uint8_t t[16] = {};
+// 32 bytes from p, the first `left` (zeros after).
+inline __m256i load_bytes32(const uint8_t* p, int64_t left) {
+  if (left >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) uint8_t t[32] = {};
   if (left > 0) std::memcpy(t, p, size_t(left));
-  return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
 }
 
-// 16 e4m3 values from p (the first `left`; zeros after) as float32 in order, each 2^-8 times its
-// value, exactly: the bits placed in a half's fields (its exponent bias, 15, is e4m3's 7 plus 8,
-// and an e4m3 subnormal lands on a half subnormal of the same scale) and widened by F16C. The
-// block's scale takes the 2^8.
-inline void widen_e4m3_avx2(const uint8_t* p, int64_t left, __m256& lo, __m256& hi) {
-  const __m256i w = _mm256_cvtepi8_epi16(load_bytes16(p, left));  // sign-extended: bit 8 is the sign
-  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(int16_t(0xBF80)));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+// 32 e4m3 values from p (the first `left`; zeros after) as float32, each 2^-120 times its value,
+// exactly: a value's sign moved to a float's and its 4 exponent and 3 mantissa bits to the low
+// end of the float's exponent and the top of its mantissa (the biases differ by 120, and an e4m3
+// subnormal lands on a float subnormal of the same scale; x's 2^XS_LOG2 keeps the products
+// normal). Ordered by byte within each 4: out[i] lane j is byte 4j + i (widen_rows orders x so).
+// A CPU flushing subnormal inputs (MXCSR DAZ, torch.set_flush_denormal) would lose e4m3's.
+inline void widen_e4m3x32_avx2(const uint8_t* p, int64_t left, __m256 out[4]) {
+  const __m256i d = load_bytes32(p, left), fields = _mm256_set1_epi32(int32_t(0x87F00000u));
+  out[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 4), fields));
+  out[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 4), fields));
+  out[2] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 8), 4), fields));
+  out[3] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(d, 4), fields));
 }
 
 // 32 e2m1 values from 16 bytes at p (the even value in each byte's low nibble) as float32 twice
@@ -232,57 +265,58 @@ inline void widen_e2m1_avx2(const uint8_t* p, __m256 out[4]) {
 
 constexpr int64_t QPREFETCH = 4096;  // bytes of a weight row read ahead
 
-// 32 of a row's weights from k (zeros from k1 on) as float32 in order, 8 a register, and the
-// factor their block's scale takes (the widening's 2^-8 or 2 undone).
+// 32 of a row's weights from k (zeros from k1 on) as float32, 8 a register, in the order
+// widen_rows gives x.
 template <int64_t FMT>
-__attribute__((always_inline)) inline float widen32_avx2(const uint8_t* row, int64_t k, int64_t k1, __m256 wv[4]) {
+__attribute__((always_inline)) inline void widen32_avx2(const uint8_t* row, int64_t k, int64_t k1, __m256 wv[4]) {
   if (FMT == W_FP8) {
     _mm_prefetch(reinterpret_cast<const char*>(row + k + QPREFETCH), _MM_HINT_T0);
-    widen_e4m3_avx2(row + k, k1 - k, wv[0], wv[1]);
-    widen_e4m3_avx2(row + k + 16, k1 - k - 16, wv[2], wv[3]);
-    return 0x1p8f;
+    widen_e4m3x32_avx2(row + k, k1 - k, wv);
+    return;
   }
   _mm_prefetch(reinterpret_cast<const char*>(row + k / 2 + QPREFETCH), _MM_HINT_T0);
   widen_e2m1_avx2(row + k / 2, wv);
-  return 0.5f;
 }
+
+// What the outputs are multiplied by (a power of two, exact): the widenings' scales undone.
+constexpr float undo_avx2(int64_t fmt) { return fmt == W_FP8 ? FP8_UNDO : 0.5f; }
 
 // Every output x[m] . w[n] sums the same way, whatever the rows beside it: per block of K, two
 // chains of FMAs in 8 lanes (each 16 values of k: the first 8 into one, the last 8 into the
 // other), added, times the block's scale into the output's total; 32 values of k a step, zeros
-// past K. One row reads the weight widened in registers, two columns at once (four chains, so
-// the FMAs' latency mostly hides; four columns, eight chains, measured no faster out of cache);
-// more rows widen a tile of 16 columns' chunk of K (QTILE_K) into float32 once and run four rows
-// of x over it at a time, a column's blocks in one call.
+// past K. Up to QREG_ROWS rows read each weight row once, widened in registers, one column at a
+// time (one stream of weight bytes a thread, as the bf16 products read theirs); more rows widen
+// a tile of 16 columns' chunk of K (QTILE_K) into float32 once and run four rows of x over it at
+// a time, a column's blocks in one call.
 
-// totals[c], c < 16: x . w[n + c] for the one row x (widened, zeros past K) over columns [n, n +
-// width).
-template <int64_t FMT>
-inline void qdot_row_avx2(const float* x, const QW& w, int64_t n, int64_t K, int64_t width, __m256 totals[16]) {
-  constexpr int COLS = 2;  // two weight rows streamed at once: four chains of FMAs
-  for (int64_t c0 = 0; c0 < width; c0 += COLS) {
-    int64_t col[COLS];  // past width: the last column again (its sums unused), so every loop is whole
-    for (int c = 0; c < COLS; ++c) col[c] = n + std::min(c0 + c, width - 1);
-    __m256 total[COLS];
-    for (int c = 0; c < COLS; ++c) total[c] = _mm256_setzero_ps();
-    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+// totals[r * 16 + c], r < ROWS, c < 16: x[r] . w[n + c] for ROWS rows of widened x (K32 floats
+// apart) over columns [n, n + width) (zeros for the others).
+template <int64_t FMT, int ROWS>
+inline void qdot_rows_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, int64_t width,
+                               __m256* totals) {
+  for (int64_t c = 0; c < 16; ++c) {
+    __m256 total[ROWS];
+    for (int r = 0; r < ROWS; ++r) total[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0, b = 0; c < width && k0 < K; k0 += w.block_k, ++b) {
+      const uint8_t* row = w.row(n + c);
       const int64_t k1 = std::min(K, k0 + w.block_k);
-      __m256 acc[COLS][2];
-      float factor = 1.0f;
-      for (int c = 0; c < COLS; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-      for (int64_t k = k0; k < k1; k += 32)
-        for (int c = 0; c < COLS; ++c) {
-          __m256 wv[4];
-          factor = widen32_avx2<FMT>(w.row(col[c]), k, k1, wv);
-          for (int i = 0; i < 4; ++i) acc[c][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(x + k + 8 * i), acc[c][i & 1]);
-        }
-      for (int c = 0; c < COLS; ++c)
-        total[c] = _mm256_fmadd_ps(_mm256_add_ps(acc[c][0], acc[c][1]), _mm256_set1_ps(factor * w.scale_of(col[c], b)),
-                                   total[c]);
+      __m256 acc[ROWS][2];
+      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 32) {
+        __m256 wv[4];
+        widen32_avx2<FMT>(row, k, k1, wv);
+        for (int i = 0; i < 4; ++i)
+          for (int r = 0; r < ROWS; ++r)
+            acc[r][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(x + r * K32 + k + 8 * i), acc[r][i & 1]);
+      }
+      const __m256 s = _mm256_set1_ps(w.scale_of(n + c, b));
+      for (int r = 0; r < ROWS; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, total[r]);
     }
-    for (int c = 0; c < COLS && c0 + c < 16; ++c) totals[c0 + c] = total[c];
+    for (int r = 0; r < ROWS; ++r) totals[r * 16 + c] = total[r];
   }
 }
+
+constexpr int64_t QREG_ROWS = 8;  // rows up to which the weight is widened in registers (four a pass), not a tile
 
 // ROWS rows of x (K32 floats apart, from the chunk's start) over one column's widened chunk wc
 // (blocks of bk values from k0 to k1, zeros past K): per block, its sums times its scale (scales,
@@ -326,13 +360,12 @@ inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n,
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk), blocks = (k1 - k0 + bk - 1) / bk;
     for (int64_t c = 0; c < width; ++c) {
-      float factor = 1.0f;
       for (int64_t k = k0; k < k0 + split_width(k1 - k0); k += 32) {
         __m256 wv[4];
-        factor = widen32_avx2<FMT>(w.row(n + c), k, std::min(k1, (k / bk + 1) * bk), wv);
+        widen32_avx2<FMT>(w.row(n + c), k, std::min(k1, (k / bk + 1) * bk), wv);
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(tile + c * ld + (k - k0) + 8 * i, wv[i]);
       }
-      for (int64_t i = 0; i < blocks; ++i) scales[c * blocks + i] = factor * w.scale_of(n + c, k0 / bk + i);
+      for (int64_t i = 0; i < blocks; ++i) scales[c * blocks + i] = w.scale_of(n + c, k0 / bk + i);
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const float* x = xs + m0 * K32 + k0;
@@ -357,22 +390,38 @@ void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int
   thread_local std::vector<__m256> kept_totals;
   if (xs == nullptr) {
     float* widened = scratch(kept_x, M * K32);
-    widen_rows(x, ldx, M, K, widened);
+    widen_rows(x, ldx, M, K, widened, w.fmt);
     xs = widened;
   }
   __m256* totals = scratch(kept_totals, M * 16);
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n1 - t0);
     const bool fp8 = w.fmt == W_FP8;
-    if (M == 1)
-      fp8 ? qdot_row_avx2<W_FP8>(xs, w, t0, K, width, totals) : qdot_row_avx2<W_MXFP4>(xs, w, t0, K, width, totals);
-    else if (fp8)
+    if (M <= QREG_ROWS) {
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // a pass of up to four rows
+        const float* xm = xs + m0 * K32;
+        __m256* tm = totals + m0 * 16;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: fp8 ? qdot_rows_reg_avx2<W_FP8, 1>(xm, K32, w, t0, K, width, tm)
+                      : qdot_rows_reg_avx2<W_MXFP4, 1>(xm, K32, w, t0, K, width, tm); break;
+          case 2: fp8 ? qdot_rows_reg_avx2<W_FP8, 2>(xm, K32, w, t0, K, width, tm)
+                      : qdot_rows_reg_avx2<W_MXFP4, 2>(xm, K32, w, t0, K, width, tm); break;
+          case 3: fp8 ? qdot_rows_reg_avx2<W_FP8, 3>(xm, K32, w, t0, K, width, tm)
+                      : qdot_rows_reg_avx2<W_MXFP4, 3>(xm, K32, w, t0, K, width, tm); break;
+          default: fp8 ? qdot_rows_reg_avx2<W_FP8, 4>(xm, K32, w, t0, K, width, tm)
+                       : qdot_rows_reg_avx2<W_MXFP4, 4>(xm, K32, w, t0, K, width, tm); break;
+        }
+      }
+    } else if (fp8) {
       qdot_rows_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile);
-    else
+    } else {
       qdot_rows_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
+    }
+    const __m256 undo = _mm256_set1_ps(undo_avx2(w.fmt));
     for (int64_t m = 0; m < M; ++m)
       _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
-                               narrow16(__m512{sum_lanes8(totals + m * 16), sum_lanes8(totals + m * 16 + 8)}));
+                               narrow16(__m512{_mm256_mul_ps(sum_lanes8(totals + m * 16), undo),
+                                               _mm256_mul_ps(sum_lanes8(totals + m * 16 + 8), undo)}));
   }
 }
 #endif  // !__AVX512F__
@@ -406,7 +455,7 @@ void linear_w(int64_t x_ptr, int64_t ldx, const QW& w, int64_t y_ptr, int64_t ld
 #else
     thread_local std::vector<float> kept;
     float* split = nullptr;
-    if (!g_quant_generic) split = scratch(kept, rows * split_width(K)), widen_rows(x, ldx, rows, K, split);
+    if (!g_quant_generic) split = scratch(kept, rows * split_width(K)), widen_rows(x, ldx, rows, K, split, w.fmt);
 #endif
     const int64_t passes = (rows + QROWS - 1) / QROWS;
     maybe_parallel(steps, chunk, N * w.row_bytes(K) * passes, [&](int64_t s0, int64_t s1) {
