@@ -77,7 +77,13 @@ def main() -> None:
     for _ in range(args.alternations):
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-            cmd = [sys.executable, str(tree / "benchmarks" / "quant_linear.py"), "--one", "--shape", args.shape]
+            cmd = [
+                sys.executable,
+                str(tree / "benchmarks" / "quant_linear.py"),
+                "--one",
+                "--shape",
+                args.shape,
+            ]
             cmd += ["--rows", args.rows, "--layers", str(args.layers), "--rounds", str(args.rounds)]
             cmd += ["--threads", str(args.threads)]
             if not (tree / "benchmarks" / "quant_linear.py").exists():  # an older tree: this file's --one
@@ -101,7 +107,9 @@ def main() -> None:
             line["baseline_fp8"] = best("baseline", "fp8", m)
             line["baseline_bf16"] = best("baseline", "bf16", m)
             line["fp8_speed_vs_baseline_fp8"] = line["baseline_fp8"] / line["fp8"]
-            text += f"  | baseline fp8 {line['baseline_fp8']:.3f} ms: {line['fp8_speed_vs_baseline_fp8']:.2f}x"
+            text += (
+                f"  | baseline fp8 {line['baseline_fp8']:.3f} ms: {line['fp8_speed_vs_baseline_fp8']:.2f}x"
+            )
         summary[str(m)] = line
         print(text)
     sys.path.insert(0, str(ROOT))
