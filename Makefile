@@ -35,8 +35,13 @@ native: kernels/native/prebuilt/.built
 run: venv native
 	$(VENV)/bin/pdserve demo --model-dir $(MODEL_DIR)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
+# module fixtures, e.g. a stack, started once): most of its time is spent waiting on the stacks
+# and engines it starts as processes, so two workers on two cores finish in about 0.8 of one's time.
+TEST_WORKERS ?= 2
+
 test: venv native
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 protos: venv
 	$(PY) -m services.protogen

@@ -62,6 +62,24 @@ print("RESULT " + json.dumps({"tok_per_s": n * olen / seconds, "batch1_ms_per_to
 """
 
 
+def add_worktree(tree: Path, rev: str) -> None:
+    """A git worktree of rev at tree, given this checkout's built native kernels (links to them,
+    which outlive the worktree): a library is named by a key over its sources, flags and torch,
+    so the revision loads one of them only where it would have built the very same file, and
+    compiles the others at first use as before."""
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+        check=True,
+        capture_output=True,
+    )
+    built = REPO / "kernels" / "native" / "prebuilt"
+    libraries = sorted(built.glob("*.so")) if built.is_dir() else []
+    if libraries:
+        (tree / "kernels" / "native" / "prebuilt").mkdir(parents=True, exist_ok=True)
+        for lib in libraries:
+            (tree / "kernels" / "native" / "prebuilt" / lib.name).symlink_to(lib.resolve())
+
+
 @contextlib.contextmanager
 def checkouts(
     baseline: str, candidate: str | None, prefix: str = "pdserve-ab-"
@@ -75,11 +93,7 @@ def checkouts(
                 if rev is None:
                     continue
                 tree = Path(tmp) / side
-                subprocess.run(
-                    ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
-                    check=True,
-                    capture_output=True,
-                )
+                add_worktree(tree, rev)
                 trees.append(tree)
             yield trees[0], trees[1] if candidate is not None else REPO
         finally:

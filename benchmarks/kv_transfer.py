@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.ab_revisions import add_worktree  # noqa: E402
 from benchmarks.common import save  # noqa: E402
 
 FIRST_TOKEN_ID = 16
@@ -185,11 +186,7 @@ def ab(args, lengths: list[int], vocab: int) -> list[dict]:
     """NIXL pulls on this tree (candidate) against a worktree of args.baseline, interleaved."""
     with tempfile.TemporaryDirectory(prefix="kv-transfer-ab-") as tmp:
         tree = Path(tmp) / "baseline"
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline],
-            check=True,
-            capture_output=True,
-        )
+        add_worktree(tree, args.baseline)
         sides: dict[str, Side] = {}
         try:
             sides["baseline"] = Side(args, "nixl", lengths, tree)

@@ -62,7 +62,7 @@ def build(tree: Path, emulated: bool, avx2: bool = False) -> Path:
     out = subprocess.run(
         [sys.executable, "-c", LIBRARY_PATH], cwd=tree, env=env, check=True, capture_output=True, text=True
     )
-    return Path(out.stdout.strip().splitlines()[-1])
+    return Path(out.stdout.strip().splitlines()[-1]).resolve()  # a seeded library: this checkout's file
 
 
 def load_library(path: Path, threads: int):

@@ -17,6 +17,26 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# The longest files (about a minute each on two cores) first: `make test` hands files to its
+# workers in collection order (pytest-xdist, --dist loadfile), so the last ones handed out are
+# short and the two workers finish together.
+LONG_FILES = (
+    "test_soak.py",
+    "test_reliability.py",
+    "test_served_vs_offline_bench.py",
+    "test_expert_parallel.py",
+    "test_native_install.py",
+    "test_products_ab_bench.py",
+    "test_kv_transfer_bench.py",
+    "test_fairness.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_sessionstart(session) -> None:
     """Load the native CPU kernels (kernels/native) once, here, before any test starts engines in
     several processes at once: in a checkout edited since its install (no `make native`), the one
