@@ -148,7 +148,7 @@ def run_shape(
             flush=True,
         )
     if kt is not None:
-        del stacks  # the peer's own copy of the weights needs the memory
+        del stacks, w13, w2, s13, s2  # the peer's own copy of the weights needs the memory
         peer = kt_kernel(
             kt, count, experts, hidden, inter, top_k, tokens, steps, rounds, torch.get_num_threads()
         )
