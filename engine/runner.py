@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq, token_tensors
 from engine.hugepages import WeightArena, place_parameters
-from engine.kv_cache.spec import KVCacheSpec, mla_spec, model_fingerprint
+from engine.kv_cache.spec import KVCacheSpec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, pick_decode_attention, use_native_kernels
@@ -46,13 +46,12 @@ def num_mtp_layers(model_cfg: ModelConfig, cfg: EngineConfig) -> int:
 
 
 def kv_cache_spec(model_cfg: ModelConfig, cfg: EngineConfig) -> KVCacheSpec:
-    """What this engine's KV cache holds: the model's latent cache and, when drafting, the MTP layer's."""
-    spec = mla_spec(
-        num_layers=model_cfg.num_hidden_layers,
+    """What this engine's KV cache holds, as the model class declares it (its kv_cache_spec),
+    refused by name where the engine cannot run it yet."""
+    spec = get_model_class(model_cfg.architecture).kv_cache_spec(
+        model_cfg,
         num_mtp_layers=num_mtp_layers(model_cfg, cfg),
         block_size=cfg.block_size,
-        kv_lora_rank=model_cfg.kv_lora_rank,
-        rope_dim=model_cfg.qk_rope_head_dim,
         dtype=compute_dtype(cfg.torch_dtype, torch.device(cfg.device)),
         fingerprint=model_fingerprint(cfg.model),
     )

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import torch
+
+from engine.kv_cache.spec import KVCaches, mla_spec
 from engine.outputs import RequestOutput
+
+
+def mla_caches(layer_caches: list[torch.Tensor], mtp_caches: list[torch.Tensor] = ()) -> KVCaches:
+    """Tensors made by a test as the engine's caches: the layers' latent caches, then the MTP
+    layers', under the MLA spec of their geometry (rotary width: the model's own is not needed)."""
+    first = layer_caches[0]
+    spec = mla_spec(
+        num_layers=len(layer_caches),
+        num_mtp_layers=len(mtp_caches),
+        block_size=first.shape[1],
+        kv_lora_rank=first.shape[2],
+        rope_dim=0,
+        dtype=first.dtype,
+        fingerprint="test",
+    )
+    return KVCaches(spec, [*layer_caches, *mtp_caches])
 
 
 def run_finished(core, steps: int | None = None) -> dict[str, RequestOutput]:

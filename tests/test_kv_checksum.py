@@ -18,7 +18,7 @@ from tests.test_kv_hybrid import NUM_BLOCKS, SPEC, _filled
 def _expected(caches: list[torch.Tensor], block_id: int) -> int:
     """The reference: the package's CRC-32C of the block's rows of every layer, concatenated."""
     data = b"".join(
-        cache[SPEC.group_block_ids(SPEC.group_of(layer), [block_id])]
+        cache[SPEC.group_block_ids(SPEC.group_at(layer), [block_id])]
         .contiguous()
         .view(torch.uint8)
         .numpy()
@@ -56,7 +56,7 @@ def test_a_flipped_byte_changes_its_blocks_checksum_only(implementation):
     ids = list(range(NUM_BLOCKS))
     before = checksum.block_checksums(SPEC, caches, ids)
     layer = len(caches) - 1  # the second group's last layer
-    rows = SPEC.group_block_ids(SPEC.group_of(layer), [5])
+    rows = SPEC.group_block_ids(SPEC.group_at(layer), [5])
     caches[layer][rows[-1]].view(torch.uint8)[-1] ^= 0x10
     after = checksum.block_checksums(SPEC, caches, ids)
     assert [i for i in ids if before[i] != after[i]] == [5]

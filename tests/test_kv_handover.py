@@ -133,7 +133,7 @@ def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_bl
     end = sink.num_blocks if end is None else end
     if first_block < end:
         for group in producer.kv_spec.groups:
-            slab = Slab(group.layer_start, group.num_layers, first_block, end - first_block)
+            slab = Slab(producer.kv_spec.slot_start(group), group.num_layers, first_block, end - first_block)
             sink.write(slab, producer.kv_port.read_exported(kv, slab))
 
 

@@ -46,7 +46,7 @@ def _filled(seed: int) -> list[torch.Tensor]:
 def _rows(caches: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
     """Every layer's rows of these engine blocks, each group through its own block table."""
     return [
-        cache[SPEC.group_block_ids(SPEC.group_of(layer), block_ids)].clone()
+        cache[SPEC.group_block_ids(SPEC.group_at(layer), block_ids)].clone()
         for layer, cache in enumerate(caches)
     ]
 
@@ -92,7 +92,7 @@ def test_allocated_prefix_cached_evicted_and_offloaded_together():
         other = _request(f"o{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + NUM_BLOCKS * BS // 2)))
         assert bm.allocate_slots(other, other.num_tokens)
         for layer, cache in enumerate(caches):  # the new owner overwrites the rows
-            cache[SPEC.group_block_ids(SPEC.group_of(layer), other.block_ids)] = 0
+            cache[SPEC.group_block_ids(SPEC.group_at(layer), other.block_ids)] = 0
         bm.free(other)
     assert all(bm.pool.lookup(h) is None for h in hashes)
     assert offload.stats.stored_blocks >= 3 and not _same(_rows(caches, blocks), written)
@@ -126,5 +126,5 @@ def test_transferred_together(max_bytes):
     assert _same(_rows(dst, [7, 3]), _rows(src, [1, 4]))
     untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 3)]
     for layer, (d, b) in enumerate(zip(dst, before, strict=True)):
-        rows = functools.partial(SPEC.group_block_ids, SPEC.group_of(layer))
+        rows = functools.partial(SPEC.group_block_ids, SPEC.group_at(layer))
         assert torch.equal(d[rows(untouched)], b[rows(untouched)]), layer

@@ -127,7 +127,7 @@ def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_
     n = consumer.read(peer, sink, 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected, timings)
     assert n == 3 * SPEC.bytes_per_block
     assert _same(_rows(consumer_caches, [7, 6, 5]), _rows(producer_caches, [6, 5, 4]))
-    assert timings.descriptors == SPEC.num_layers
+    assert timings.descriptors == SPEC.num_caches
     flipped = producer_caches[0][8].view(torch.uint8)  # the latent group's first layer, block 4's first row
     flipped[0, 3] ^= 0x10
     try:
@@ -209,7 +209,7 @@ def test_a_peer_whose_geometry_is_not_our_specs_is_refused(pair):
     regions = list(peer.regions)
     args = dict(name="p2", metadata=b"x", regions=regions, num_blocks=NUM_BLOCKS, mem_type="DRAM")
     cases = [
-        (dict(regions=regions[:-1]), r"nixl.regions has 4 entries, the KV cache spec has 5 layers"),
+        (dict(regions=regions[:-1]), r"nixl.regions has 4 entries, the KV cache spec has 5 caches"),
         (
             dict(regions=[*regions[:3], MemoryRegion(regions[3].addr, 1, 0), regions[4]]),
             r"nixl.regions\[3\].length is 1",
@@ -227,8 +227,8 @@ def test_a_peer_whose_geometry_is_not_our_specs_is_refused(pair):
 
 
 def test_descriptors_follow_each_groups_block_table():
-    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
-    theirs = tuple(MemoryRegion((i + 11) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
+    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
+    theirs = tuple(MemoryRegion((i + 11) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
     local, remote = nixl.descriptors(SPEC, regions, theirs, [5, 2], [7, 3])
     latent, indexer = SPEC.groups
     lat, idx = SPEC.layer_bytes_per_block(latent), SPEC.layer_bytes_per_block(indexer)
@@ -265,7 +265,7 @@ def test_block_runs_merge_pairs_contiguous_on_both_sides_in_either_order(local, 
 def test_cut_runs_caps_each_run_and_descriptors_cover_every_byte_once():
     runs = nixl.block_runs([8, 9, 10, 11, 12, 3], [18, 19, 20, 21, 22, 7])
     assert nixl.cut_runs(runs, 2).tolist() == [[3, 7, 1], [8, 18, 2], [10, 20, 2], [12, 22, 1]]
-    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_layers))
+    regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
     lat = SPEC.layer_bytes_per_block(SPEC.groups[0])
     local, remote = nixl.descriptors(SPEC, regions, regions, [12, 11, 10, 9, 8], [2, 1, 0, 7, 6], 2 * lat)
     assert (local[:, 1] == remote[:, 1]).all()

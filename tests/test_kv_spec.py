@@ -20,13 +20,13 @@ SPEC = KVCacheSpec((LATENT, MTP), "model-a")
 
 
 def test_geometry():
-    assert SPEC.num_layers == 4
+    assert SPEC.num_caches == 4
     assert SPEC.block_size == 4
     assert LATENT.block_bytes == 4 * 80 * 4
     assert SPEC.bytes_per_block == 4 * 4 * 80 * 4
-    assert [SPEC.group_of(i).kind for i in range(4)] == [CacheKind.LATENT] * 3 + [CacheKind.MTP_LATENT]
-    with pytest.raises(ValueError, match=r"layer 4 outside \[0, 4\)"):
-        SPEC.group_of(4)
+    assert [SPEC.group_at(i).kind for i in range(4)] == [CacheKind.LATENT] * 3 + [CacheKind.MTP_LATENT]
+    with pytest.raises(ValueError, match=r"cache slot 4 outside \[0, 4\)"):
+        SPEC.group_at(4)
 
 
 def test_mla_spec_is_the_model_group_then_the_mtp_group():
@@ -50,6 +50,10 @@ CHANGES = {
     "rope_width": lambda: _changed("rope_width", 8),
     "rotary_layout": lambda: _changed("rotary_layout", "interleaved"),
     "tokens_per_entry": lambda: _changed("tokens_per_entry", 4),
+    "rope_offset": lambda: _changed("rope_offset", 0),
+    "scale": lambda: KVCacheSpec(
+        (dataclasses.replace(LATENT, dtype=torch.float8_e4m3fn, scale="float32_per_entry"), MTP), "model-a"
+    ),
     "layers": lambda: KVCacheSpec(
         (dataclasses.replace(LATENT, layers=(0, 1)), dataclasses.replace(MTP, layers=(2,))), "model-a"
     ),
@@ -78,8 +82,22 @@ INVALID_GROUPS = {
     "rope-wider-than-entry": (dict(rope_width=81), r"rope_width 81 with rotary_layout 'halves'"),
     "layout-without-rope": (dict(rope_width=0), r"rope_width 0 with rotary_layout 'halves'"),
     "dtype": (dict(dtype=torch.int8), r"dtype must be one of"),
-    "layers-empty": (dict(layers=()), r"non-empty ascending range"),
-    "layers-not-ascending": (dict(layers=(0, 2)), r"non-empty ascending range, got \(0, 2\)"),
+    "layers-empty": (dict(layers=()), r"non-empty and strictly ascending"),
+    "layers-not-ascending": (dict(layers=(2, 0)), r"non-empty and strictly ascending, got \(2, 0\)"),
+    "layers-twice": (dict(layers=(1, 1)), r"non-empty and strictly ascending, got \(1, 1\)"),
+    "layers-negative": (dict(layers=(-1, 0)), r"layers must be >= 0"),
+    "rope-offset-past-the-entry": (
+        dict(rope_offset=65),
+        r"rope_offset 65: a rotary part of width 16 starts in \[0, 64\]",
+    ),
+    "rope-offset-negative": (dict(rope_offset=-1), r"rope_offset -1"),
+    "rope-offset-without-rope": (
+        dict(rope_offset=0, rope_width=0, rotary_layout="none"),
+        r"rope_offset 0: a rotary part of width 0",
+    ),
+    "scale-unknown": (dict(scale="int8"), r"scale must be one of"),
+    "fp8-without-scale": (dict(dtype=torch.float8_e4m3fn), r"dtype float8_e4m3fn with scale 'none'"),
+    "scale-without-fp8": (dict(scale="float32_per_entry"), r"dtype float32 with scale 'float32_per_entry'"),
 }
 
 
@@ -117,11 +135,35 @@ def test_allocate_follows_the_groups_and_check_caches_holds_to_them():
     assert all(not c.any() for c in caches)
     mixed.check_caches(caches)
     with pytest.raises(
-        ValueError, match=r"layer 3 cache is \(10, 4, 80\) torch.float32, the spec says \[5, 8, 12\]"
+        ValueError,
+        match=r"the indexer_keys cache of layer 3 is \(10, 4, 80\) torch.float32, the spec says \[5, 8, 12\]",
     ):
         mixed.check_caches(caches[:3] + [caches[0]])
-    with pytest.raises(ValueError, match="3 layer caches, the spec has 4 layers"):
+    with pytest.raises(ValueError, match=r"3 caches, the spec has 4 \(group, layer\) caches"):
         mixed.check_caches(caches[:3])
+
+
+def test_groups_name_model_layers_and_caches_are_found_by_kind_and_layer():
+    """A V3.2-like spec: the indexer's keys on some of the latent cache's layers (any set), the
+    MTP layer's cache numbered after the model's. Each (kind, layer) names its own tensor; the
+    flat order (the slots transfers address) is a group's layers together, in group order."""
+    indexer = CacheGroupSpec(CacheKind.INDEXER_KEYS, (0, 2), 4, 12, torch.bfloat16)
+    spec = KVCacheSpec((LATENT, indexer, MTP), "m")
+    assert spec.num_caches == 6 and [spec.slot_start(g) for g in spec.groups] == [0, 3, 5]
+    assert [spec.slot(CacheKind.LATENT, n) for n in (0, 1, 2)] == [0, 1, 2]
+    assert [spec.slot(CacheKind.INDEXER_KEYS, n) for n in (0, 2)] == [3, 4]
+    assert spec.slot(CacheKind.MTP_LATENT, 3) == 5 and spec.group_at(4) is indexer
+    caches = spec.allocate(2, "cpu")
+    assert caches.layer(CacheKind.INDEXER_KEYS, 2) is caches[4] and caches[4].shape == (2, 4, 12)
+    assert caches.layer(CacheKind.LATENT, 2) is caches[2] and caches[2].shape == (2, 4, 80)
+    assert [c.shape[-1] for c in caches.group(CacheKind.INDEXER_KEYS)] == [12, 12]
+    assert caches.group(CacheKind.MTP_LATENT) == [caches[5]]
+    with pytest.raises(KeyError, match=r"'indexer_keys' cache group holds no layer 1 \(it holds \[0, 2\]\)"):
+        caches.layer(CacheKind.INDEXER_KEYS, 1)
+    with pytest.raises(KeyError, match="no 'state' group"):
+        caches.group(CacheKind.STATE)
+    with pytest.raises(ValueError, match=r"one group of each kind, got \['latent', 'latent'\]"):
+        KVCacheSpec((LATENT, dataclasses.replace(LATENT, layers=(3,))), "m")
 
 
 # ---- stored blocks (offload tiers) ------------------------------------------------------------
@@ -135,10 +177,41 @@ def _filled(spec: KVCacheSpec, num_blocks: int, seed: int) -> list[torch.Tensor]
     return caches
 
 
-TWO = KVCacheSpec((LATENT, CacheGroupSpec(CacheKind.INDEXER_KEYS, (3, 4), 8, 12, torch.bfloat16)), "m")
+TWO = KVCacheSpec((LATENT, CacheGroupSpec(CacheKind.INDEXER_KEYS, (0, 2), 8, 12, torch.bfloat16)), "m")
+FP8_KEYS = CacheGroupSpec(
+    CacheKind.INDEXER_KEYS, (0, 2), 4, 128, torch.float8_e4m3fn, rope_width=64, rotary_layout="halves",
+    rope_offset=0, scale="float32_per_entry",
+)  # fmt: skip
+"""V3.2's indexer keys as its reference stores them: 128 FP8 values (the rotary part leading), then
+their float32 scale."""
 
 
-@pytest.mark.parametrize("spec", [SPEC, TWO], ids=["latent+mtp", "latent+indexer"])
+def test_an_fp8_entry_with_its_scale_is_132_bytes_and_described_in_full():
+    assert FP8_KEYS.entry_bytes == 132 and FP8_KEYS.block_bytes == 4 * 132 and FP8_KEYS.rope_start == 0
+    spec = KVCacheSpec((LATENT, FP8_KEYS), "m")
+    caches = spec.allocate(3, "cpu")
+    assert caches.layer(CacheKind.INDEXER_KEYS, 2).shape == (3, 4, 132)
+    assert caches.layer(CacheKind.INDEXER_KEYS, 2).dtype == torch.uint8
+    spec.check_caches(caches)
+    described = spec.describe()["groups"][1]
+    assert (described["dtype"], described["scale"], described["rope_offset"]) == (
+        "float8_e4m3fn",
+        "float32_per_entry",
+        0,
+    )
+    assert spec.describe()["groups"][0]["rope_offset"] == 64  # MLA's: the entry's end
+    assert KVCacheSpec.from_description(spec.describe()) == spec
+    bf16_keys = dataclasses.replace(
+        FP8_KEYS, dtype=torch.bfloat16, scale="none"
+    )  # the default layout: the other side of a transfer may hold this one
+    assert KVCacheSpec((LATENT, bf16_keys), "m").compat_hash() != spec.compat_hash()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, TWO, KVCacheSpec((LATENT, FP8_KEYS), "m")],
+    ids=["latent+mtp", "latent+indexer", "latent+fp8-indexer"],
+)
 def test_a_stored_block_round_trips_every_group(spec):
     src, dst = _filled(spec, 4, seed=0), _filled(spec, 4, seed=1)
     before = [c.clone() for c in dst]
@@ -146,7 +219,7 @@ def test_a_stored_block_round_trips_every_group(spec):
     assert len(blob) == BLOCK_HEADER_BYTES + spec.bytes_per_block
     assert decode_block(spec, blob, dst, 1)
     for layer, (s, d, b) in enumerate(zip(src, dst, before, strict=True)):
-        rows = functools.partial(spec.group_block_ids, spec.group_of(layer))  # engine -> group blocks
+        rows = functools.partial(spec.group_block_ids, spec.group_at(layer))  # engine -> group blocks
         assert torch.equal(d[rows([1])], s[rows([2])]), layer
         assert torch.equal(d[rows([0, 2, 3])], b[rows([0, 2, 3])]), layer
 

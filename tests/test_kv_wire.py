@@ -52,18 +52,31 @@ TWO_GROUPS = KVCacheSpec(
         CacheGroupSpec(
             CacheKind.LATENT, (0, 1, 2), 4, 80, torch.float32, rope_width=16, rotary_layout="halves"
         ),
-        CacheGroupSpec(CacheKind.INDEXER_KEYS, (3, 4), 8, 12, torch.bfloat16),
+        CacheGroupSpec(CacheKind.INDEXER_KEYS, (0, 2), 8, 12, torch.bfloat16),
     ),
     "test-model",
 )
+# The same with the indexer keys as V3.2's reference stores them: FP8 with a float32 scale per entry
+# (132 bytes), the rotary part leading.
+FP8_GROUPS = KVCacheSpec(
+    (
+        TWO_GROUPS.groups[0],
+        CacheGroupSpec(
+            CacheKind.INDEXER_KEYS, (0, 2), 8, 128, torch.float8_e4m3fn, rope_width=64, rotary_layout="halves",
+            rope_offset=0, scale="float32_per_entry",
+        ),
+    ),
+    "test-model",
+)  # fmt: skip
 
 
-DT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+DT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "fp8+scale"}
 GEOS = [
     _one_group(3, 4, 80, torch.float32),  # the tiny model: per = 1280
     _one_group(5, 3, 7, torch.float16),  # odd everything: per = 42
     _one_group(61, 64, 576, torch.bfloat16),  # DeepSeek-V3: per = 73728, all layers > MAX_CHUNK_BYTES
-    TWO_GROUPS,  # per = 2 x 1280 (layers 0-2) and 192 (layers 3-4)
+    TWO_GROUPS,  # per = 2 x 1280 (layers 0-2) and 192 (layers 0 and 2)
+    FP8_GROUPS,  # per = 2 x 1280 and 8 x 132
 ]
 # max_bytes as a function of the geometry: below one block-layer, exactly one, between, one block
 # of all layers, just over it, several blocks, and far over the gRPC cap.
@@ -71,9 +84,9 @@ MAXES = {
     "half-block-layer": lambda g: _per(g) // 2,
     "block-layer": lambda g: _per(g),
     "2.5-block-layers": lambda g: _per(g) * 5 // 2,
-    "block-all-layers": lambda g: g.num_layers * _per(g),
-    "block-all-layers+1": lambda g: g.num_layers * _per(g) + 1,
-    "3.5-blocks": lambda g: g.num_layers * _per(g) * 7 // 2,
+    "block-all-layers": lambda g: g.num_caches * _per(g),
+    "block-all-layers+1": lambda g: g.num_caches * _per(g) + 1,
+    "3.5-blocks": lambda g: g.num_caches * _per(g) * 7 // 2,
     "huge": lambda g: 1 << 62,
 }
 RANGES = [(0, 1), (0, 5), (2, 7), (6, 7)]
@@ -99,14 +112,14 @@ def test_plan_covers_every_layer_block_once_within_the_cap(case):
         for layer in range(s.layer_start, s.layer_start + s.num_layers)
         for b in range(s.block_start, s.block_start + s.num_blocks)
     )
-    expected = {(layer, b) for layer in range(geo.num_layers) for b in range(first, num)}
+    expected = {(layer, b) for layer in range(geo.num_caches) for b in range(first, num)}
     assert set(cells) == expected
     assert set(cells.values()) == {1}
     limit = min(max_bytes, MAX_CHUNK_BYTES)
     for s in slabs:
         assert s.num_layers >= 1 and s.num_blocks >= 1
-        group = geo.group_of(s.layer_start)
-        assert s.layer_start + s.num_layers <= group.layer_start + group.num_layers, "a slab spans groups"
+        group = geo.group_at(s.layer_start)
+        assert s.layer_start + s.num_layers <= geo.slot_start(group) + group.num_layers, "a slab spans groups"
         per = geo.layer_bytes_per_block(group)
         size = s.num_layers * s.num_blocks * per
         if limit >= per:
@@ -158,8 +171,12 @@ def _caches(geo: KVCacheSpec, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # [num_blocks, block_size, width] per layer, each layer of its group's geometry
     caches = geo.allocate(num_blocks, "cpu")
-    for c in caches:
-        c.copy_(torch.randn(c.shape, generator=gen))
+    for c in caches:  # random values, or random bytes where entries are stored as bytes
+        c.copy_(
+            torch.randint(0, 256, c.shape, generator=gen)
+            if c.dtype == torch.uint8
+            else torch.randn(c.shape, generator=gen)
+        )
     return caches
 
 
@@ -170,6 +187,8 @@ ROUND_TRIPS = [
     (_one_group(5, 3, 7, torch.float16), 1 << 62),
     (TWO_GROUPS, 1000),
     (TWO_GROUPS, 1 << 62),
+    (FP8_GROUPS, 1000),
+    (FP8_GROUPS, 1 << 62),
 ]
 
 
@@ -187,8 +206,8 @@ def test_chunks_round_trip_through_the_wire(geo, max_bytes):
         chunk = kv_pb.KvChunk.FromString(wire)
         assert check_chunk(geo, chunk, first, len(src_ids)) == slab
         write_slab(geo, dst, dst_ids[blocks], slab.layer_start, chunk.data)
-    for layer in range(geo.num_layers):
-        rows = functools.partial(geo.group_block_ids, geo.group_of(layer))  # engine -> group blocks
+    for layer in range(geo.num_caches):
+        rows = functools.partial(geo.group_block_ids, geo.group_at(layer))  # engine -> group blocks
         for s, d in zip(src_ids[first:], dst_ids[first:], strict=True):
             assert torch.equal(dst[layer][rows([d])], src[layer][rows([s])]), (layer, d)
         untouched = rows([b for b in range(10) if b not in dst_ids[first:]])  # incl. the hit block 1
@@ -285,10 +304,11 @@ def test_dtype_codes_are_the_proto_enum():
         torch.float32: kv_pb.KV_DTYPE_FLOAT32,
         torch.bfloat16: kv_pb.KV_DTYPE_BFLOAT16,
         torch.float16: kv_pb.KV_DTYPE_FLOAT16,
+        torch.float8_e4m3fn: kv_pb.KV_DTYPE_FLOAT8_E4M3,
     }
 
 
-@pytest.mark.parametrize("spec", [GEOS[0], TWO_GROUPS], ids=_geo_id)
+@pytest.mark.parametrize("spec", [GEOS[0], TWO_GROUPS, FP8_GROUPS], ids=_geo_id)
 def test_spec_round_trips_through_the_wire(spec):
     wire = spec_to_proto(spec).SerializeToString()
     back = spec_from_proto(kv_pb.KvCacheSpec.FromString(wire))
@@ -306,11 +326,16 @@ BAD_SPECS = {
         r"groups\[1\]\.dtype 7 is not a known KvDtype",
     ),
     "zero-block-size": (lambda m: setattr(m.groups[0], "block_size", 0), r"block_size must be >= 1, got 0"),
-    "layer-gap": (lambda m: m.groups[1].layers.__setitem__(0, 4), r"non-empty ascending range, got \(4, 4\)"),
-    "groups-out-of-order": (
-        lambda m: (m.groups[1].layers.__setitem__(0, 5), m.groups[1].layers.__setitem__(1, 6)),
-        r"a group starts at 5, expected 3",
+    "layers-twice": (
+        lambda m: m.groups[1].layers.__setitem__(0, 2),
+        r"non-empty and strictly ascending, got \(2, 2\)",
     ),
+    "kind-twice": (lambda m: setattr(m.groups[1], "kind", "latent"), r"one group of each kind"),
+    "rope-offset-past-the-entry": (
+        lambda m: setattr(m.groups[0], "rope_offset", 70),
+        r"rope_offset 70: a rotary part of width 16 starts in \[0, 64\]",
+    ),
+    "scale-unknown": (lambda m: setattr(m.groups[1], "scale", "per-banana"), r"scale must be one of"),
     "no-groups": (lambda m: m.ClearField("groups"), r"at least one cache group"),
     "rope-without-layout": (
         lambda m: setattr(m.groups[0], "rotary_layout", "none"),

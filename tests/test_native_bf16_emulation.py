@@ -25,6 +25,7 @@ from engine import env
 from engine.platform import load_native
 from kernels import native
 from tests.bench_testing import run_python
+from tests.engine_testing import mla_caches
 from tests.test_native_kernels import _decode_batch, _small_model
 
 
@@ -89,8 +90,8 @@ def _outputs() -> dict[str, torch.Tensor]:
                 torch.randn(seqs * 50 + 3, 4, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
             ]
             batch = _decode_batch(seqs, 1, 4, caches[0].shape[0], cfg.vocab_size, gen)
-            assert model.runs_in_one_call(batch, caches)
-            hidden = model(batch, caches)
+            assert model.runs_in_one_call(batch, mla_caches(caches))
+            hidden = model(batch, mla_caches(caches))
             name = f"{'v2' if v2 else 'v3'}-{seqs}"
             out[f"hidden-{name}"] = hidden
             out[f"logits-{name}"] = model.lm_head(hidden)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine import env
 from kernels import linear as linear_mod
 from kernels import native
+from tests.engine_testing import mla_caches
 
 SHAPES = [  # (B, M, N, K): odd sizes, exact tile multiples, the K tail under one 32-lane step
     (1, 1, 1, 1),
@@ -1047,13 +1048,13 @@ def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, pro
     try:
         native.decode_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
         one_call = [c.clone() for c in caches]
-        got = model(batch, one_call)
+        got = model(batch, mla_caches(one_call))
     finally:
         native.decode_stack = real
     assert calls == ([tokens] if tokens <= NATIVE_MAX_BATCH and model.native_stack.takes_rows(tokens) else [])
     stack, model.native_stack = model.native_stack, None
     layer_calls = [c.clone() for c in caches]
-    want = model(batch, layer_calls)
+    want = model(batch, mla_caches(layer_calls))
     model.native_stack = stack
     assert torch.equal(got, want)
     for a, b, before in zip(one_call, layer_calls, caches, strict=True):
@@ -1108,9 +1109,9 @@ def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
         torch.randn(seqs * 16 + 2, block_size, cfg.kv_cache_width, generator=gen).bfloat16() for _ in range(3)
     ]
     batch = _decode_batch(seqs, 1, block_size, caches[0].shape[0], cfg.vocab_size, gen)
-    assert seqs <= native.max_rows() and model.runs_in_one_call(batch, caches)
+    assert seqs <= native.max_rows() and model.runs_in_one_call(batch, mla_caches(caches))
     together = [c.clone() for c in caches]
-    got = model(batch, together)
+    got = model(batch, mla_caches(together))
     tables, lens = batch.decodes[0].per_token
     apart = [c.clone() for c in caches]
     for i in range(seqs):
@@ -1122,10 +1123,10 @@ def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
             prefills=[],
             logits_indices=torch.arange(1),
         )
-        assert torch.equal(model(alone, apart)[0], got[i])
+        assert torch.equal(model(alone, mla_caches(apart))[0], got[i])
     assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
     stack, model.native_stack = model.native_stack, None
-    per_layer = model(batch, [c.clone() for c in caches])
+    per_layer = model(batch, mla_caches([c.clone() for c in caches]))
     model.native_stack = stack
     assert seqs > NATIVE_MAX_BATCH
     torch.testing.assert_close(got.float(), per_layer.float(), rtol=2**-7, atol=2**-6)
@@ -1179,10 +1180,27 @@ def test_greedy_spec_step_refuses_bad_operands(loaded):
     tables, lens = batch.decodes[0].per_token
 
     def run(
-        ids=batch.input_ids, positions=batch.positions, slots=batch.slot_mapping, caps=(9,), k=1, kv=caches
+        ids=batch.input_ids,
+        positions=batch.positions,
+        slots=batch.slot_mapping,
+        caps=(9,),
+        k=1,
+        kv=caches[:3],
+        mtp=caches[3],
     ):
         return native.greedy_spec_step(
-            model.native_stack, model.mtp_drafter, ids, positions, kv, slots, tables, lens, 2, list(caps), k
+            model.native_stack,
+            model.mtp_drafter,
+            ids,
+            positions,
+            kv,
+            mtp,
+            slots,
+            tables,
+            lens,
+            2,
+            list(caps),
+            k,
         )
 
     with pytest.raises(ValueError, match=r"M=2 rows must be 2 requests of query_len=2"):
@@ -1193,10 +1211,10 @@ def test_greedy_spec_step_refuses_bad_operands(loaded):
         run(slots=torch.tensor([3, 64]))
     with pytest.raises(ValueError, match="the rope tables' 256 positions"):
         run(positions=torch.tensor([255, 256]))
-    with pytest.raises(
-        ValueError, match="kv_caches must be the 3 layers' caches, then the MTP layer's, got 3"
-    ):
-        run(kv=caches[:3])
+    with pytest.raises(ValueError, match="kv_caches must be 3 contiguous"):
+        run(kv=caches[:2])
+    with pytest.raises(ValueError, match="the MTP layer's cache must be like the target's"):
+        run(mtp=torch.zeros(8, 4, cfg.kv_cache_width, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="positions lie outside"):  # its later drafts run past its 3 blocks
         run(caps=(40,), k=8)
     tokens, accepted, drafts = run(caps=(2,), k=3)  # it may draft up to 2 - emitted tokens

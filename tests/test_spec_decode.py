@@ -124,7 +124,7 @@ def test_folding_known_rows_into_the_first_draft_keeps_the_drafts(monkeypatch, k
         llm = LLM(TRAINED, speculative_config=spec, **engine)
         prompts = ["The module provides", "This function returns a", "def main():"]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        caches[fold] = llm.engine.runner.kv_caches[-1]
+        caches[fold] = llm.engine.runner.model.mtp_cache(llm.engine.runner.kv_caches)
         assert llm.engine.spec_stats.acceptance_rate > 0.3
     assert folded and sum(map(len, drafted[True])) > 0
     assert drafted[True] == drafted[False]
@@ -163,7 +163,7 @@ def test_the_first_draft_on_the_target_batch_keeps_the_drafts(monkeypatch, k, pr
         llm = LLM(TRAINED, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
         texts = ["The module provides", "This function returns a", "def main():"][:prompts]
         llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-        caches[reuse] = llm.engine.runner.kv_caches[-1]
+        caches[reuse] = llm.engine.runner.model.mtp_cache(llm.engine.runner.kv_caches)
     assert taken and sum(map(len, drafted[True])) > 0
     assert drafted[True] == drafted[False]
     assert torch.equal(caches[True], caches[False])
@@ -417,7 +417,7 @@ def test_mtp_draft_logits_match_a_plain_reference_of_the_checkpoint():
     ids = llm.tokenizer.encode("The module provides functions to read and write files in many formats")
     n = len(ids)
     blocks = list(range(-(-n // 16)))
-    mtp_cache = runner.kv_caches[-1]
+    mtp_cache = model.mtp_cache(runner.kv_caches)
     with torch.inference_mode():
         hidden = model(_layout(ids, 0, blocks, absorbed=False), runner.kv_caches)  # [T, H] final norm
         # MTP position i reads (h_i, t_{i+1}): positions 0..n-8 as a chunk, n-7..n-5 cache rows

@@ -89,7 +89,7 @@ def block_checksums(spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: li
     on_gpu = caches[0].is_cuda
     for g in spec.groups:
         k = spec.sub_blocks(g)
-        for layer in range(g.layer_start, g.layer_start + g.num_layers):
+        for layer in range(spec.slot_start(g), spec.slot_start(g) + g.num_layers):
             cache = caches[layer]  # [rows, block_size, width]; an engine block is k rows in a run
             if on_gpu:
                 index = torch.tensor(

@@ -1,6 +1,8 @@
 """KV blocks as bytes, one format for every way KV leaves or enters an engine.
 
-A slab is layers [layer_start, layer_start + L) of one cache group x some engine blocks, laid out
+A slab is cache slots [layer_start, layer_start + L) of one cache group (positions in the engine's
+flat list of caches, spec.py: a group's layers together, so the same on both sides of equal specs)
+x some engine blocks, laid out
 as [L, num_blocks x sub_blocks, block_size, width] row-major in the group's dtype, little-endian
 (an engine block is `spec.sub_blocks(g)` of the group's blocks; see spec.py). Two framings
 carry slabs:
@@ -28,7 +30,7 @@ from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
 
 assert sys.byteorder == "little", "the KV byte format is little-endian"
 
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
 """Element dtype on the wire and in stored blocks (the values of pdserve.v1.KvDtype)."""
 DTYPE_NAME_BY_CODE = {code: DTYPE_NAMES[dtype] for dtype, code in DTYPE_CODES.items()}
 
@@ -48,8 +50,8 @@ def crc32(data: bytes | memoryview) -> int:
 
 @dataclass(frozen=True)
 class Slab:
-    """Layers [layer_start, +num_layers) of one cache group x blocks [block_start, +num_blocks)
-    (block indices of a transfer, not block ids of either side)."""
+    """Cache slots [layer_start, +num_layers) of one cache group (the wire's field names) x blocks
+    [block_start, +num_blocks) (block indices of a transfer, not block ids of either side)."""
 
     layer_start: int
     num_layers: int
@@ -58,15 +60,15 @@ class Slab:
 
 
 def slab_shape(spec: KVCacheSpec, slab: Slab) -> list[int]:
-    g = spec.group_of(slab.layer_start)
-    return [slab.num_layers, slab.num_blocks * spec.sub_blocks(g), g.block_size, g.width]
+    g = spec.group_at(slab.layer_start)
+    return [slab.num_layers, slab.num_blocks * spec.sub_blocks(g), g.block_size, g.storage_width]
 
 
 def read_slab(
     spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int], layer_start: int, num_layers: int
 ) -> bytes:
     """Copy out layers [layer_start, +num_layers) (one group) x the given engine blocks as bytes."""
-    g = spec.group_of(layer_start)
+    g = spec.group_at(layer_start)
     index = torch.tensor(
         spec.group_block_ids(g, block_ids), dtype=torch.long, device=caches[layer_start].device
     )
@@ -92,14 +94,14 @@ def write_slab(
             f"KV slab has {len(data)} bytes, not a whole number of layers of {len(block_ids)} blocks"
         )
     num_layers = len(data) // per_layer
-    if layer_start + num_layers > g.layer_start + g.num_layers:
+    if layer_start + num_layers > spec.slot_start(g) + g.num_layers:
         raise KVCodecError(
             f"KV slab layers [{layer_start}, {layer_start + num_layers}) cross the end of their cache group "
-            f"[{g.layer_start}, {g.layer_start + g.num_layers})"
+            f"[{spec.slot_start(g)}, {spec.slot_start(g) + g.num_layers})"
         )
-    slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(g.dtype)
+    slab = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(g.storage_dtype)
     ids = spec.group_block_ids(g, block_ids)
-    slab = slab.view(num_layers, len(ids), g.block_size, g.width)
+    slab = slab.view(num_layers, len(ids), g.block_size, g.storage_width)
     index = torch.tensor(ids, dtype=torch.long, device=caches[layer_start].device)
     for i in range(num_layers):
         cache = caches[layer_start + i]
@@ -125,16 +127,16 @@ def check_slab(
     if not (
         0 <= slab.layer_start
         and slab.num_layers > 0
-        and slab.layer_start + slab.num_layers <= spec.num_layers
+        and slab.layer_start + slab.num_layers <= spec.num_caches
     ):
         raise KVCodecError(
-            f"KV chunk layers [{slab.layer_start}, +{slab.num_layers}) outside [0, {spec.num_layers})"
+            f"KV chunk layers [{slab.layer_start}, +{slab.num_layers}) outside [0, {spec.num_caches})"
         )
-    g = spec.group_of(slab.layer_start)
-    if slab.layer_start + slab.num_layers > g.layer_start + g.num_layers:
+    g = spec.group_at(slab.layer_start)
+    if slab.layer_start + slab.num_layers > spec.slot_start(g) + g.num_layers:
         raise KVCodecError(
             f"KV chunk layers [{slab.layer_start}, +{slab.num_layers}) cross the end of their cache group "
-            f"[{g.layer_start}, {g.layer_start + g.num_layers})"
+            f"[{spec.slot_start(g)}, {spec.slot_start(g) + g.num_layers})"
         )
     if dtype_code != DTYPE_CODES[g.dtype]:
         raise KVCodecError(
@@ -158,7 +160,9 @@ def check_slab(
 def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int) -> bytes:
     """One engine block of every layer -> header + each group's [layers, sub_blocks, block_size,
     width] slab."""
-    payload = b"".join(read_slab(spec, caches, [block_id], g.layer_start, g.num_layers) for g in spec.groups)
+    payload = b"".join(
+        read_slab(spec, caches, [block_id], spec.slot_start(g), g.num_layers) for g in spec.groups
+    )
     header = _BLOCK_HEADER.pack(
         _MAGIC, _VERSION, bytes.fromhex(spec.compat_hash()), len(payload), crc32(payload)
     )
@@ -179,13 +183,13 @@ def decode_block(spec: KVCacheSpec, blob: bytes, caches: list[torch.Tensor], blo
     offset = 0
     for g in spec.groups:
         n = g.num_layers * spec.layer_bytes_per_block(g)
-        write_slab(spec, caches, [block_id], g.layer_start, payload[offset : offset + n])
+        write_slab(spec, caches, [block_id], spec.slot_start(g), payload[offset : offset + n])
         offset += n
     return True
 
 
 def _group_at(spec: KVCacheSpec, layer_start: int):
     try:
-        return spec.group_of(layer_start)
+        return spec.group_at(layer_start)
     except ValueError as e:
         raise KVCodecError(f"KV slab: {e}") from None

@@ -152,12 +152,12 @@ def check_peer(
         raise ValueError(f"nixl.mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
     if not 0 < num_blocks < 2**31:
         raise ValueError(f"nixl.num_blocks must be in (0, 2^31), got {num_blocks}")
-    if len(regions) != spec.num_layers:
+    if len(regions) != spec.num_caches:
         raise ValueError(
-            f"nixl.regions has {len(regions)} entries, the KV cache spec has {spec.num_layers} layers"
+            f"nixl.regions has {len(regions)} entries, the KV cache spec has {spec.num_caches} caches"
         )
     for layer, r in enumerate(regions):
-        want = num_blocks * spec.layer_bytes_per_block(spec.group_of(layer))
+        want = num_blocks * spec.layer_bytes_per_block(spec.group_at(layer))
         if r.length != want:
             raise ValueError(
                 f"nixl.regions[{layer}].length is {r.length}, {num_blocks} blocks of this spec are {want} bytes"
@@ -216,8 +216,9 @@ def descriptors(
         per = np.uint64(spec.layer_bytes_per_block(g))
         cut = cut_runs(runs, max(1, max_bytes // int(per))).astype(np.uint64)  # [R', 3]
         for out, regions, column in ((local, local_regions, 0), (remote, remote_regions, 1)):
-            addr = np.array([regions[layer].addr for layer in g.layers], dtype=np.uint64)  # [L]
-            device = np.array([regions[layer].device for layer in g.layers], dtype=np.uint64)  # [L]
+            slots = range(spec.slot_start(g), spec.slot_start(g) + g.num_layers)  # g's layers' regions
+            addr = np.array([regions[slot].addr for slot in slots], dtype=np.uint64)  # [L]
+            device = np.array([regions[slot].device for slot in slots], dtype=np.uint64)  # [L]
             rows = np.empty((len(addr), len(cut), 3), dtype=np.uint64)  # [L, R', 3]
             rows[:, :, 0] = addr[:, None] + cut[None, :, column] * per
             rows[:, :, 1] = cut[None, :, 2] * per

@@ -1,9 +1,13 @@
 """What the paged KV cache holds, described once: a KVCacheSpec made of cache groups.
 
-A cache group is a set of layers whose caches share one geometry: `block_size` entries per block,
-`width` elements per entry, one dtype and one element layout. Every layer's cache is a tensor
-[num_group_blocks, block_size, width]; the engine keeps them in one list, indexed by the spec's
-layer numbers (a group's layers are a contiguous range of that list).
+A cache group is one kind of cache (CacheKind) on a set of the model's layers, any set, whose
+caches share one geometry: `block_size` entries per block, `width` elements per entry, one dtype
+and one element layout. Two groups may name the same layers (a V3.2 layer holds a latent cache and
+an indexer-key cache); a spec has one group of each kind. Every (group, layer) cache is a tensor
+[num_group_blocks, block_size, width], looked up by its kind and model layer (`KVCaches.layer`,
+`KVCaches.group`). The engine keeps them in one flat list, a group's layers together in the
+spec's group order: a cache's position there, its slot, is how transfers, offload and the wire
+address caches (`KVCacheSpec.slot_start`, `group_at`), the same on both sides of equal specs.
 
 Groups may have different block sizes. The engine allocates, prefix-caches, evicts, transfers and
 offloads in engine blocks of `block_size` tokens (the spec's), the largest group block in tokens;
@@ -14,10 +18,13 @@ moved together, block for block. (Caches whose blocks live and die on their own 
 window's, freed behind the window -- need tables of their own; none is run yet.)
 
 For DeepSeek-V2/V3 an entry is one token's MLA latent row, `c_kv` (kv_lora_rank) then the rotary
-key `k_pe` (qk_rope_head_dim), and there are at most two groups: the model's layers, and the MTP
-layer's after them. The kinds reserved for the next models (DeepSeek-V3.2's indexer keys,
-DeepSeek-V4's sliding-window, compressed and compressor-state caches) are named here so their
-specs can be written down; the engine refuses a spec it cannot run yet (see `check_runnable`).
+key `k_pe` (qk_rope_head_dim), and there are at most two groups: the model's layers 0 .. L - 1,
+and the MTP layer's, numbered after them as the checkpoint numbers it (layer L). The kinds
+reserved for the next models (DeepSeek-V3.2's indexer keys, DeepSeek-V4's sliding-window,
+compressed and compressor-state caches) are named here so their specs can be written down, with
+where an entry's rotary part sits (`rope_offset`) and, for FP8 entries, their per-entry float32
+scale (`scale`: V3.2's 132-byte indexer key); the engine refuses a spec it cannot run yet (see
+`check_runnable`).
 
 The spec is what two engines compare before KV moves between them, over a transfer or an offload
 tier: `compat_hash()` covers the model, every group's geometry, dtype and element layout --
@@ -41,8 +48,18 @@ import torch
 from engine.hugepages import huge_zeros
 from kernels.rotary import OUTPUT_LAYOUT
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-"""The cache dtypes a spec may name."""
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+}
+"""The cache dtypes a spec may name (FP8 only with a scale per entry)."""
+
+SCALES = ("none", "float32_per_entry")
+"""How an entry's values are scaled: "none", or "float32_per_entry": the entry stores its width
+FP8 (e4m3) values, then one float32 scale they are multiplied by (DeepSeek-V3.2's reference keeps
+its indexer keys so: 128 + 4 = 132 bytes)."""
 
 ROTARY_LAYOUTS = ("none", "halves", "interleaved")
 """How an entry's rotary part orders its rotated pairs (x_a, x_b): "halves" stores every first
@@ -72,22 +89,27 @@ RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT})
 class CacheGroupSpec:
     kind: CacheKind
     layers: tuple[int, ...]
-    """Indices into the engine's list of layer caches (contiguous, ascending)."""
+    """The model layers that hold this cache (strictly ascending, any set)."""
     block_size: int
     """Entries per block: tokens, or compressed entries for a COMPRESSED group."""
     width: int
     """Elements per entry."""
     dtype: torch.dtype
     rope_width: int = 0
-    """The entry's last rope_width elements are the rotary key k_pe."""
+    """Elements of the entry that are a rotary key."""
     rotary_layout: str = "none"
     tokens_per_entry: int = 1
+    rope_offset: int | None = None
+    """Where the rotary part starts in the entry; None: at its end (MLA's [c_kv | k_pe]; V3.2's
+    indexer key ropes its leading elements: 0)."""
+    scale: str = "none"
+    """One of SCALES."""
 
     def __post_init__(self) -> None:
-        if not self.layers or list(self.layers) != list(
-            range(self.layers[0], self.layers[0] + len(self.layers))
-        ):
-            raise ValueError(f"a cache group's layers must be a non-empty ascending range, got {self.layers}")
+        if not self.layers or any(b <= a for a, b in zip(self.layers, self.layers[1:], strict=False)):
+            raise ValueError(
+                f"a cache group's layers must be non-empty and strictly ascending, got {self.layers}"
+            )
         if self.layers[0] < 0:
             raise ValueError(f"cache group layers must be >= 0, got {self.layers}")
         for name in ("block_size", "width", "tokens_per_entry"):
@@ -104,19 +126,49 @@ class CacheGroupSpec:
                 f"rope_width {self.rope_width} with rotary_layout {self.rotary_layout!r}: a group has a "
                 f"rotary part of width in (0, {self.width}] exactly when it names its layout"
             )
+        if self.rope_offset is not None and not (
+            self.rope_width > 0 and 0 <= self.rope_offset <= self.width - self.rope_width
+        ):
+            raise ValueError(
+                f"rope_offset {self.rope_offset}: a rotary part of width {self.rope_width} starts in "
+                f"[0, {self.width - self.rope_width}] of the {self.width}-element entry"
+            )
+        if self.scale not in SCALES:
+            raise ValueError(f"scale must be one of {SCALES}, got {self.scale!r}")
+        if (self.scale != "none") != (self.dtype == torch.float8_e4m3fn):
+            raise ValueError(
+                f"dtype {DTYPE_NAMES[self.dtype]} with scale {self.scale!r}: FP8 entries, and only they, "
+                "carry a float32 scale (scale='float32_per_entry')"
+            )
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     @property
-    def layer_start(self) -> int:
-        return self.layers[0]
+    def rope_start(self) -> int:
+        """The first element of the rotary part (the entry's width where it has none)."""
+        return self.width - self.rope_width if self.rope_offset is None else self.rope_offset
+
+    @property
+    def entry_bytes(self) -> int:
+        """One entry as stored: its elements, and its scale where it has one."""
+        return self.width * self.dtype.itemsize + (4 if self.scale != "none" else 0)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype: the elements', or bytes where an entry carries its scale."""
+        return torch.uint8 if self.scale != "none" else self.dtype
+
+    @property
+    def storage_width(self) -> int:
+        """The cache tensor's last dimension, in storage_dtype units."""
+        return self.entry_bytes if self.scale != "none" else self.width
 
     @property
     def block_bytes(self) -> int:
         """One block of one layer."""
-        return self.block_size * self.width * self.dtype.itemsize
+        return self.block_size * self.entry_bytes
 
     def describe(self) -> dict:
         """Every field as plain JSON values (the compatibility hash and the wire carry this)."""
@@ -129,6 +181,8 @@ class CacheGroupSpec:
             "rope_width": self.rope_width,
             "rotary_layout": self.rotary_layout,
             "tokens_per_entry": self.tokens_per_entry,
+            "rope_offset": self.rope_start,
+            "scale": self.scale,
         }
 
 
@@ -142,14 +196,9 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         if not self.groups:
             raise ValueError("a KV cache spec needs at least one cache group")
-        expected = 0
-        for g in self.groups:
-            if g.layer_start != expected:
-                raise ValueError(
-                    f"cache groups must cover layers 0.. in order without gaps: a group starts at "
-                    f"{g.layer_start}, expected {expected}"
-                )
-            expected += g.num_layers
+        kinds = [g.kind for g in self.groups]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"a KV cache spec has one group of each kind, got {[k.value for k in kinds]}")
         for g in self.groups:
             if self.block_size % _tokens_per_block(g):
                 raise ValueError(
@@ -158,14 +207,45 @@ class KVCacheSpec:
                 )
 
     @property
-    def num_layers(self) -> int:
+    def num_caches(self) -> int:
+        """(group, layer) caches over all groups: the length of the engine's flat list."""
         return sum(g.num_layers for g in self.groups)
 
-    def group_of(self, layer: int) -> CacheGroupSpec:
+    def slot_start(self, g: CacheGroupSpec) -> int:
+        """Where group g's caches start in the flat list (its layers follow in order)."""
+        start = 0
+        for other in self.groups:
+            if other.kind == g.kind:
+                return start
+            start += other.num_layers
+        raise ValueError(f"cache group {g.kind.value!r} is not in this spec")
+
+    def group_at(self, slot: int) -> CacheGroupSpec:
+        """The group whose caches hold flat position `slot`."""
+        start = 0
         for g in self.groups:
-            if g.layer_start <= layer < g.layer_start + g.num_layers:
+            if start <= slot < start + g.num_layers:
                 return g
-        raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+            start += g.num_layers
+        raise ValueError(f"cache slot {slot} outside [0, {self.num_caches})")
+
+    def group(self, kind: CacheKind) -> CacheGroupSpec:
+        for g in self.groups:
+            if g.kind == kind:
+                return g
+        raise KeyError(f"the KV cache spec has no {kind.value!r} group")
+
+    def has(self, kind: CacheKind) -> bool:
+        return any(g.kind == kind for g in self.groups)
+
+    def slot(self, kind: CacheKind, layer: int) -> int:
+        """Flat position of group `kind`'s cache of model layer `layer`."""
+        g = self.group(kind)
+        if layer not in g.layers:
+            raise KeyError(
+                f"the {kind.value!r} cache group holds no layer {layer} (it holds {list(g.layers)})"
+            )
+        return self.slot_start(g) + g.layers.index(layer)
 
     @property
     def block_size(self) -> int:
@@ -218,6 +298,8 @@ class KVCacheSpec:
                     rope_width=int(g["rope_width"]),
                     rotary_layout=str(g["rotary_layout"]),
                     tokens_per_entry=int(g["tokens_per_entry"]),
+                    rope_offset=_rope_offset(g),
+                    scale=str(g["scale"]),
                 )
                 for g in d["groups"]
             )
@@ -238,11 +320,9 @@ class KVCacheSpec:
                     "engine blocks is allocated and moved, but not attended yet"
                 )
 
-    def allocate(
-        self, num_blocks: int, device: torch.device | str, prefault: bool = False
-    ) -> list[torch.Tensor]:
+    def allocate(self, num_blocks: int, device: torch.device | str, prefault: bool = False) -> KVCaches:
         """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
-        g.block_size, g.width] per layer of group g, in layer order.
+        g.block_size, g.width] per layer of group g, a group's layers together, in the spec's group order.
 
         On huge pages (engine/hugepages.py huge_zeros): decode gathers blocks from all over the
         cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower gather
@@ -252,24 +332,53 @@ class KVCacheSpec:
         of it from the start (engine/hugepages.py populate: a server's cache)."""
         caches = []
         for g in self.groups:
-            shape = (num_blocks * self.sub_blocks(g), g.block_size, g.width)
-            nbytes = math.prod(shape) * g.dtype.itemsize
-            caches += [huge_zeros(nbytes, device, prefault).view(g.dtype).view(shape) for _ in g.layers]
-        return caches
+            shape = (num_blocks * self.sub_blocks(g), g.block_size, g.storage_width)
+            nbytes = math.prod(shape) * g.storage_dtype.itemsize
+            caches += [
+                huge_zeros(nbytes, device, prefault).view(g.storage_dtype).view(shape) for _ in g.layers
+            ]
+        return KVCaches(self, caches)
 
     def check_caches(self, caches: list[torch.Tensor]) -> None:
         """The tensors are this spec's (after allocate, or caches handed in from outside)."""
-        if len(caches) != self.num_layers:
-            raise ValueError(f"{len(caches)} layer caches, the spec has {self.num_layers} layers")
+        if len(caches) != self.num_caches:
+            raise ValueError(f"{len(caches)} caches, the spec has {self.num_caches} (group, layer) caches")
         num_blocks = caches[0].shape[0] // self.sub_blocks(self.groups[0]) if caches[0].dim() else 0
-        for layer, cache in enumerate(caches):
-            g = self.group_of(layer)
+        for slot, cache in enumerate(caches):
+            g = self.group_at(slot)
             rows = num_blocks * self.sub_blocks(g)
-            if cache.dim() != 3 or cache.shape != (rows, g.block_size, g.width) or cache.dtype != g.dtype:
+            want = (rows, g.block_size, g.storage_width)
+            if cache.dim() != 3 or cache.shape != want or cache.dtype != g.storage_dtype:
+                layer = g.layers[slot - self.slot_start(g)]
                 raise ValueError(
-                    f"layer {layer} cache is {tuple(cache.shape)} {cache.dtype}, the spec says "
-                    f"[{rows}, {g.block_size}, {g.width}] {g.dtype} for {num_blocks} engine blocks"
+                    f"the {g.kind.value} cache of layer {layer} is {tuple(cache.shape)} {cache.dtype}, the spec "
+                    f"says {list(want)} {g.storage_dtype} for {num_blocks} engine blocks"
                 )
+
+
+class KVCaches(list):
+    """The engine's caches: a flat list in the spec's slot order (what transfers, offload and the
+    codec walk), looked up by kind and model layer (what models and kernels ask for)."""
+
+    def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor]):
+        super().__init__(caches)
+        self.spec = spec
+
+    def layer(self, kind: CacheKind, layer: int) -> torch.Tensor:
+        """Group `kind`'s cache of model layer `layer`."""
+        return self[self.spec.slot(kind, layer)]
+
+    def group(self, kind: CacheKind) -> list[torch.Tensor]:
+        """Group `kind`'s caches, in the order of its layers."""
+        g = self.spec.group(kind)
+        start = self.spec.slot_start(g)
+        return list(self[start : start + g.num_layers])
+
+
+def _rope_offset(g: dict) -> int | None:
+    """A described group's rope_offset: None where the rotary part ends the entry (the default)."""
+    offset = int(g["rope_offset"])
+    return None if offset == int(g["width"]) - int(g["rope_width"]) else offset
 
 
 def _tokens_per_block(g: CacheGroupSpec) -> int:

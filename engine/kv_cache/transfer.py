@@ -157,7 +157,7 @@ class KVPort:
     def num_blocks(self) -> int:
         """Engine blocks the caches hold."""
         g = self.spec.groups[0]
-        return self._caches[g.layer_start].shape[0] // self.spec.sub_blocks(g)
+        return self._caches[self.spec.slot_start(g)].shape[0] // self.spec.sub_blocks(g)
 
     def sink(self, request_id: str, block_ids: list[int]) -> ImportSink:
         return ImportSink(request_id, self.spec, self._caches, block_ids)

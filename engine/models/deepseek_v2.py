@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.kv_cache.spec import CacheKind, KVCaches, KVCacheSpec, mla_spec
 from engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from engine.models.mla import MLAttention
 from engine.models.moe import DeepseekMoE
@@ -64,6 +65,22 @@ class DecoderLayer(nn.Module):
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class DeepseekV2ForCausalLM(nn.Module):
+    @staticmethod
+    def kv_cache_spec(
+        cfg: ModelConfig, *, num_mtp_layers: int, block_size: int, dtype: torch.dtype, fingerprint: str
+    ) -> KVCacheSpec:
+        """What the model's KV cache holds: every layer's MLA latent row per token, and the MTP
+        layers' (model layers num_hidden_layers + j) when drafting."""
+        return mla_spec(
+            num_layers=cfg.num_hidden_layers,
+            num_mtp_layers=num_mtp_layers,
+            block_size=block_size,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            dtype=dtype,
+            fingerprint=fingerprint,
+        )
+
     def __init__(
         self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
     ):
@@ -162,11 +179,11 @@ class DeepseekV2ForCausalLM(nn.Module):
             return None
         return native.DecodeStack(layers, self.embed_tokens.weight, (norm.weight, norm.eps))
 
-    def runs_in_one_call(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> bool:
+    def runs_in_one_call(self, batch: ForwardBatch, kv_caches: KVCaches) -> bool:
         """Whether this step runs the whole stack as one native call: decode tokens of one query
         length, as many as the native products take (native.max_rows(): FEW_ROWS through
         VDPBF16PS, AMX_ROWS on the AMX tile unit, any number through VDPBF16PS's emulation)."""
-        return self._takes(self.native_stack, batch, kv_caches[0])
+        return self._takes(self.native_stack, batch, kv_caches.layer(CacheKind.LATENT, 0))
 
     def _takes(self, stack: native.DecodeStack | None, batch: ForwardBatch, cache: torch.Tensor) -> bool:
         n = batch.input_ids.shape[0]
@@ -189,21 +206,23 @@ class DeepseekV2ForCausalLM(nn.Module):
         return self.mtp[0].draft(next_ids, hidden, self.embed_tokens, cos, sin, batch, kv_cache)
 
     def greedy_spec_step(
-        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], caps: list[int], k: int
+        self, batch: ForwardBatch, kv_caches: KVCaches, caps: list[int], k: int
     ) -> tuple[list[int], list[int], list[list[int]]] | None:
         """A greedy speculative decode step (the forward, each row's greedy token, the acceptance and
         the MTP layer's cache rows and drafts) as one native call (native.greedy_spec_step), for a
-        batch of decodes of one query length; kv_caches: the layers' and the MTP layer's last. ->
+        batch of decodes of one query length; kv_caches: the layers' latent caches and the MTP
+        layer's. ->
         (tokens, accepted, drafts) as lists, or None: the step takes forward, greedy_tokens and
         mtp_forward one by one."""
         drafter = self.mtp_drafter
-        if drafter is None or not self._takes(self.native_stack, batch, kv_caches[0]):
+        if drafter is None or not self.runs_in_one_call(batch, kv_caches):
             return None
         group = batch.decodes[0]
         tables, lens = group.per_token
+        layer_caches, mtp_cache = kv_caches.group(CacheKind.LATENT), self.mtp_cache(kv_caches)
         result = native.greedy_spec_step(
-            self.native_stack, drafter, batch.input_ids, batch.positions, kv_caches, batch.slot_mapping,
-            tables, lens, group.query_len, caps, k,
+            self.native_stack, drafter, batch.input_ids, batch.positions, layer_caches, mtp_cache,
+            batch.slot_mapping, tables, lens, group.query_len, caps, k,
         )  # fmt: skip
         return tuple(t.tolist() for t in result)
 
@@ -220,11 +239,15 @@ class DeepseekV2ForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         self.mtp[0].store_kv(next_ids, hidden, self.embed_tokens, cos, sin, slots, kv_cache)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def mtp_cache(self, kv_caches: KVCaches) -> torch.Tensor:
+        """The first MTP layer's cache (model layer num_hidden_layers, as the checkpoint numbers it)."""
+        return kv_caches.layer(CacheKind.MTP_LATENT, len(self.layers))
+
+    def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        layer_caches = kv_caches[: len(self.layers)]
-        if self.runs_in_one_call(batch, layer_caches):
+        layer_caches = kv_caches.group(CacheKind.LATENT)
+        if self.runs_in_one_call(batch, kv_caches):
             tables, lens = batch.decodes[0].per_token
             ids, slots = batch.input_ids, batch.slot_mapping
             return native.decode_stack(self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens)

@@ -103,7 +103,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
     limit = runner.spec.disable_by_batch_size
     if limit is not None and len(items) >= limit:
         k = 0  # no drafts this step; the cache rows below are still written
-    mtp_cache = runner.kv_caches[-1]
+    mtp_cache = model.mtp_cache(runner.kv_caches)
     kv_rows: list[int] = []  # rows whose MTP cache row alone is needed, and their next tokens
     kv_ids: list[int] = []
     drafting: list[_Drafting] = []

@@ -637,6 +637,7 @@ def greedy_spec_step(
     ids: torch.Tensor,
     positions: torch.Tensor,
     kv_caches: list[torch.Tensor],
+    mtp_cache: torch.Tensor,
     slots: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -647,7 +648,8 @@ def greedy_spec_step(
     """A greedy speculative decode step in one call: R = len(caps) requests, each query_len rows
     of ids [M = R * query_len] (its last known token, then the drafts it verifies) at positions
     [M] (their cos and sin read from the drafter's rope tables), with slots, block_table and
-    seq_lens as decode_stack takes them; kv_caches: the target's caches, then the MTP layer's. The
+    seq_lens as decode_stack takes them; kv_caches: the target's layers' caches; mtp_cache the MTP
+    layer's. The
     target verifies, then the MTP layer writes its cache rows for each request's known positions
     and drafts up to min(k, caps[r] - emitted) tokens (caps: engine/spec_decode/drafter.py
     draft_cap).
@@ -668,12 +670,8 @@ def greedy_spec_step(
     if drafter.stack.rope_dim != target.rope_dim or drafter.stack.hidden != target.hidden:
         raise ValueError("the MTP layer's rope dimension and hidden size must be the target's")
     _check_step(rows, drafter.rope_cos, drafter.rope_sin, slots, block_table, seq_lens)
-    if len(kv_caches) != len(target.layers) + 1:
-        raise ValueError(
-            f"kv_caches must be the {len(target.layers)} layers' caches, then the MTP layer's, got {len(kv_caches)}"
-        )
-    shape = _check_caches(target, kv_caches[:-1])
-    if _check_caches(drafter.stack, kv_caches[-1:]) != shape:
+    shape = _check_caches(target, kv_caches)
+    if _check_caches(drafter.stack, [mtp_cache]) != shape:
         raise ValueError("the MTP layer's cache must be like the target's")
     ids, positions, slots, block_table, seq_lens = (
         t.contiguous() for t in (ids, positions, slots, block_table, seq_lens)
@@ -693,10 +691,10 @@ def greedy_spec_step(
         draft_ids = drafter.draft_ids.data_ptr()
     bad = native._library.greedy_spec_step(
         target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
-        target.hidden, target.kv_pointers(kv_caches[:-1]).data_ptr(), shape[0], shape[1], slots.data_ptr(),
+        target.hidden, target.kv_pointers(kv_caches).data_ptr(), shape[0], shape[1], slots.data_ptr(),
         block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(), norm_eps,
         drafter.lm_head.data_ptr(), drafter.lm_head.shape[0], drafter.vocab, drafter.stack.plan.data_ptr(),
-        drafter.stack.kv_pointers(kv_caches[-1:]).data_ptr(), mtp_norm.data_ptr(), mtp_eps,
+        drafter.stack.kv_pointers([mtp_cache]).data_ptr(), mtp_norm.data_ptr(), mtp_eps,
         drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
         drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
         drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),

@@ -13,6 +13,7 @@ class KvDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_DTYPE_FLOAT32: _ClassVar[KvDtype]
     KV_DTYPE_BFLOAT16: _ClassVar[KvDtype]
     KV_DTYPE_FLOAT16: _ClassVar[KvDtype]
+    KV_DTYPE_FLOAT8_E4M3: _ClassVar[KvDtype]
 
 class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ KV_DTYPE_UNSPECIFIED: KvDtype
 KV_DTYPE_FLOAT32: KvDtype
 KV_DTYPE_BFLOAT16: KvDtype
 KV_DTYPE_FLOAT16: KvDtype
+KV_DTYPE_FLOAT8_E4M3: KvDtype
 RELEASE_REASON_UNSPECIFIED: ReleaseReason
 RELEASE_REASON_DONE: ReleaseReason
 RELEASE_REASON_ABORT: ReleaseReason
@@ -126,7 +128,7 @@ class NixlAgentInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., mem_type: _Optional[str] = ..., num_blocks: _Optional[int] = ..., checksums: _Optional[bool] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry")
+    __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry", "rope_offset", "scale")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,8 @@ class KvCacheGroup(_message.Message):
     ROPE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     ROTARY_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ROPE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -143,7 +147,9 @@ class KvCacheGroup(_message.Message):
     rope_width: int
     rotary_layout: str
     tokens_per_entry: int
-    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., rope_width: _Optional[int] = ..., rotary_layout: _Optional[str] = ..., tokens_per_entry: _Optional[int] = ...) -> None: ...
+    rope_offset: int
+    scale: str
+    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., rope_width: _Optional[int] = ..., rotary_layout: _Optional[str] = ..., tokens_per_entry: _Optional[int] = ..., rope_offset: _Optional[int] = ..., scale: _Optional[str] = ...) -> None: ...
 
 class KvCacheSpec(_message.Message):
     __slots__ = ("groups", "model_fingerprint")

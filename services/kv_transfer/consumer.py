@@ -26,7 +26,7 @@ async def pull(
     Raises ServiceError with the failing status (DATA_LOSS for a corrupt or incomplete stream)."""
     num_blocks = handle.num_blocks
     assert sink.num_blocks == num_blocks
-    missing = {(layer, b) for layer in range(sink.spec.num_layers) for b in range(first_block, num_blocks)}
+    missing = {(layer, b) for layer in range(sink.spec.num_caches) for b in range(first_block, num_blocks)}
     received = 0
     request = kv_pb.PullRequest(
         transfer_id=handle.transfer_id,

@@ -39,8 +39,9 @@ def plan(spec: KVCacheSpec, first_block: int, num_blocks: int, max_bytes: int) -
         blocks = max(1, cap // (layers * per))
         for b in range(first_block, num_blocks, blocks):
             nb = min(blocks, num_blocks - b)
-            for layer in range(g.layer_start, g.layer_start + g.num_layers, layers):
-                out.append(Slab(layer, min(layers, g.layer_start + g.num_layers - layer), b, nb))
+            start = spec.slot_start(g)
+            for layer in range(start, start + g.num_layers, layers):
+                out.append(Slab(layer, min(layers, start + g.num_layers - layer), b, nb))
     return out
 
 
@@ -50,7 +51,7 @@ def make_chunk(spec: KVCacheSpec, slab: Slab, data: bytes) -> kv_pb.KvChunk:
         num_layers=slab.num_layers,
         block_start=slab.block_start,
         num_blocks=slab.num_blocks,
-        dtype=DTYPE_CODES[spec.group_of(slab.layer_start).dtype],
+        dtype=DTYPE_CODES[spec.group_at(slab.layer_start).dtype],
         shape=slab_shape(spec, slab),
         data=data,
         crc32=crc32(data),
@@ -89,6 +90,8 @@ def spec_to_proto(spec: KVCacheSpec) -> kv_pb.KvCacheSpec:
                 rope_width=g.rope_width,
                 rotary_layout=g.rotary_layout,
                 tokens_per_entry=g.tokens_per_entry,
+                rope_offset=g.rope_start,
+                scale=g.scale,
             )
             for g in spec.groups
         ],
@@ -111,6 +114,8 @@ def spec_from_proto(msg: kv_pb.KvCacheSpec) -> KVCacheSpec:
                 "rope_width": g.rope_width,
                 "rotary_layout": g.rotary_layout,
                 "tokens_per_entry": g.tokens_per_entry,
+                "rope_offset": g.rope_offset,
+                "scale": g.scale,
             }
         )
     return KVCacheSpec.from_description({"model": msg.model_fingerprint, "groups": groups})

@@ -123,7 +123,7 @@ class WorkerService(wgrpc.WorkerServicer):
             dp_rank=self.settings.dp_rank,
             identity=self.identity,
             kv_cache=wpb.KvCacheGeometry(
-                num_layers=spec.num_layers,
+                num_layers=spec.num_caches,
                 num_blocks=core.num_kv_blocks,
                 block_size=spec.block_size,
                 width=first.width,
