@@ -275,9 +275,10 @@ print(json.dumps({"peak": status("VmHWM") - before, "weights": llm.engine.runner
 
 @pytest.fixture(scope="module")
 def wide_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with 2048-wide experts (~60 MB of bf16 weights, 1 MiB at most a tensor):
-    weights that dominate what else an engine allocates, and its 2 MiB pages."""
-    p = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=2048, intermediate_size=2048)
+    """The tiny model with 4096-wide experts (~120 MB of bf16 weights, 1 MiB at most a tensor):
+    weights that dominate what else an engine allocates, and its 2 MiB pages (at 2048 wide, FP8's
+    10 % was ~3 MB, a page or two, and a run on torch's path went over by a page)."""
+    p = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=4096, intermediate_size=4096)
     folder = tmp_path_factory.mktemp("wide") / "wide"
     shutil.copytree(tiny_model, folder)
     save_file(make_weights(p), str(folder / "model.safetensors"), metadata={"format": "pt"})
