@@ -363,16 +363,24 @@ class KVCaches(list):
     def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor]):
         super().__init__(caches)
         self.spec = spec
+        self._groups: dict[CacheKind, list[torch.Tensor]] = {}  # looked up every step: found once
+        self._layers: dict[tuple[CacheKind, int], torch.Tensor] = {}
+        for g in spec.groups:
+            start = spec.slot_start(g)
+            self._groups[g.kind] = caches[start : start + g.num_layers]
+            self._layers.update(((g.kind, n), c) for n, c in zip(g.layers, self._groups[g.kind], strict=True))
 
     def layer(self, kind: CacheKind, layer: int) -> torch.Tensor:
         """Group `kind`'s cache of model layer `layer`."""
-        return self[self.spec.slot(kind, layer)]
+        if (kind, layer) not in self._layers:
+            self.spec.slot(kind, layer)  # KeyError naming it
+        return self._layers[kind, layer]
 
     def group(self, kind: CacheKind) -> list[torch.Tensor]:
-        """Group `kind`'s caches, in the order of its layers."""
-        g = self.spec.group(kind)
-        start = self.spec.slot_start(g)
-        return list(self[start : start + g.num_layers])
+        """Group `kind`'s caches, in the order of its layers (the caller's to read, not to change)."""
+        if kind not in self._groups:
+            self.spec.group(kind)  # KeyError naming it
+        return self._groups[kind]
 
 
 def _rope_offset(g: dict) -> int | None:

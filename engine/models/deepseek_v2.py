@@ -210,10 +210,9 @@ class DeepseekV2ForCausalLM(nn.Module):
     ) -> tuple[list[int], list[int], list[list[int]]] | None:
         """A greedy speculative decode step (the forward, each row's greedy token, the acceptance and
         the MTP layer's cache rows and drafts) as one native call (native.greedy_spec_step), for a
-        batch of decodes of one query length; kv_caches: the layers' latent caches and the MTP
-        layer's. ->
-        (tokens, accepted, drafts) as lists, or None: the step takes forward, greedy_tokens and
-        mtp_forward one by one."""
+        batch of decodes of one query length (kv_caches: the layers' latent caches and the MTP
+        layer's) -> (tokens, accepted, drafts) as lists, or None: the step takes forward,
+        greedy_tokens and mtp_forward one by one."""
         drafter = self.mtp_drafter
         if drafter is None or not self.runs_in_one_call(batch, kv_caches):
             return None

@@ -648,11 +648,10 @@ def greedy_spec_step(
     """A greedy speculative decode step in one call: R = len(caps) requests, each query_len rows
     of ids [M = R * query_len] (its last known token, then the drafts it verifies) at positions
     [M] (their cos and sin read from the drafter's rope tables), with slots, block_table and
-    seq_lens as decode_stack takes them; kv_caches: the target's layers' caches; mtp_cache the MTP
-    layer's. The
-    target verifies, then the MTP layer writes its cache rows for each request's known positions
-    and drafts up to min(k, caps[r] - emitted) tokens (caps: engine/spec_decode/drafter.py
-    draft_cap).
+    seq_lens as decode_stack takes them; kv_caches: the target's layers' caches, mtp_cache the MTP
+    layer's. The target verifies, then the MTP layer writes its cache rows for each request's
+    known positions and drafts up to min(k, caps[r] - emitted) tokens (caps:
+    engine/spec_decode/drafter.py draft_cap).
     -> (tokens [M]: the target's greedy token after each row; accepted [R]: the drafts accepted,
     a, so request r emits tokens[r * query_len : r * query_len + a + 1]; drafts [R, k]: its next
     drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache
