@@ -178,19 +178,18 @@ void qcolumns_512(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int6
 #ifndef __AVX512F__
 // ---- qcolumns_avx2: the AVX2 build's, on x widened to float32 -----------------------------------
 
-// FP8's x is scaled by 2^XS_LOG2 and each 32 of its values ordered as widen_e4m3x32_avx2 orders
+// FP8's x is scaled by FP8_X_SCALE and each 32 of its values ordered as widen_e4m3x32_avx2 orders
 // the weight's; the outputs take the scale back, with the widening's 2^120 (FP8_UNDO).
-constexpr int XS_LOG2 = 40;
-constexpr float FP8_UNDO = 0x1p80f;  // 2^(120 - XS_LOG2)
+constexpr float FP8_X_SCALE = 0x1p40f;
+constexpr float FP8_UNDO = 0x1p80f;  // 2^120 / FP8_X_SCALE
 
 // x's M rows widened to float32, row m at xw + m * split_width(K), zeros past K: in order for
-// MXFP4; for FP8, times 2^XS_LOG2 and each 32 values k = 4j + i (j < 8, i < 4) at 8i + j.
+// MXFP4; for FP8, times FP8_X_SCALE and each 32 values k = 4j + i (j < 8, i < 4) at 8i + j.
 inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw, int64_t fmt) {
   const int64_t K32 = split_width(K);
   if (fmt == W_FP8) {
-    const __m256 scale = _mm256_set1_ps(0x1p40f);
+    const __m256 scale = _mm256_set1_ps(FP8_X_SCALE);
     const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    static_assert(XS_LOG2 == 40, "the scale above");
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K32; k += 32) {
         const uint16_t* p = x + m * ldx + k;
@@ -237,7 +236,7 @@ inline __m256i load_bytes32(const uint8_t* p, int64_t left) {
 // 32 e4m3 values from p (the first `left`; zeros after) as float32, each 2^-120 times its value,
 // exactly: a value's sign moved to a float's and its 4 exponent and 3 mantissa bits to the low
 // end of the float's exponent and the top of its mantissa (the biases differ by 120, and an e4m3
-// subnormal lands on a float subnormal of the same scale; x's 2^XS_LOG2 keeps the products
+// subnormal lands on a float subnormal of the same scale; x's FP8_X_SCALE keeps the products
 // normal). Ordered by byte within each 4: out[i] lane j is byte 4j + i (widen_rows orders x so).
 // A CPU flushing subnormal inputs (MXCSR DAZ, torch.set_flush_denormal) would lose e4m3's.
 inline void widen_e4m3x32_avx2(const uint8_t* p, int64_t left, __m256 out[4]) {
@@ -383,6 +382,24 @@ inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n,
   }
 }
 
+// totals[m * 16 + c]: x[m] . w[n + c] for all M rows over columns [n, n + width): up to QREG_ROWS
+// rows in register passes of four, more over the tile.
+template <int64_t FMT>
+inline void qdot_columns16_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K,
+                                int64_t width, __m256* totals, std::vector<float>& tile_kept) {
+  if (M > QREG_ROWS) return qdot_rows_avx2<FMT>(xs, K32, w, n, M, K, width, totals, tile_kept);
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* x = xs + m0 * K32;
+    __m256* t = totals + m0 * 16;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: qdot_rows_reg_avx2<FMT, 1>(x, K32, w, n, K, width, t); break;
+      case 2: qdot_rows_reg_avx2<FMT, 2>(x, K32, w, n, K, width, t); break;
+      case 3: qdot_rows_reg_avx2<FMT, 3>(x, K32, w, n, K, width, t); break;
+      default: qdot_rows_reg_avx2<FMT, 4>(x, K32, w, n, K, width, t); break;
+    }
+  }
+}
+
 void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int64_t ldy, int64_t M, int64_t K,
                    int64_t n0, int64_t n1, const float* xs) {
   const int64_t K32 = split_width(K);
@@ -396,27 +413,8 @@ void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int
   __m256* totals = scratch(kept_totals, M * 16);
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n1 - t0);
-    const bool fp8 = w.fmt == W_FP8;
-    if (M <= QREG_ROWS) {
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {  // a pass of up to four rows
-        const float* xm = xs + m0 * K32;
-        __m256* tm = totals + m0 * 16;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: fp8 ? qdot_rows_reg_avx2<W_FP8, 1>(xm, K32, w, t0, K, width, tm)
-                      : qdot_rows_reg_avx2<W_MXFP4, 1>(xm, K32, w, t0, K, width, tm); break;
-          case 2: fp8 ? qdot_rows_reg_avx2<W_FP8, 2>(xm, K32, w, t0, K, width, tm)
-                      : qdot_rows_reg_avx2<W_MXFP4, 2>(xm, K32, w, t0, K, width, tm); break;
-          case 3: fp8 ? qdot_rows_reg_avx2<W_FP8, 3>(xm, K32, w, t0, K, width, tm)
-                      : qdot_rows_reg_avx2<W_MXFP4, 3>(xm, K32, w, t0, K, width, tm); break;
-          default: fp8 ? qdot_rows_reg_avx2<W_FP8, 4>(xm, K32, w, t0, K, width, tm)
-                       : qdot_rows_reg_avx2<W_MXFP4, 4>(xm, K32, w, t0, K, width, tm); break;
-        }
-      }
-    } else if (fp8) {
-      qdot_rows_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile);
-    } else {
-      qdot_rows_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
-    }
+    w.fmt == W_FP8 ? qdot_columns16_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile)
+                   : qdot_columns16_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
     const __m256 undo = _mm256_set1_ps(undo_avx2(w.fmt));
     for (int64_t m = 0; m < M; ++m)
       _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
