@@ -34,19 +34,12 @@ def rss_mib() -> float:
 
 
 def largest_tensor_bytes(folder: Path) -> int:
-    from safetensors import safe_open
+    from engine.safetensors_io import SafetensorsFile
 
     largest = 0
     for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no iteration
-                view = f.get_slice(name)
-                shape, dtype = view.get_shape(), view.get_dtype()
-                size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1}[dtype]
-                n = 1
-                for d in shape:
-                    n *= d
-                largest = max(largest, n * size)
+        with SafetensorsFile(path) as f:
+            largest = max([largest, *(t.nbytes for t in f.tensors.values())])
     return largest
 
 
