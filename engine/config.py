@@ -17,7 +17,12 @@ from engine.quant import QuantConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.rotary import yarn_mscale
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+_ARCHITECTURES = {
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,35 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): per layer it scores every
+    earlier token and MLA attends only to the best `topk` of them."""
+
+    n_heads: int
+    """`index_n_heads`: query heads of the indexer (one shared key per token)."""
+    head_dim: int
+    """`index_head_dim`: width of an indexer query head and key; its leading qk_rope_head_dim
+    elements are rotary (half-split pairs)."""
+    topk: int
+    """`index_topk`: tokens each query attends to once its context is longer."""
+
+    @staticmethod
+    def from_hf(raw: dict) -> IndexerConfig:
+        values = {}
+        for key, default in (("index_n_heads", 64), ("index_head_dim", 128), ("index_topk", 2048)):
+            value = raw.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json {key} must be a positive integer, got {value!r}")
+            values[key] = value
+        return IndexerConfig(values["index_n_heads"], values["index_head_dim"], values["index_topk"])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a DeepSeek-V2/V3 checkpoint, as its config.json describes it."""
+    """The architecture of a DeepSeek-V2/V3/V3.2 checkpoint, as its config.json describes it."""
 
     model_type: str
-    """"deepseek_v2" or "deepseek_v3"."""
+    """"deepseek_v2", "deepseek_v3" or "deepseek_v32"."""
     architecture: str
     """The `architectures[0]` entry; selects the model class in the registry."""
     vocab_size: int
@@ -118,6 +147,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     quant: QuantConfig | None = None
     """How the checkpoint's linears are quantized (engine/quant.py); None: kept as stored, bf16 or wider."""
+    indexer: IndexerConfig | None = None
+    """DeepSeek-V3.2's sparse-attention indexer; None: dense MLA (V2/V3)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -146,10 +177,8 @@ class ModelConfig:
             raise ValueError(
                 f"config.json model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        archs = raw.get("architectures") or [
-            "DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"
-        ]
-        v3 = model_type == "deepseek_v3"
+        archs = raw.get("architectures") or [_ARCHITECTURES[model_type]]
+        v3 = model_type in ("deepseek_v3", "deepseek_v32")  # V3.2 is V3 plus the indexer
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         max_pos = int(raw.get("max_position_embeddings", 4096 if v3 else 2048))
@@ -193,6 +222,7 @@ class ModelConfig:
             num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
             hidden_act=hidden_act,
             quant=QuantConfig.from_hf(raw),
+            indexer=IndexerConfig.from_hf(raw) if model_type == "deepseek_v32" else None,
         )
         cfg.check()
         return cfg
@@ -208,6 +238,16 @@ class ModelConfig:
             )
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"config.json qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.indexer is not None:
+            if self.indexer.head_dim < self.qk_rope_head_dim:
+                raise ValueError(
+                    f"config.json index_head_dim ({self.indexer.head_dim}) must be at least "
+                    f"qk_rope_head_dim ({self.qk_rope_head_dim}): the indexer ropes its leading dims"
+                )
+            if self.q_lora_rank is None:
+                raise ValueError(
+                    "config.json q_lora_rank must be set for deepseek_v32: its indexer reads the query latent"
+                )
 
     @staticmethod
     def from_pretrained(path: str | Path) -> ModelConfig:

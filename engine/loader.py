@@ -126,7 +126,7 @@ def hf_to_deepseek(name: str) -> str:
         leaf = "scale"
     elif leaf == "e_score_correction_bias":
         leaf = "bias"
-    return ".".join([*(_DEEPSEEK_NAMES.get(c, c) for c in path), leaf])
+    return ".".join([*_renamed(path, _DEEPSEEK_NAMES), leaf])
 
 
 def deepseek_to_hf(name: str) -> str:
@@ -141,7 +141,14 @@ def deepseek_to_hf(name: str) -> str:
         leaf = SCALE
     elif leaf == "bias" and path[-1:] == ["gate"]:
         leaf = "e_score_correction_bias"
-    return "model." + ".".join([*(_HF_NAMES.get(c, c) for c in path), leaf])
+    return "model." + ".".join([*_renamed(path, _HF_NAMES), leaf])
+
+
+def _renamed(path: list[str], names: dict[str, str]) -> list[str]:
+    """A name's modules translated, up to DeepSeek-V3.2's `indexer`, whose own modules (wq_b, wk,
+    k_norm, weights_proj) both spell alike."""
+    cut = path.index("indexer") if "indexer" in path else len(path)
+    return [*(names.get(c, c) for c in path[:cut]), *path[cut:]]
 
 
 def expected_tensors(

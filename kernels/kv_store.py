@@ -80,8 +80,18 @@ def store_kv_ref(
     latent: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     _check(latent, k_pe, kv_cache, slot_mapping)
-    rows = torch.cat((latent, k_pe), dim=-1).to(kv_cache.dtype)  # [N, L+R]
+    store_rows(torch.cat((latent, k_pe), dim=-1), kv_cache, slot_mapping)  # [N, L+R]
+
+
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """rows [N, W] into cache [num_blocks, block_size, W] at slot_mapping [N] (-1: skipped), cast
+    to the cache's dtype: any one-row-per-token cache (DeepSeek-V3.2's indexer keys)."""
+    if rows.shape != (slot_mapping.shape[0], cache.shape[-1]):
+        raise ValueError(
+            f"rows must be [N={slot_mapping.shape[0]}, {cache.shape[-1]}] for this cache, got {tuple(rows.shape)}"
+        )
+    rows = rows.to(cache.dtype)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         rows, slot_mapping = rows[valid], slot_mapping[valid]
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, rows)
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, rows)

@@ -64,8 +64,8 @@ def _yarn(factor: float, mscale: float, mscale_all_dim: float, original: int, **
 def _variant(model_type: str, legacy_config_json: bool = False, max_shard_size: str | None = None, **config):
     """One checkpoint recipe, wrapped in a pytest.param whose id is derived from the recipe itself."""
     v = {
-        "model_type": model_type,  # "deepseek_v3" or "deepseek_v2"
-        "config": {**_COMMON, **config},  # keyword arguments of DeepseekV{2,3}Config
+        "model_type": model_type,  # "deepseek_v2", "deepseek_v3" or "deepseek_v32"
+        "config": {**_COMMON, **config},  # keyword arguments of DeepseekV{2,3,32}Config
         "legacy_config_json": legacy_config_json,  # rewrite config.json in the transformers 4.x spelling
         "max_shard_size": max_shard_size,  # e.g. "100KB": write shards + model.safetensors.index.json
     }
@@ -75,8 +75,10 @@ def _variant(model_type: str, legacy_config_json: bool = False, max_shard_size: 
 def variant_id(v: dict) -> str:
     """A readable id such as `v3-yarn-qlora-g4-norm-dense1` that says what the variant exercises."""
     c = v["config"]
-    v3 = v["model_type"] == "deepseek_v3"
-    parts = ["v3" if v3 else "v2"]
+    v3 = v["model_type"] in ("deepseek_v3", "deepseek_v32")
+    parts = [{"deepseek_v2": "v2", "deepseek_v3": "v3", "deepseek_v32": "v32"}[v["model_type"]]]
+    if "index_topk" in c:
+        parts.append(f"idx{c['index_n_heads']}x{c['index_head_dim']}-top{c['index_topk']}")
     parts.append("yarn" if c["rope_parameters"]["rope_type"] == "yarn" else "noyarn")
     if v["legacy_config_json"]:
         parts.append("legacy")
@@ -241,6 +243,56 @@ VARIANTS = [
     ),
 ]
 
+V32_VARIANTS = [
+    # DeepSeek-V3.2: the indexer keeps index_topk (< the prompts and the 32 steps after them) of
+    # each query's tokens. 16 indexer heads, so exact ReLU ties (every head's dot negative) are
+    # rare; YaRN, a dense first layer, groups and renormalised routing as in the release.
+    _variant(
+        "deepseek_v32",
+        vocab_size=384,
+        num_hidden_layers=3,
+        q_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=5,
+        rope_parameters=_yarn(4.0, 1.0, 1.0, 64, beta_fast=32, beta_slow=1),
+    ),
+    # A wider indexer head (rope 16 of 32 dims), top-12, every layer MoE, no YaRN.
+    _variant(
+        "deepseek_v32",
+        vocab_size=320,
+        num_hidden_layers=2,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=0,
+        index_n_heads=16,
+        index_head_dim=32,
+        index_topk=12,
+        rope_parameters=_ROPE,
+    ),
+]
+"""DeepSeek-V3.2 checkpoints (tests/test_parity_v32.py)."""
+
 _LEGACY_FIELDS = {
     # Fields the DeepSeek releases carry that transformers 5 neither needs nor writes.
     "deepseek_v3": {
@@ -262,11 +314,19 @@ _LEGACY_FIELDS = {
 
 
 def _classes(model_type: str):
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+    )
 
     return {
         "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
         "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+        "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
     }[model_type]
 
 
@@ -293,7 +353,9 @@ def _reinit_(model, generator: torch.Generator) -> None:
             new = torch.randn(p.shape, generator=generator)
         elif name == "lm_head.weight":  # [V, H]; logits of std ~4 give a peaked, well-separated top-1
             new = torch.randn(p.shape, generator=generator) * (LOGIT_STD / math.sqrt(p.shape[1]))
-        elif p.ndim == 1:  # RMSNorm weights
+        elif name.endswith("k_norm.bias"):  # the V3.2 indexer's LayerNorm
+            new = 0.1 * torch.randn(p.shape, generator=generator)
+        elif p.ndim == 1:  # norm weights
             new = 1.0 + 0.1 * torch.randn(p.shape, generator=generator)
         elif name.endswith("experts.gate_up_proj"):  # [E, 2 * I, H]
             new = torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1])
@@ -388,7 +450,7 @@ def build_hf_checkpoint(variant: dict, out_dir: Path, seed: int) -> Path:
     model.set_attn_implementation("eager")
     model.set_experts_implementation("eager")
     _reinit_(model, generator)
-    if variant["model_type"] == "deepseek_v3":
+    if variant["model_type"] in ("deepseek_v3", "deepseek_v32"):
         _set_correction_bias_(model, generator)
 
     out_dir = Path(out_dir)

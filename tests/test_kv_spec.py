@@ -110,9 +110,18 @@ def test_an_invalid_group_is_refused_naming_the_field(case):
 
 def test_the_engine_refuses_what_it_cannot_run_yet():
     SPEC.check_runnable()
-    indexer = CacheGroupSpec(CacheKind.INDEXER_KEYS, (4,), 4, 128, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="'indexer_keys' is described but not run yet"):
-        KVCacheSpec((LATENT, MTP, indexer), "m").check_runnable()
+    indexer = CacheGroupSpec(
+        CacheKind.INDEXER_KEYS, (0, 1, 2), 4, 128, torch.bfloat16, 64, "halves", rope_offset=0
+    )
+    KVCacheSpec((LATENT, MTP, indexer), "m").check_runnable()  # DeepSeek-V3.2's
+    fp8 = dataclasses.replace(indexer, dtype=torch.float8_e4m3fn, scale="float32_per_entry")
+    with pytest.raises(
+        NotImplementedError, match="FP8 entries with a float32_per_entry scale is described but not run"
+    ):
+        KVCacheSpec((LATENT, MTP, fp8), "m").check_runnable()
+    window = CacheGroupSpec(CacheKind.SLIDING_WINDOW, (4,), 4, 128, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="'sliding_window' is described but not run yet"):
+        KVCacheSpec((LATENT, MTP, window), "m").check_runnable()
     mixed = KVCacheSpec((LATENT, dataclasses.replace(MTP, block_size=8)), "m")
     with pytest.raises(
         NotImplementedError, match="latent group of 4-entry blocks under 8-token engine blocks"

@@ -73,7 +73,7 @@ class CacheKind(StrEnum):
     MTP_LATENT = "mtp_latent"
     """The same rows, for the MTP layers that draft speculative tokens."""
     INDEXER_KEYS = "indexer_keys"
-    """DeepSeek-V3.2: the lightning indexer's key per token (not run yet)."""
+    """DeepSeek-V3.2: the lightning indexer's key per token, on the latent cache's layers."""
     SLIDING_WINDOW = "sliding_window"
     """DeepSeek-V4: latent rows kept only for the last window of tokens (not run yet)."""
     COMPRESSED = "compressed"
@@ -82,7 +82,7 @@ class CacheKind(StrEnum):
     """DeepSeek-V4: per-request compressor state, not per token (not run yet)."""
 
 
-RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT})
+RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT, CacheKind.INDEXER_KEYS})
 
 
 @dataclass(frozen=True)
@@ -314,6 +314,10 @@ class KVCacheSpec:
         for g in self.groups:
             if g.kind not in RUNNABLE_KINDS:
                 raise NotImplementedError(f"cache group kind {g.kind.value!r} is described but not run yet")
+            if g.scale != "none":
+                raise NotImplementedError(
+                    f"a {g.kind.value} group of FP8 entries with a {g.scale} scale is described but not run yet"
+                )
             if self.sub_blocks(g) != 1:
                 raise NotImplementedError(
                     f"a {g.kind.value} group of {g.block_size}-entry blocks under {self.block_size}-token "

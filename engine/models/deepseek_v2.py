@@ -28,10 +28,13 @@ from kernels.rotary import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
+    attention = MLAttention
+    """The attention block's class (DeepSeek-V3.2's layers subclass this with its sparse MLA)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype, ep=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAttention(cfg, dtype=dtype)
+        self.self_attn = self.attention(cfg, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = (
             DeepseekMoE(cfg, dtype=dtype, layer_idx=layer_idx, ep=ep)
@@ -46,7 +49,7 @@ class DecoderLayer(nn.Module):
         cos,
         sin,
         batch: ForwardBatch,
-        kv_cache: torch.Tensor,
+        kv_cache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output, residual: the stream before it (None for layer 0).
         Each residual add is fused into the following RMSNorm. -> (mlp output, residual stream)."""
@@ -65,6 +68,9 @@ class DecoderLayer(nn.Module):
 
 @register_model("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class DeepseekV2ForCausalLM(nn.Module):
+    decoder_layer = DecoderLayer
+    """The class of the main decoder layers (DeepSeek-V3.2 sets its own)."""
+
     @staticmethod
     def kv_cache_spec(
         cfg: ModelConfig, *, num_mtp_layers: int, block_size: int, dtype: torch.dtype, fingerprint: str
@@ -91,7 +97,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype=dtype, ep=ep) for i in range(cfg.num_hidden_layers)
+            self.decoder_layer(cfg, i, dtype=dtype, ep=ep) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
@@ -242,16 +248,19 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer's cache (model layer num_hidden_layers, as the checkpoint numbers it)."""
         return kv_caches.layer(CacheKind.MTP_LATENT, len(self.layers))
 
+    def layer_caches(self, kv_caches: KVCaches) -> list:
+        """What each decoder layer's attention takes as its cache: its latent cache."""
+        return kv_caches.group(CacheKind.LATENT)
+
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
         """-> hidden states [N, hidden] after the final norm."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        layer_caches = kv_caches.group(CacheKind.LATENT)
         if self.runs_in_one_call(batch, kv_caches):
             tables, lens = batch.decodes[0].per_token
-            ids, slots = batch.input_ids, batch.slot_mapping
+            ids, slots, layer_caches = batch.input_ids, batch.slot_mapping, kv_caches.group(CacheKind.LATENT)
             return native.decode_stack(self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens)
         x, residual = self.embed_tokens(batch.input_ids), None
-        for layer, kv_cache in zip(self.layers, layer_caches, strict=True):
+        for layer, kv_cache in zip(self.layers, self.layer_caches(kv_caches), strict=True):
             x, residual = layer(x, residual, cos, sin, batch, kv_cache)
         return self.norm(x, residual)[0]
 

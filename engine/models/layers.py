@@ -1,5 +1,5 @@
 """Small building blocks shared by the model files: linear (its weight plain or kept quantized),
-RMSNorm and the SwiGLU MLP.
+RMSNorm, LayerNorm and the SwiGLU MLP.
 
 Parameters are allocated uninitialised (`torch.empty`) because the loader fills every one of
 them; nothing is randomly initialised and then overwritten.
@@ -77,6 +77,20 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> y [N, D]; with a residual [N, D], -> (y of x + residual, x + residual), one kernel."""
         return rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (DeepSeek-V3.2's indexer keys), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.bias = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -125,16 +125,38 @@ class MLAttention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, R/2] at each token's position, kv_cache [blocks, block_size, L+R]."""
-        n, H = x.shape[0], self.num_heads
+        n = x.shape[0]
         if self.takes_in_one_call(batch, n, kv_cache):  # the whole path below in one native call
             return self.one_call(x, cos, sin, batch, kv_cache)
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(n, H, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
-        q_pe = apply_rotary(q_pe, cos, sin, self.interleaved)  # [N, H, R]
+        _, q_nope, q_pe = self.queries(x, cos, sin)
         c_kv, k_pe = self.store_latents(x, cos, sin, batch.slot_mapping, kv_cache)
+        out = self.attend(q_nope, q_pe, c_kv, k_pe, batch, kv_cache)
+        return self.o_proj(out.view(n, self.num_heads * self.v_dim))
 
-        out = x.new_empty(n, H, self.v_dim)
+    def queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """-> (the query latent c_q [N, q_lora_rank] or None without q-LoRA, q_nope [N, H, nope],
+        q_pe [N, H, R] rotated)."""
+        n = x.shape[0]
+        q_latent = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None
+        q = self.q_b_proj(q_latent) if self.q_lora else self.q_proj(x)
+        q = q.view(n, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope_dim], q[..., self.nope_dim :]
+        return q_latent, q_nope, apply_rotary(q_pe, cos, sin, self.interleaved)
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every token's attention over its whole context (its own rows already stored) -> [N, H, v]:
+        decode groups absorbed, prefill chunks not."""
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
         for g in batch.decodes:
             out[g.start : g.end] = self._decode(q_nope[g.start : g.end], q_pe[g.start : g.end], kv_cache, g)
         for seq in batch.prefills:
@@ -142,9 +164,9 @@ class MLAttention(nn.Module):
             if seq.ctx_len == seq.q_len:  # nothing cached before: the chunk's own latents are the context
                 ctx = torch.cat((c_kv[s:e], k_pe[s:e]), dim=-1)  # [q_len, L+R]
             else:
-                ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(x.dtype)
+                ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(q_nope.dtype)
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)
-        return self.o_proj(out.view(n, H * self.v_dim))
+        return out
 
     def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache: torch.Tensor) -> bool:
         """Whether this step's n tokens run as one native call (native.mla_attention): a few decode

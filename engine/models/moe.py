@@ -97,8 +97,8 @@ class DeepseekMoE(nn.Module):
         # V2's plain "greedy" routing ignores groups even when the config names some.
         self.n_group = 1 if cfg.topk_method == "greedy" else cfg.n_group
         self.topk_group = self.n_group if cfg.topk_method == "greedy" else cfg.topk_group
-        # HF's V2 never renormalises the top-k weights; V3 does when norm_topk_prob.
-        self.norm_topk_prob = cfg.norm_topk_prob and cfg.model_type == "deepseek_v3"
+        # HF's V2 never renormalises the top-k weights; V3 and V3.2 do when norm_topk_prob.
+        self.norm_topk_prob = cfg.norm_topk_prob and cfg.model_type != "deepseek_v2"
         self.native_weights: native.MoEWeights | None = None  # the one-call decode's, set by process_weights
 
     def process_weights(self) -> None:

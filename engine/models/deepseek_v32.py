@@ -1,0 +1,203 @@
+"""DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (DSA) in every layer.
+
+A layer's lightning indexer scores each earlier token for each query token (kernels/sparse_mla.py
+has the equation) from its own small projections: queries from MLA's query latent c_q
+(`wq_b`, n_I heads of d_I), one key per token from the layer input (`wk`, then a LayerNorm with a
+bias), both roped on their LEADING qk_rope_head_dim elements in the half-split layout (MLA's rope
+is interleaved and trails), and per-head weights from the layer input (`weights_proj`). MLA then
+attends only to the `index_topk` best tokens of each query's context. Its keys are a second cache
+group on the same layers and block table as the latent cache (`CacheKind.INDEXER_KEYS`), so prefix
+caching, preemption, transfers and offload move them with the latents, block for block.
+
+A step whose every query sees at most `index_topk` tokens is dense MLA's (the V3 paths, unchanged;
+only the indexer keys are stored besides). Otherwise every token of the step attends in the
+absorbed form over the cache slots its indexer chose (as DeepSeek's sparse kernels run prefill and
+decode alike); a query with a context within `index_topk` chooses all of it, so the result is
+dense MLA's again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCaches, KVCacheSpec
+from engine.models.deepseek_v2 import DecoderLayer, DeepseekV2ForCausalLM
+from engine.models.layers import LayerNorm, Linear
+from engine.models.mla import MLAttention
+from engine.models.registry import register_model
+from engine.quant import QuantSpec
+from kernels.kv_store import store_rows
+from kernels.mla import gather_blocks
+from kernels.rotary import apply_rotary
+from kernels.sparse_mla import indexer_topk, positions_to_slots, sparse_mla
+
+INDEXER_NORM_EPS = 1e-6
+"""The indexer key LayerNorm's epsilon (fixed in the reference, not in config.json)."""
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer: stores each token's key, picks each query's top-k."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype):
+        super().__init__()
+        icfg = cfg.indexer
+        self.n_heads, self.head_dim, self.topk = icfg.n_heads, icfg.head_dim, icfg.topk
+        self.rope_dim = cfg.qk_rope_head_dim
+        q = QuantSpec.of(cfg.quant)  # wq_b and wk are FP8 in the released checkpoints; the rest is not
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, quant=q)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, dtype=dtype, quant=q)
+        self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS, dtype=dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=dtype)
+        self.scale = self.head_dim**-0.5
+
+    def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the leading rope_dim elements (half-split pairs) of t [N, ..., dI], in place."""
+        lead = t[..., : self.rope_dim]
+        lead.copy_(apply_rotary(lead, cos, sin, interleaved=False))
+        return t
+
+    def store_keys(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        key_cache: torch.Tensor,
+    ) -> None:
+        """Each token's key LayerNorm(x W_k), roped, written at its cache slot."""
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [N, dI]
+        store_rows(k.to(key_cache.dtype), key_cache, slots)
+
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [N, nI, dI] roped, weights [N, nI] float32 with the reference's nI^-1/2)."""
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return self._rope(q, cos, sin), weights
+
+
+class SparseMLAttention(MLAttention):
+    """MLA that attends over the cache slots its indexer chose. Its cache is the pair (latent
+    cache, indexer-key cache) of its layer."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype):
+        super().__init__(cfg, dtype=dtype)
+        self.indexer = Indexer(cfg, dtype=dtype)
+
+    def process_weights(
+        self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+    ) -> None:
+        super().process_weights(place)
+        self.native_weights = None  # the one-call native decode stores no indexer keys
+
+    def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache) -> bool:
+        return False
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        latent_cache, key_cache = kv_cache
+        n = x.shape[0]
+        q_latent, q_nope, q_pe = self.queries(x, cos, sin)
+        c_kv, k_pe = self.store_latents(x, cos, sin, batch.slot_mapping, latent_cache)
+        self.indexer.store_keys(x, cos, sin, batch.slot_mapping, key_cache)
+        if max_context(batch) <= self.indexer.topk:  # every query chooses its whole context
+            out = self.attend(q_nope, q_pe, c_kv, k_pe, batch, latent_cache)
+        else:
+            slots = self.choose(x, q_latent, cos, sin, batch, key_cache)
+            out = self.attend_sparse(q_nope, q_pe, slots, latent_cache)
+        return self.o_proj(out.view(n, self.num_heads * self.v_dim))
+
+    def choose(self, x, q_latent, cos, sin, batch: ForwardBatch, key_cache: torch.Tensor) -> torch.Tensor:
+        """The cache slots each of the step's tokens attends to -> [N, topk] int64, -1 = none."""
+        q, weights = self.indexer.queries(x, q_latent, cos, sin)
+        block_size = key_cache.shape[1]
+        slots = torch.full((x.shape[0], self.indexer.topk), -1, dtype=torch.long, device=x.device)
+        for rows, block_ids, lens in request_rows(batch):
+            keys = gather_blocks(key_cache, block_ids[None], int(lens.max()))[0]  # [S, dI]
+            pos = indexer_topk(q[rows], weights[rows], keys, lens, self.indexer.topk, self.indexer.scale)
+            slots[rows, : pos.shape[1]] = positions_to_slots(pos, block_ids, block_size)
+        return slots
+
+    def attend_sparse(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor, latent_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The absorbed form over the chosen slots -> [N, H, v]."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [N, H, L]
+        q = torch.cat((q_lat, q_pe), dim=-1)
+        o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1).contiguous()
+
+
+def max_context(batch: ForwardBatch) -> int:
+    """The longest context any of the step's tokens attends to."""
+    longest = max((seq.ctx_len for seq in batch.prefills), default=0)
+    for g in batch.decodes:
+        longest = max(longest, int(g.seq_lens.max()))
+    return longest
+
+
+def request_rows(batch: ForwardBatch):
+    """Per request of the step: (its rows in the flat batch [n] int64, its block ids [blocks],
+    each row's visible context length [n] int64)."""
+    for g in batch.decodes:
+        s = g.query_len
+        for d in range(g.num_seqs):
+            start = g.start + d * s
+            rows = torch.arange(start, start + s)
+            lens = int(g.seq_lens[d]) - s + 1 + torch.arange(s)
+            yield rows, g.block_table[d].long(), lens
+    for seq in batch.prefills:
+        rows = torch.arange(seq.q_start, seq.q_start + seq.q_len)
+        lens = seq.ctx_len - seq.q_len + 1 + torch.arange(seq.q_len)
+        yield rows, seq.block_ids.long(), lens
+
+
+class SparseDecoderLayer(DecoderLayer):
+    attention = SparseMLAttention
+
+
+@register_model("DeepseekV32ForCausalLM")
+class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
+    decoder_layer = SparseDecoderLayer
+
+    @staticmethod
+    def kv_cache_spec(
+        cfg: ModelConfig, *, num_mtp_layers: int, block_size: int, dtype: torch.dtype, fingerprint: str
+    ) -> KVCacheSpec:
+        """Every layer's MLA latent row per token, and its indexer key: d_I elements whose leading
+        qk_rope_head_dim are rotary, in the half-split layout (the cache's dtype; DeepSeek's FP8 +
+        scale layout is describable, `scale`, not run yet)."""
+        if num_mtp_layers:
+            raise ValueError("MTP speculative decoding of deepseek_v32 models is not supported yet")
+        base = DeepseekV2ForCausalLM.kv_cache_spec(
+            cfg, num_mtp_layers=0, block_size=block_size, dtype=dtype, fingerprint=fingerprint
+        )
+        keys = CacheGroupSpec(
+            kind=CacheKind.INDEXER_KEYS,
+            layers=tuple(range(cfg.num_hidden_layers)),
+            block_size=block_size,
+            width=cfg.indexer.head_dim,
+            dtype=dtype,
+            rope_width=cfg.qk_rope_head_dim,
+            rotary_layout="halves",
+            rope_offset=0,
+        )
+        return KVCacheSpec((*base.groups, keys), fingerprint)
+
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
+    ):
+        if num_mtp_layers:
+            raise ValueError("MTP speculative decoding of deepseek_v32 models is not supported yet")
+        super().__init__(cfg, dtype=dtype, max_positions=max_positions, ep=ep)
+
+    def layer_caches(self, kv_caches: KVCaches) -> list:
+        """Each layer's (latent cache, indexer-key cache)."""
+        return list(
+            zip(kv_caches.group(CacheKind.LATENT), kv_caches.group(CacheKind.INDEXER_KEYS), strict=True)
+        )
