@@ -109,6 +109,12 @@ class ModelPreset:
     """Seed of the torch.Generator that draws all weights."""
     num_nextn_predict_layers: int = 0
     """MTP layers after the main layers (DeepSeek-V3 has 1), drawn after all main weights."""
+    index_n_heads: int = 0
+    """DeepSeek-V3.2's lightning indexer: its query heads; 0 builds a DeepSeek-V3 model."""
+    index_head_dim: int = 0
+    """Width of an indexer head and key (its leading qk_rope_head_dim are rotary)."""
+    index_topk: int = 0
+    """Tokens each query attends to once its context is longer."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -164,13 +170,22 @@ PRESETS: dict[str, ModelPreset] = {
 }
 # The tiny model plus one MTP layer (same main weights): tests of MTP speculative decoding.
 PRESETS["tiny-mtp"] = dataclasses.replace(PRESETS["tiny"], num_nextn_predict_layers=1)
+# DeepSeek-V3.2 (an indexer per layer, drawn after the rest of its layer's attention). tiny-v32's
+# top-32 makes prompts of a few dozen tokens sparse; bench-v32 keeps DeepSeek's 2048, with an
+# indexer (16 heads of 64) whose scoring costs ~1/8 of the bench model's MLA per token.
+PRESETS["tiny-v32"] = dataclasses.replace(PRESETS["tiny"], index_n_heads=16, index_head_dim=32, index_topk=32, seed=2)
+PRESETS["bench-v32"] = dataclasses.replace(
+    PRESETS["bench"], index_n_heads=16, index_head_dim=64, index_topk=2048, seed=3
+)
 
 
 def hf_config(p: ModelPreset, fingerprint: str, preset_name: str) -> dict[str, Any]:
     """config.json as transformers 4.x writes it for DeepSeek-V3 (rope_theta + rope_scaling spelling)."""
+    v32 = {"index_n_heads": p.index_n_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk}
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV32ForCausalLM" if p.index_topk else "DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v32" if p.index_topk else "deepseek_v3",
+        **(v32 if p.index_topk else {}),
         "dtype": p.dtype,
         "vocab_size": p.vocab_size,
         "hidden_size": p.hidden_size,
@@ -277,6 +292,15 @@ def weight_specs(p: ModelPreset) -> list[tuple[str, tuple[int, ...], float | Non
             lin(f"{a}.kv_b_proj.weight", heads * (p.qk_nope_head_dim + p.v_head_dim), p.kv_lora_rank),
             lin(f"{a}.o_proj.weight", h, heads * p.v_head_dim, out_scale),
         ]
+        if p.index_topk:
+            idx = f"{a}.indexer"
+            specs += [
+                lin(f"{idx}.wq_b.weight", p.index_n_heads * p.index_head_dim, p.q_lora_rank),
+                lin(f"{idx}.wk.weight", p.index_head_dim, h),
+                norm(f"{idx}.k_norm.weight", p.index_head_dim),
+                (f"{idx}.k_norm.bias", (p.index_head_dim,), 0.02),
+                lin(f"{idx}.weights_proj.weight", p.index_n_heads, h),
+            ]
         if i < p.first_k_dense_replace:
             return specs + mlp(f"{pre}.mlp", p.intermediate_size)
         specs += [

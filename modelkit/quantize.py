@@ -102,10 +102,11 @@ class QuantOptions:
 
 
 # The linears DeepSeek's checkpoints quantize: every attention and MLP projection (dense, routed and
-# shared experts, the MTP layers' too); never the embedding, LM head, norms, router gate or the MTP
-# layer's eh_proj.
+# shared experts, the MTP layers' too) and DeepSeek-V3.2's indexer wq_b and wk; never the embedding,
+# LM head, norms, router gate, the indexer's weights_proj or the MTP layer's eh_proj.
 _QUANTIZED = re.compile(
-    r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.|shared_experts\.)?\w+_proj\w*\.weight$"
+    r"^model\.layers\.\d+\.((self_attn|mlp)\.(experts\.\d+\.|shared_experts\.)?\w+_proj\w*"
+    r"|self_attn\.indexer\.(wq_b|wk))\.weight$"
 )
 _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
 
