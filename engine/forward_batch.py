@@ -95,6 +95,32 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     """[M] int64 rows of the hidden states the LM head is applied to."""
 
+    @cached_property
+    def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_table [N, max_blocks] int32, lens [N] int32): each token's cache blocks and how
+        many of their rows it attends to (its own included), decode groups' rows first; for
+        kernels that take every token of the step in one call (DeepSeek-V3.2's indexer)."""
+        tables, lens = [], []
+        for g in self.decodes:
+            t, n = g.per_token
+            tables.append(t)
+            lens.append(n)
+        for seq in self.prefills:
+            tables.append(seq.block_ids.to(torch.int32)[None].expand(seq.q_len, -1))
+            start = seq.ctx_len - seq.q_len + 1
+            lens.append(
+                torch.arange(start, start + seq.q_len, dtype=torch.int32, device=seq.block_ids.device)
+            )
+        width = max((t.shape[1] for t in tables), default=0)
+        table = torch.zeros(
+            sum(t.shape[0] for t in tables), width, dtype=torch.int32, device=self.input_ids.device
+        )
+        row = 0
+        for t in tables:
+            table[row : row + t.shape[0], : t.shape[1]] = t
+            row += t.shape[0]
+        return table, torch.cat(lens) if lens else torch.zeros(0, dtype=torch.int32)
+
 
 def block_table(tables: list[list[int]], device) -> torch.Tensor:
     """Block-id lists of D requests -> [D, max_blocks] int32, zero-padded."""

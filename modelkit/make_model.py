@@ -172,10 +172,18 @@ PRESETS: dict[str, ModelPreset] = {
 PRESETS["tiny-mtp"] = dataclasses.replace(PRESETS["tiny"], num_nextn_predict_layers=1)
 # DeepSeek-V3.2 (an indexer per layer, drawn after the rest of its layer's attention). tiny-v32's
 # top-32 makes prompts of a few dozen tokens sparse; bench-v32 keeps DeepSeek's 2048, with an
-# indexer (16 heads of 64) whose scoring costs ~1/8 of the bench model's MLA per token.
-PRESETS["tiny-v32"] = dataclasses.replace(PRESETS["tiny"], index_n_heads=16, index_head_dim=32, index_topk=32, seed=2)
+# indexer (16 heads of 64) whose scoring costs ~1/8 of the bench model's MLA per token, and
+# contexts up to 32k (benchmarks/sparse_decode.py).
+PRESETS["tiny-v32"] = dataclasses.replace(
+    PRESETS["tiny"], index_n_heads=16, index_head_dim=32, index_topk=32, seed=2
+)
 PRESETS["bench-v32"] = dataclasses.replace(
-    PRESETS["bench"], index_n_heads=16, index_head_dim=64, index_topk=2048, seed=3
+    PRESETS["bench"],
+    index_n_heads=16,
+    index_head_dim=64,
+    index_topk=2048,
+    max_position_embeddings=32768,
+    seed=3,
 )
 
 

@@ -31,6 +31,7 @@ from engine.models.layers import LayerNorm, Linear
 from engine.models.mla import MLAttention
 from engine.models.registry import register_model
 from engine.quant import QuantSpec
+from kernels import native
 from kernels.kv_store import store_rows
 from kernels.mla import gather_blocks
 from kernels.rotary import apply_rotary
@@ -115,6 +116,11 @@ class SparseMLAttention(MLAttention):
     def choose(self, x, q_latent, cos, sin, batch: ForwardBatch, key_cache: torch.Tensor) -> torch.Tensor:
         """The cache slots each of the step's tokens attends to -> [N, topk] int64, -1 = none."""
         q, weights = self.indexer.queries(x, q_latent, cos, sin)
+        if native.loaded() and native.takes(q, key_cache):  # every token of the step in one call
+            tables, lens = batch.token_contexts
+            return native.indexer_topk(
+                q, weights, key_cache, tables, lens, self.indexer.topk, self.indexer.scale
+            )
         block_size = key_cache.shape[1]
         slots = torch.full((x.shape[0], self.indexer.topk), -1, dtype=torch.long, device=x.device)
         for rows, block_ids, lens in request_rows(batch):
@@ -129,7 +135,10 @@ class SparseMLAttention(MLAttention):
         """The absorbed form over the chosen slots -> [N, H, v]."""
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [N, H, L]
         q = torch.cat((q_lat, q_pe), dim=-1)
-        o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
+        if native.loaded() and native.takes(q, latent_cache):
+            o_lat = native.sparse_mla_decode(q, latent_cache, slots, self.scale, self.kv_lora_rank)
+        else:
+            o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1).contiguous()
 
 

@@ -539,6 +539,84 @@ def mla_decode(
     return o
 
 
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's indexer for T query tokens: q [T, nI, dI] bf16 (unit stride along dI),
+    weights [T, nI] float32, key_cache [num_blocks, block_size, dI] bf16 (contiguous), block_table
+    [T, max_blocks] int32 and lens [T] int32 (token t sees its first lens[t] keys) -> slots
+    [T, topk] int64: the cache slots of its best min(topk, lens[t]) keys (any order), -1 after
+    them; kernels/sparse_mla.py's scores in float32. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    tokens, heads, dim = q.shape
+    num_blocks, block_size, key_dim = key_cache.shape
+    if key_dim != dim or weights.shape != (tokens, heads) or weights.dtype != torch.float32:
+        raise ValueError(
+            f"q [T, nI, dI], weights [T, nI] float32 and key_cache [blocks, block_size, dI] must agree, got "
+            f"{tuple(q.shape)}, {tuple(weights.shape)} {weights.dtype} and {tuple(key_cache.shape)}"
+        )
+    if block_table.dtype != torch.int32 or lens.dtype != torch.int32 or block_table.shape[0] != tokens:
+        raise ValueError(
+            f"block_table [T={tokens}, max_blocks] and lens [T] must be int32, got "
+            f"{tuple(block_table.shape)} {block_table.dtype} and {tuple(lens.shape)} {lens.dtype}"
+        )
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if not (takes(q, key_cache) and key_cache.is_contiguous()):
+        raise ValueError("q and key_cache must be CPU bfloat16, the cache contiguous")
+    weights, block_table, lens = weights.contiguous(), block_table.contiguous(), lens.contiguous()
+    out = torch.empty(tokens, topk, dtype=torch.long)
+    if tokens:
+        bad = _library.indexer_topk(
+            q.data_ptr(), q.stride(0), q.stride(1), weights.data_ptr(), weights.stride(0),
+            key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), num_blocks, block_size,
+            block_table.data_ptr(), block_table.stride(0), block_table.shape[1], lens.data_ptr(),
+            out.data_ptr(), out.stride(0), tokens, heads, dim, topk, scale,
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"block_table holds {bad} block ids outside [0, {num_blocks})")
+    return out
+
+
+def sparse_mla_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    """MLA decode attention over chosen cache rows: q [T, H, L+R] bf16, kv_cache [num_blocks,
+    block_size, L+R] bf16 (contiguous), slots [T, K] int64 (block * block_size + row; -1: none)
+    -> o [T, H, L] bf16, mla_decode's math and roundings over each token's chosen rows (zeros
+    where it has none). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    tokens, heads, width = q.shape
+    num_blocks, block_size, cache_width = kv_cache.shape
+    if cache_width != width or not 0 < kv_lora_rank <= width:
+        raise ValueError(
+            f"q [T, H, L+R] and kv_cache [blocks, block_size, L+R] must share L+R > L={kv_lora_rank}, "
+            f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}"
+        )
+    if slots.dtype != torch.long or slots.dim() != 2 or slots.shape[0] != tokens:
+        raise ValueError(f"slots must be int64 [T={tokens}, K], got {tuple(slots.shape)} {slots.dtype}")
+    if not (takes(q, kv_cache) and kv_cache.is_contiguous()):
+        raise ValueError("q and kv_cache must be CPU bfloat16, the cache contiguous")
+    slots = slots.contiguous()
+    o = torch.empty(tokens, heads, kv_lora_rank, dtype=torch.bfloat16)
+    if tokens and heads:
+        bad = _library.sparse_mla_decode(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1), num_blocks, block_size,
+            slots.data_ptr(), slots.stride(0), slots.shape[1], o.data_ptr(), o.stride(0), o.stride(1),
+            tokens, heads, width, kv_lora_rank, scale,
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"slots holds {bad} entries outside the cache's {num_blocks * block_size} slots")
+    return o
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

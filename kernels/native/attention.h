@@ -173,18 +173,18 @@ inline void look_up_rows(const uint16_t* kv, int64_t kv_block, int64_t kv_row, i
   }
 }
 
-void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
-            int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
-            int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
-  std::vector<int64_t> refused;
-  // Past len, the zero row: a pair's second row where len is odd, and the rows prefetched ahead.
-  look_up_rows(kv, kv_block, kv_row, num_blocks, block_size, table, len, len + 2, W, scratch, refused, bad);
-  const std::vector<const uint16_t*>& rows = scratch.rows;
+// The attention of `heads` heads (q, a head q_h apart) over rows[0, len) (rows[len], rows[len + 1]
+// and those prefetched ahead: the zero row), rows listed in `refused` scoring -inf: the heads in
+// groups of HEAD_GROUP (attend_group). mla_decode's rows come from a block table (attend), sparse
+// decode's from the slots its indexer chose (sparse.h).
+void attend_rows(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, uint16_t* o,
+                 int64_t o_h, int64_t heads, int64_t W, int64_t L, float scale, const std::vector<int64_t>& refused,
+                 AttendScratch& scratch) {
   for (int64_t h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
     const uint16_t* qh = q + h0 * q_h;
     uint16_t* oh = o + h0 * o_h;
     const auto run = [&](auto group) {  // the heads' sums in registers: their count a constant
-      attend_group<decltype(group)::value>(qh, q_h, rows.data(), len, oh, o_h, W, L, scale, refused, scratch);
+      attend_group<decltype(group)::value>(qh, q_h, rows, len, oh, o_h, W, L, scale, refused, scratch);
     };
     switch (std::min(HEAD_GROUP, heads - h0)) {
       case 1: run(std::integral_constant<int, 1>()); break;
@@ -197,6 +197,15 @@ void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block
       default: run(std::integral_constant<int, 8>()); break;
     }
   }
+}
+
+void attend(const uint16_t* q, int64_t q_h, const uint16_t* kv, int64_t kv_block, int64_t kv_row,
+            int64_t num_blocks, int64_t block_size, const int32_t* table, int64_t len, uint16_t* o, int64_t o_h,
+            int64_t heads, int64_t W, int64_t L, float scale, AttendScratch& scratch, std::atomic<int64_t>& bad) {
+  std::vector<int64_t> refused;
+  // Past len, the zero row: a pair's second row where len is odd, and the rows prefetched ahead.
+  look_up_rows(kv, kv_block, kv_row, num_blocks, block_size, table, len, len + 2, W, scratch, refused, bad);
+  attend_rows(q, q_h, scratch.rows.data(), len, o, o_h, heads, W, L, scale, refused, scratch);
 }
 
 // The same attention on the tile unit (amx_attend_takes: the products on the tiles and the

@@ -52,6 +52,7 @@ HEADERS = tuple(
         "layer.h",
         "argmax.h",
         "spec.h",
+        "sparse.h",
         "avx2.h",
     )
 )
