@@ -75,7 +75,9 @@ def test_indexer_topk_chooses_the_best_keys(loaded, heads, dim, block_size, lens
         kth = scores.topk(topk).values[-1].item()
         must = set((scores > kth + 1e-4).nonzero().flatten().tolist())
         may = set((scores >= kth - 1e-4).nonzero().flatten().tolist())
-        assert must <= set(positions) <= may, f"token {t}: chose {sorted(set(positions) - may)} outside the best"
+        assert must <= set(positions) <= may, (
+            f"token {t}: chose {sorted(set(positions) - may)} outside the best"
+        )
 
 
 def test_sparse_mla_decode_attends_over_the_chosen_rows(loaded):
