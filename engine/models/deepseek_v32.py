@@ -35,7 +35,13 @@ from kernels import native
 from kernels.kv_store import store_rows
 from kernels.mla import gather_blocks
 from kernels.rotary import apply_rotary
-from kernels.sparse_mla import indexer_topk, positions_to_slots, sparse_mla
+from kernels.sparse_mla import (
+    indexer_topk,
+    indexer_topk_triton,
+    positions_to_slots,
+    sparse_mla,
+    sparse_mla_triton,
+)
 
 INDEXER_NORM_EPS = 1e-6
 """The indexer key LayerNorm's epsilon (fixed in the reference, not in config.json)."""
@@ -123,9 +129,13 @@ class SparseMLAttention(MLAttention):
             )
         block_size = key_cache.shape[1]
         slots = torch.full((x.shape[0], self.indexer.topk), -1, dtype=torch.long, device=x.device)
+        topk, scale = self.indexer.topk, self.indexer.scale
         for rows, block_ids, lens in request_rows(batch):
-            keys = gather_blocks(key_cache, block_ids[None], int(lens.max()))[0]  # [S, dI]
-            pos = indexer_topk(q[rows], weights[rows], keys, lens, self.indexer.topk, self.indexer.scale)
+            if q.is_cuda:  # the keys read in place
+                pos = indexer_topk_triton(q[rows], weights[rows], key_cache, block_ids, lens, topk, scale)
+            else:
+                keys = gather_blocks(key_cache, block_ids[None], int(lens.max()))[0]  # [S, dI]
+                pos = indexer_topk(q[rows], weights[rows], keys, lens, topk, scale)
             slots[rows, : pos.shape[1]] = positions_to_slots(pos, block_ids, block_size)
         return slots
 
@@ -137,6 +147,8 @@ class SparseMLAttention(MLAttention):
         q = torch.cat((q_lat, q_pe), dim=-1)
         if native.loaded() and native.takes(q, latent_cache):
             o_lat = native.sparse_mla_decode(q, latent_cache, slots, self.scale, self.kv_lora_rank)
+        elif q.is_cuda:
+            o_lat = sparse_mla_triton(q, latent_cache, slots, self.scale, self.kv_lora_rank)
         else:
             o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1).contiguous()
@@ -153,16 +165,17 @@ def max_context(batch: ForwardBatch) -> int:
 def request_rows(batch: ForwardBatch):
     """Per request of the step: (its rows in the flat batch [n] int64, its block ids [blocks],
     each row's visible context length [n] int64)."""
+    device = batch.input_ids.device
     for g in batch.decodes:
         s = g.query_len
         for d in range(g.num_seqs):
             start = g.start + d * s
-            rows = torch.arange(start, start + s)
-            lens = int(g.seq_lens[d]) - s + 1 + torch.arange(s)
+            rows = torch.arange(start, start + s, device=device)
+            lens = int(g.seq_lens[d]) - s + 1 + torch.arange(s, device=device)
             yield rows, g.block_table[d].long(), lens
     for seq in batch.prefills:
-        rows = torch.arange(seq.q_start, seq.q_start + seq.q_len)
-        lens = seq.ctx_len - seq.q_len + 1 + torch.arange(seq.q_len)
+        rows = torch.arange(seq.q_start, seq.q_start + seq.q_len, device=device)
+        lens = seq.ctx_len - seq.q_len + 1 + torch.arange(seq.q_len, device=device)
         yield rows, seq.block_ids.long(), lens
 
 
