@@ -9,11 +9,10 @@ attends only to the `index_topk` best tokens of each query's context. Its keys a
 group on the same layers and block table as the latent cache (`CacheKind.INDEXER_KEYS`), so prefix
 caching, preemption, transfers and offload move them with the latents, block for block.
 
-A step whose every query sees at most `index_topk` tokens is dense MLA's (the V3 paths, unchanged;
-only the indexer keys are stored besides). Otherwise every token of the step attends in the
-absorbed form over the cache slots its indexer chose (as DeepSeek's sparse kernels run prefill and
-decode alike); a query with a context within `index_topk` chooses all of it, so the result is
-dense MLA's again.
+A token whose context holds at most `index_topk` tokens runs dense MLA (the V3 paths; only the
+indexer keys are stored besides), whatever runs beside it, so its result never depends on its
+batch or on how its prompt was chunked. The others attend in the absorbed form over the cache
+slots their indexer chose (as DeepSeek's sparse kernels run prefill and decode alike).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DecodeGroup, ForwardBatch
 from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCaches, KVCacheSpec
 from engine.models.deepseek_v2 import DecoderLayer, DeepseekV2ForCausalLM
 from engine.models.layers import LayerNorm, Linear
@@ -115,9 +114,39 @@ class SparseMLAttention(MLAttention):
         if max_context(batch) <= self.indexer.topk:  # every query chooses its whole context
             out = self.attend(q_nope, q_pe, c_kv, k_pe, batch, latent_cache)
         else:
+            out, sparse = self.attend_within_topk(q_nope, q_pe, c_kv, k_pe, batch, latent_cache)
             slots = self.choose(x, q_latent, cos, sin, batch, key_cache)
-            out = self.attend_sparse(q_nope, q_pe, slots, latent_cache)
+            out[sparse] = self.attend_sparse(q_nope[sparse], q_pe[sparse], slots[sparse], latent_cache)
         return self.o_proj(out.view(n, self.num_heads * self.v_dim))
+
+    def attend_within_topk(self, q_nope, q_pe, c_kv, k_pe, batch: ForwardBatch, latent_cache: torch.Tensor):
+        """Dense MLA for the step's tokens whose context fits in index_topk (as a step of them alone
+        runs it: a token's result never depends on what runs beside it) -> (out [N, H, v] with their
+        rows written, the other tokens' rows [M] int64: theirs go sparse)."""
+        topk = self.indexer.topk
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        sparse = []
+        for g in batch.decodes:
+            tables, lens = g.per_token  # a row per query token, each its own sequence
+            fits = lens <= topk
+            rows = g.start + fits.nonzero().flatten().to(q_nope.device)
+            if rows.numel():
+                sub = DecodeGroup(0, rows.numel(), 1, tables[fits], lens[fits])
+                out[rows] = self._decode(q_nope[rows], q_pe[rows], latent_cache, sub)
+            sparse.append(g.start + (~fits).nonzero().flatten().to(q_nope.device))
+        for seq in batch.prefills:
+            cached = seq.ctx_len - seq.q_len
+            m = min(max(topk - cached, 0), seq.q_len)  # the chunk's first m tokens see <= topk
+            s = seq.q_start
+            if m:
+                if cached == 0:
+                    ctx = torch.cat((c_kv[s : s + m], k_pe[s : s + m]), dim=-1)
+                else:
+                    rows = latent_cache.index_select(0, seq.block_ids).flatten(0, 1)
+                    ctx = rows[: cached + m].to(q_nope.dtype)
+                out[s : s + m] = self._prefill(q_nope[s : s + m], q_pe[s : s + m], ctx)
+            sparse.append(torch.arange(s + m, s + seq.q_len, device=q_nope.device))
+        return out, torch.cat(sparse)
 
     def choose(self, x, q_latent, cos, sin, batch: ForwardBatch, key_cache: torch.Tensor) -> torch.Tensor:
         """The cache slots each of the step's tokens attends to -> [N, topk] int64, -1 = none."""
