@@ -29,6 +29,7 @@ LONG_FILES = (
     "test_products_ab_bench.py",
     "test_kv_transfer_bench.py",
     "test_fairness.py",
+    "test_v32_serving.py",
 )
 
 
