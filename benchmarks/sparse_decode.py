@@ -6,7 +6,9 @@ tokens each, filled with random values: prefilling 16k-token prompts on a CPU wo
 and the cost of a decode step does not depend on what the cache holds (the indexer scores every
 token and sorts whatever it finds). The model's forward and LM head are timed, alternating the two
 models round by round, the median of `--rounds` reported per model. Once C exceeds index_topk the
-sparse step must cost less, more so as C grows.
+sparse step must cost less, more so as C grows. V3's few decode tokens run the whole stack as one
+native call, V3.2's its layers one by one (the one-call stack has no indexer yet): the third arm,
+V3 layer by layer, compares the attention alone.
 
     python benchmarks/sparse_decode.py --model models/pdserve-bench-v32
 """
@@ -61,10 +63,16 @@ def dense_twin(model_dir: Path, out: Path) -> Path:
 class Bench:
     """One model with caches for B sequences of C tokens; `step()` times one decode step."""
 
-    def __init__(self, model_dir: Path, dtype: str, block_size: int):
+    def __init__(self, model_dir: Path, dtype: str, block_size: int, one_call: bool = True):
+        """one_call=False: the model's layers one by one, as DeepSeek-V3.2's run, where a few
+        decode tokens of V3 run its whole stack as one native call (native.decode_stack)."""
         self.llm = LLM(model=str(model_dir), dtype=dtype, block_size=block_size, num_kv_blocks=4)
         runner = self.llm.engine.runner
         self.model, self.spec, self.block_size = runner.model, runner.kv_spec, block_size
+        if not one_call:
+            self.model.native_stack = None
+            for layer in self.model.layers:
+                layer.self_attn.native_weights = None
         self.caches = None
 
     def fill(self, batch: int, context: int) -> None:
@@ -120,6 +128,7 @@ def main() -> None:
     benches = {
         "v32-sparse": Bench(model_dir, args.dtype, args.block_size),
         "v3-dense": Bench(twin, args.dtype, args.block_size),
+        "v3-dense-per-layer": Bench(twin, args.dtype, args.block_size, one_call=False),
     }
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
@@ -141,11 +150,14 @@ def main() -> None:
                 "ms_per_step": ms,
                 "tok_per_s": {name: batch * 1000 / v for name, v in ms.items()},
                 "sparse_over_dense_time": ms["v32-sparse"] / ms["v3-dense"],
+                "sparse_over_dense_per_layer_time": ms["v32-sparse"] / ms["v3-dense-per-layer"],
             }
             rows.append(row)
             print(
                 f"C={context:6d} B={batch:3d}  sparse {ms['v32-sparse']:8.1f} ms  dense {ms['v3-dense']:8.1f} ms"
-                f"  sparse/dense {row['sparse_over_dense_time']:.2f}x",
+                f"  dense per layer {ms['v3-dense-per-layer']:8.1f} ms  sparse/dense "
+                f"{row['sparse_over_dense_time']:.2f}x  sparse/dense per layer "
+                f"{row['sparse_over_dense_per_layer_time']:.2f}x",
                 flush=True,
             )
     payload = {

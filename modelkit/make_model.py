@@ -177,6 +177,7 @@ PRESETS["tiny-mtp"] = dataclasses.replace(PRESETS["tiny"], num_nextn_predict_lay
 PRESETS["tiny-v32"] = dataclasses.replace(
     PRESETS["tiny"], index_n_heads=16, index_head_dim=32, index_topk=32, seed=2
 )
+PRESETS["tiny-v32-mtp"] = dataclasses.replace(PRESETS["tiny-v32"], num_nextn_predict_layers=1)
 PRESETS["bench-v32"] = dataclasses.replace(
     PRESETS["bench"],
     index_n_heads=16,

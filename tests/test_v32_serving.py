@@ -410,3 +410,34 @@ def test_fp8_checkpoint_served_disaggregated_matches_offline(fp8_model, config, 
         assert msgs[-1].disaggregated
         assert msgs[-1].usage.kv_transfer_bytes == math.ceil(len(prompt) / STACK_BLOCK) * block_bytes
     assert "gRPC only" in log and "moves over NIXL" not in log
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    return str(make_model("tiny-v32-mtp", tmp_path_factory.mktemp("v32mtp") / "tiny-v32-mtp"))
+
+
+@pytest.mark.parametrize(("k", "oracle"), [(1, False), (3, False), (3, True)], ids=["k1", "k3", "k3-oracle"])
+def test_mtp_speculation_matches_greedy_without_it(mtp_model, k, oracle, monkeypatch):
+    """The MTP layer (a V3.2 layer: its own latent and indexer-key caches, model layer
+    num_hidden_layers) drafts and the target verifies s = 1 + k tokens a request, each attending
+    sparsely over its own context: the tokens of greedy decoding without drafts, every block
+    freed after; the MTP layer's indexer keys are written. The random model's own drafts are
+    never accepted; the oracle's (the reference continuation, wrong at its third draft) are, up
+    to their error, so accepted drafts' cache rows are used by the steps after them."""
+    from tests.test_spec_decode import Oracle
+
+    want = _tokens(LLM(mtp_model, **ENGINE))
+    if oracle:
+        Oracle(monkeypatch, {tuple(p): w for p, w in zip(PROMPTS, want, strict=True)}, wrong_at=2)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **ENGINE)
+    with _watched() as seen:
+        assert _tokens(llm) == want
+    assert seen["sparse"] > 0
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert (stats.acceptance_rate > 0.5) == oracle
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    runner = llm.engine.runner
+    mtp_keys = runner.kv_caches.layer(CacheKind.INDEXER_KEYS, runner.model_cfg.num_hidden_layers)
+    assert mtp_keys.abs().sum() > 0

@@ -104,7 +104,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         if num_mtp_layers and ep is not None:
             raise ValueError("MTP speculative decoding with expert parallelism is not supported yet")
         self.mtp = nn.ModuleList(
-            make_mtp_layer(DecoderLayer, cfg, cfg.num_hidden_layers + j, dtype) for j in range(num_mtp_layers)
+            make_mtp_layer(self.decoder_layer, cfg, cfg.num_hidden_layers + j, dtype)
+            for j in range(num_mtp_layers)
         )
         cos, sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, R/2] float32

@@ -105,6 +105,11 @@ class SparseMLAttention(MLAttention):
     def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache) -> bool:
         return False
 
+    def store_cache(self, x, cos, sin, slots: torch.Tensor, kv_cache) -> None:
+        latent_cache, key_cache = kv_cache
+        self.store_latents(x, cos, sin, slots, latent_cache)
+        self.indexer.store_keys(x, cos, sin, slots, key_cache)
+
     def forward(self, x, cos, sin, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         latent_cache, key_cache = kv_cache
         n = x.shape[0]
@@ -172,15 +177,15 @@ class SparseMLAttention(MLAttention):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor, latent_cache: torch.Tensor
     ) -> torch.Tensor:
         """The absorbed form over the chosen slots -> [N, H, v]."""
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [N, H, L]
-        q = torch.cat((q_lat, q_pe), dim=-1)
+        few = self.absorbs_natively(q_nope)
+        q = torch.cat((self.absorb(q_nope, few), q_pe), dim=-1)  # [N, H, L+R]
         if native.loaded() and native.takes(q, latent_cache):
             o_lat = native.sparse_mla_decode(q, latent_cache, slots, self.scale, self.kv_lora_rank)
         elif q.is_cuda:
             o_lat = sparse_mla_triton(q, latent_cache, slots, self.scale, self.kv_lora_rank)
         else:
             o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1).contiguous()
+        return self.unabsorb(o_lat, few).contiguous()
 
 
 def max_context(batch: ForwardBatch) -> int:
@@ -220,17 +225,16 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
     def kv_cache_spec(
         cfg: ModelConfig, *, num_mtp_layers: int, block_size: int, dtype: torch.dtype, fingerprint: str
     ) -> KVCacheSpec:
-        """Every layer's MLA latent row per token, and its indexer key: d_I elements whose leading
-        qk_rope_head_dim are rotary, in the half-split layout (the cache's dtype; DeepSeek's FP8 +
-        scale layout is describable, `scale`, not run yet)."""
-        if num_mtp_layers:
-            raise ValueError("MTP speculative decoding of deepseek_v32 models is not supported yet")
+        """Every layer's MLA latent row per token (the MTP layers' in their own group, as V3's), and
+        its indexer key, the MTP layers' included: d_I elements whose leading qk_rope_head_dim are
+        rotary, in the half-split layout (the cache's dtype; DeepSeek's FP8 + scale layout is
+        describable, `scale`, not run yet)."""
         base = DeepseekV2ForCausalLM.kv_cache_spec(
-            cfg, num_mtp_layers=0, block_size=block_size, dtype=dtype, fingerprint=fingerprint
+            cfg, num_mtp_layers=num_mtp_layers, block_size=block_size, dtype=dtype, fingerprint=fingerprint
         )
         keys = CacheGroupSpec(
             kind=CacheKind.INDEXER_KEYS,
-            layers=tuple(range(cfg.num_hidden_layers)),
+            layers=tuple(range(cfg.num_hidden_layers + num_mtp_layers)),
             block_size=block_size,
             width=cfg.indexer.head_dim,
             dtype=dtype,
@@ -240,15 +244,12 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
         )
         return KVCacheSpec((*base.groups, keys), fingerprint)
 
-    def __init__(
-        self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
-    ):
-        if num_mtp_layers:
-            raise ValueError("MTP speculative decoding of deepseek_v32 models is not supported yet")
-        super().__init__(cfg, dtype=dtype, max_positions=max_positions, ep=ep)
-
     def layer_caches(self, kv_caches: KVCaches) -> list:
         """Each layer's (latent cache, indexer-key cache)."""
-        return list(
-            zip(kv_caches.group(CacheKind.LATENT), kv_caches.group(CacheKind.INDEXER_KEYS), strict=True)
-        )
+        keys = kv_caches.group(CacheKind.INDEXER_KEYS)[: len(self.layers)]
+        return list(zip(kv_caches.group(CacheKind.LATENT), keys, strict=True))
+
+    def mtp_cache(self, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP layer's (latent cache, indexer-key cache): model layer num_hidden_layers."""
+        layer = len(self.layers)
+        return kv_caches.layer(CacheKind.MTP_LATENT, layer), kv_caches.layer(CacheKind.INDEXER_KEYS, layer)

@@ -209,6 +209,10 @@ class MLAttention(nn.Module):
             residual,
         )
 
+    def store_cache(self, x, cos, sin, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Only the cache rows of x's tokens (what the layer's attention would store), at slots."""
+        self.store_latents(x, cos, sin, slots, kv_cache)
+
     def store_latents(
         self,
         x: torch.Tensor,
@@ -237,17 +241,34 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup):
         """Absorbed: q_* [D*s, H, *] -> [D*s, H, v]."""
-        per_head = q_nope.transpose(0, 1)  # [H, D*s, nope]
-        few = self.w_uk_t is not None and native.takes_rows(per_head, self.w_uk_t[0])  # the native products
-        if few:
-            q_lat = native.linear_bf16(per_head, self.w_uk_t).transpose(0, 1)  # [D*s, H, L]
-        else:
-            q_lat = torch.bmm(per_head, self.w_uk).transpose(0, 1)  # [D*s, H, L]
-        q = torch.cat((q_lat, q_pe), dim=-1).view(group.num_seqs, group.query_len, self.num_heads, -1)
+        few = self.absorbs_natively(q_nope)
+        q = torch.cat((self.absorb(q_nope, few), q_pe), dim=-1)
         o_lat, _ = mla_decode(
-            q, kv_cache, group.block_table, group.seq_lens, self.scale, self.kv_lora_rank, return_lse=False
+            q.view(group.num_seqs, group.query_len, self.num_heads, -1),
+            kv_cache,
+            group.block_table,
+            group.seq_lens,
+            self.scale,
+            self.kv_lora_rank,
+            return_lse=False,
         )  # [D, s, H, L]
-        o_lat = o_lat.reshape(-1, self.num_heads, self.kv_lora_rank)
+        return self.unabsorb(o_lat.reshape(-1, self.num_heads, self.kv_lora_rank), few)
+
+    def absorbs_natively(self, q_nope: torch.Tensor) -> bool:
+        """Whether the absorbed form's per-head products of these query rows go native (a few
+        bf16 rows: per-head GEMVs), else torch's batched GEMMs."""
+        return self.w_uk_t is not None and native.takes_rows(q_nope.transpose(0, 1), self.w_uk_t[0])
+
+    def absorb(self, q_nope: torch.Tensor, few: bool) -> torch.Tensor:
+        """W_UK folded into the query: q_nope [n, H, nope] -> q_lat [n, H, L]."""
+        per_head = q_nope.transpose(0, 1)  # [H, n, nope]
         if few:
-            return native.linear_bf16(o_lat.transpose(0, 1), self.w_uv).transpose(0, 1)  # [D*s, H, v]
-        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [D*s, H, v]
+            return native.linear_bf16(per_head, self.w_uk_t).transpose(0, 1)
+        return torch.bmm(per_head, self.w_uk).transpose(0, 1)
+
+    def unabsorb(self, o_lat: torch.Tensor, few: bool) -> torch.Tensor:
+        """W_UV applied after attention: o_lat [n, H, L] -> [n, H, v]."""
+        per_head = o_lat.transpose(0, 1)  # [H, n, L]
+        if few:
+            return native.linear_bf16(per_head, self.w_uv).transpose(0, 1)
+        return torch.bmm(per_head, self.w_uv_t).transpose(0, 1)

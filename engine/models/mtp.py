@@ -70,6 +70,6 @@ def make_mtp_layer(decoder_layer_cls, cfg: ModelConfig, layer_idx: int, dtype: t
             """Only the layer's cache rows for these positions: a position's KV depends on its
             input alone, so positions no draft is read from skip the attention and the MoE."""
             x = self.input_layernorm(self.layer_input(next_ids, hidden, embed))
-            self.self_attn.store_latents(x, cos, sin, slots, kv_cache)
+            self.self_attn.store_cache(x, cos, sin, slots, kv_cache)
 
     return MTPLayer()
