@@ -77,8 +77,10 @@ int64_t indexer_topk(int64_t q_ptr, int64_t q_t, int64_t q_h, int64_t w_ptr, int
   std::vector<std::pair<int64_t, int64_t>> spans;  // (token, first key)
   for (int64_t t = 0; t < T; ++t)
     for (int64_t s = 0; len[t] > topk && s < len[t]; s += KEY_SPAN) spans.emplace_back(t, s);
-  const int64_t span_bytes = KEY_SPAN * dI * 2;
-  maybe_parallel(int64_t(spans.size()), 1, int64_t(spans.size()) * span_bytes, [&](int64_t i0, int64_t i1) {
+  // Threads share the spans from a few thousand keys on: each key's bytes are read once, but
+  // scored by every head (as much work as heads / 2 times its bytes streamed by a product).
+  const int64_t span_work = KEY_SPAN * dI * std::max<int64_t>(heads, 2);
+  maybe_parallel(int64_t(spans.size()), 1, int64_t(spans.size()) * span_work, [&](int64_t i0, int64_t i1) {
     std::vector<const uint16_t*> rows(KEY_SPAN);
     for (int64_t i = i0; i < i1; ++i) {
       const auto [t, s0] = spans[i];
