@@ -498,6 +498,27 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y if batched else y.squeeze(0)
 
 
+def _check_latent(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, rows: str) -> None:
+    """q [rows, H, L+R] against the latent cache [blocks, block_size, L+R] (bf16, contiguous)."""
+    width = q.shape[-1]
+    if kv_cache.shape[-1] != width or not 0 < kv_lora_rank <= width:
+        raise ValueError(
+            f"q [{rows}, H, L+R] and kv_cache [blocks, block_size, L+R] must share L+R > L={kv_lora_rank}, "
+            f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}"
+        )
+    if not (takes(q, kv_cache) and kv_cache.is_contiguous()):
+        raise ValueError("q and kv_cache must be CPU bfloat16, the cache contiguous")
+
+
+def _check_tables(block_table: torch.Tensor, lens: torch.Tensor, n: int, rows: str, lens_name: str) -> None:
+    """Per-row block tables [n, max_blocks] and context lengths [n], both int32."""
+    if block_table.dtype != torch.int32 or lens.dtype != torch.int32 or block_table.shape[0] != n:
+        raise ValueError(
+            f"block_table [{rows}={n}, max_blocks] and {lens_name} [{rows}] must be int32, got "
+            f"{tuple(block_table.shape)} {block_table.dtype} and {tuple(lens.shape)} {lens.dtype}"
+        )
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -511,19 +532,9 @@ def mla_decode(
     kernels/mla.py with _mla_decode_fast's roundings, the cache read in place. Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
     batch, heads, width = q.shape
-    num_blocks, block_size, cache_width = kv_cache.shape
-    if cache_width != width or not 0 < kv_lora_rank <= width:
-        raise ValueError(
-            f"q [B, H, L+R] and kv_cache [blocks, block_size, L+R] must share L+R > L={kv_lora_rank}, "
-            f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}"
-        )
-    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.shape[0] != batch:
-        raise ValueError(
-            f"block_table [B={batch}, max_blocks] and seq_lens [B] must be int32, got "
-            f"{tuple(block_table.shape)} {block_table.dtype} and {tuple(seq_lens.shape)} {seq_lens.dtype}"
-        )
-    if not (takes(q, kv_cache) and kv_cache.stride(1) == width and kv_cache.is_contiguous()):
-        raise ValueError("q and kv_cache must be CPU bfloat16, the cache contiguous")
+    num_blocks, block_size, _ = kv_cache.shape
+    _check_latent(q, kv_cache, kv_lora_rank, "B")
+    _check_tables(block_table, seq_lens, batch, "B", "seq_lens")
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     o = torch.empty(batch, heads, kv_lora_rank, dtype=torch.bfloat16)
     if batch and heads:
@@ -561,11 +572,7 @@ def indexer_topk(
             f"q [T, nI, dI], weights [T, nI] float32 and key_cache [blocks, block_size, dI] must agree, got "
             f"{tuple(q.shape)}, {tuple(weights.shape)} {weights.dtype} and {tuple(key_cache.shape)}"
         )
-    if block_table.dtype != torch.int32 or lens.dtype != torch.int32 or block_table.shape[0] != tokens:
-        raise ValueError(
-            f"block_table [T={tokens}, max_blocks] and lens [T] must be int32, got "
-            f"{tuple(block_table.shape)} {block_table.dtype} and {tuple(lens.shape)} {lens.dtype}"
-        )
+    _check_tables(block_table, lens, tokens, "T", "lens")
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     if not (takes(q, key_cache) and key_cache.is_contiguous()):
@@ -593,16 +600,10 @@ def sparse_mla_decode(
     where it has none). Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
     tokens, heads, width = q.shape
-    num_blocks, block_size, cache_width = kv_cache.shape
-    if cache_width != width or not 0 < kv_lora_rank <= width:
-        raise ValueError(
-            f"q [T, H, L+R] and kv_cache [blocks, block_size, L+R] must share L+R > L={kv_lora_rank}, "
-            f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}"
-        )
+    num_blocks, block_size, _ = kv_cache.shape
+    _check_latent(q, kv_cache, kv_lora_rank, "T")
     if slots.dtype != torch.long or slots.dim() != 2 or slots.shape[0] != tokens:
         raise ValueError(f"slots must be int64 [T={tokens}, K], got {tuple(slots.shape)} {slots.dtype}")
-    if not (takes(q, kv_cache) and kv_cache.is_contiguous()):
-        raise ValueError("q and kv_cache must be CPU bfloat16, the cache contiguous")
     slots = slots.contiguous()
     o = torch.empty(tokens, heads, kv_lora_rank, dtype=torch.bfloat16)
     if tokens and heads:
