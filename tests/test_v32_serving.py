@@ -456,3 +456,20 @@ def test_mtp_speculation_matches_greedy_without_it(mtp_model, k, oracle, monkeyp
     runner = llm.engine.runner
     mtp_keys = runner.kv_caches.layer(CacheKind.INDEXER_KEYS, runner.model_cfg.num_hidden_layers)
     assert mtp_keys.abs().sum() > 0
+
+
+def test_fp8_checkpoint_in_deepseeks_own_names_loads_the_same(fp8_model, fp8_reference, tmp_path):
+    """The same FP8 checkpoint with DeepSeek's tensor names (`layers.N.attn.indexer.wq_b.scale`,
+    `layers.N.attn.wq_b.weight` for MLA's q_b_proj): the same tokens, so the indexer's wq_b is not
+    taken for MLA's."""
+    from safetensors import safe_open
+
+    from modelkit.quantize import quantize_folder
+
+    bf16 = make_model("tiny-v32", tmp_path / "bf16")
+    native_names = quantize_folder(bf16, tmp_path / "deepseek-names", QuantOptions(names="deepseek"))
+    with safe_open(next(Path(native_names).glob("*.safetensors")), "pt") as f:
+        names = set(f.keys())
+    assert {"layers.0.attn.indexer.wq_b.weight", "layers.0.attn.indexer.wq_b.scale"} <= names
+    assert "layers.0.attn.wq_b.weight" in names  # MLA's q_b_proj, in DeepSeek's spelling
+    assert _tokens(LLM(str(native_names), **ENGINE)) == fp8_reference
