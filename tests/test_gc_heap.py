@@ -33,7 +33,9 @@ def test_freeze_collects_garbage_first_then_takes_the_rest_out_of_every_scan(unf
     del dead
     frozen = freeze_startup_heap()
     assert dead_ref() is None  # garbage then is not frozen in
-    assert frozen == gc.get_freeze_count() > 0
+    # A frozen object freed since (its last reference dropped, here or by another thread of this
+    # process: a test worker's) leaves the count: a few may go, none may come.
+    assert frozen > 0 and frozen - 1000 < gc.get_freeze_count() <= frozen
     assert all(o is not kept for o in gc.get_objects())  # no collection walks it now
     after = _Node()
     assert any(o is after for o in gc.get_objects())  # what comes later is scanned as before
