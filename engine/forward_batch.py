@@ -96,6 +96,12 @@ class ForwardBatch:
     """[M] int64 rows of the hidden states the LM head is applied to."""
 
     @cached_property
+    def max_context(self) -> int:
+        """The longest context any of the step's tokens attends to (found once a step, not per layer)."""
+        longest = max((seq.ctx_len for seq in self.prefills), default=0)
+        return max([longest, *(int(g.seq_lens.max()) for g in self.decodes if g.num_seqs)])
+
+    @cached_property
     def token_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_table [N, max_blocks] int32, lens [N] int32): each token's cache blocks and how
         many of their rows it attends to (its own included), decode groups' rows first; for

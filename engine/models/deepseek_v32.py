@@ -77,7 +77,7 @@ class Indexer(nn.Module):
     ) -> None:
         """Each token's key LayerNorm(x W_k), roped, written at its cache slot."""
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [N, dI]
-        store_rows(k.to(key_cache.dtype), key_cache, slots)
+        store_rows(k, key_cache, slots)
 
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -116,7 +116,7 @@ class SparseMLAttention(MLAttention):
         q_latent, q_nope, q_pe = self.queries(x, cos, sin)
         c_kv, k_pe = self.store_latents(x, cos, sin, batch.slot_mapping, latent_cache)
         self.indexer.store_keys(x, cos, sin, batch.slot_mapping, key_cache)
-        if max_context(batch) <= self.indexer.topk:  # every query chooses its whole context
+        if batch.max_context <= self.indexer.topk:  # every query chooses its whole context
             out = self.attend(q_nope, q_pe, c_kv, k_pe, batch, latent_cache)
         else:
             out, sparse = self.attend_within_topk(q_nope, q_pe, c_kv, k_pe, batch, latent_cache)
@@ -144,11 +144,7 @@ class SparseMLAttention(MLAttention):
             m = min(max(topk - cached, 0), seq.q_len)  # the chunk's first m tokens see <= topk
             s = seq.q_start
             if m:
-                if cached == 0:
-                    ctx = torch.cat((c_kv[s : s + m], k_pe[s : s + m]), dim=-1)
-                else:
-                    rows = latent_cache.index_select(0, seq.block_ids).flatten(0, 1)
-                    ctx = rows[: cached + m].to(q_nope.dtype)
+                ctx = self.prefill_context(seq, m, c_kv, k_pe, latent_cache)
                 out[s : s + m] = self._prefill(q_nope[s : s + m], q_pe[s : s + m], ctx)
             sparse.append(torch.arange(s + m, s + seq.q_len, device=q_nope.device))
         return out, torch.cat(sparse)
@@ -186,14 +182,6 @@ class SparseMLAttention(MLAttention):
         else:
             o_lat = sparse_mla(q, latent_cache, slots, self.scale, self.kv_lora_rank)  # [N, H, L]
         return self.unabsorb(o_lat, few).contiguous()
-
-
-def max_context(batch: ForwardBatch) -> int:
-    """The longest context any of the step's tokens attends to."""
-    longest = max((seq.ctx_len for seq in batch.prefills), default=0)
-    for g in batch.decodes:
-        longest = max(longest, int(g.seq_lens.max()))
-    return longest
 
 
 def request_rows(batch: ForwardBatch):

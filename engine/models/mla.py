@@ -161,12 +161,19 @@ class MLAttention(nn.Module):
             out[g.start : g.end] = self._decode(q_nope[g.start : g.end], q_pe[g.start : g.end], kv_cache, g)
         for seq in batch.prefills:
             s, e = seq.q_start, seq.q_start + seq.q_len
-            if seq.ctx_len == seq.q_len:  # nothing cached before: the chunk's own latents are the context
-                ctx = torch.cat((c_kv[s:e], k_pe[s:e]), dim=-1)  # [q_len, L+R]
-            else:
-                ctx = kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.ctx_len].to(q_nope.dtype)
-            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], ctx)
+            out[s:e] = self._prefill(
+                q_nope[s:e], q_pe[s:e], self.prefill_context(seq, seq.q_len, c_kv, k_pe, kv_cache)
+            )
         return out
+
+    def prefill_context(self, seq, n: int, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor):
+        """The latent rows [ctx, L+R] the first n tokens of prefill chunk `seq` attend to: the
+        chunk's own latents where nothing was cached before it, else the cache's rows."""
+        cached = seq.ctx_len - seq.q_len
+        if cached == 0:
+            s = seq.q_start
+            return torch.cat((c_kv[s : s + n], k_pe[s : s + n]), dim=-1)
+        return kv_cache.index_select(0, seq.block_ids).flatten(0, 1)[: cached + n].to(c_kv.dtype)
 
     def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache: torch.Tensor) -> bool:
         """Whether this step's n tokens run as one native call (native.mla_attention): a few decode
