@@ -17,12 +17,12 @@ The ceiling: two processes with NIXL agents over KV caches of the same spec and 
 the other's blocks through the same descriptors the workers use (engine/kv_cache/nixl.py), no
 checksum; and the CRC-32C checksum rate of the same bytes (what verification costs).
 
-Two stacks run one after the other (router, prefill, decode; the second with the decode worker
-at --kv-transport grpc), each process with --threads threads. With --baseline REV, a stack of this
-tree and one of a git worktree of REV are up together, both over NIXL, and every round sends the
-same fresh prompt to each, alternating which goes first, so a shared machine's drift falls on
-both alike; the raw ceiling is skipped. The load average is recorded before and after. Results go
-to benchmarks/results/kv_transfer[_ab]_<hardware>_<date>.json.
+Two stacks run one after the other (a prefill and a decode worker, called directly: no router;
+the second with the decode worker at --kv-transport grpc), each process with --threads threads.
+With --baseline REV, a stack of this tree and one of a git worktree of REV are up together, both
+over NIXL, and every round sends the same fresh prompt to each, alternating which goes first, so
+a shared machine's drift falls on both alike; the raw ceiling is skipped. The load average is
+recorded before and after. Results go to benchmarks/results/kv_transfer[_ab]_<hardware>_<date>.json.
 
     python benchmarks/kv_transfer.py --model models/pdserve-bench
     python benchmarks/kv_transfer.py --model models/pdserve-bench --baseline HEAD~3 --rounds 5
@@ -31,6 +31,7 @@ to benchmarks/results/kv_transfer[_ab]_<hardware>_<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -59,7 +60,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 class Side:
-    """One stack (router, prefill, decode) and the way to send it one handover."""
+    """One stack (a prefill and a decode worker) and the way to send it one handover."""
 
     def __init__(self, args, transport: str, lengths: list[int], tree: Path | None = None):
         from services.launcher import Stack, StackConfig
@@ -80,7 +81,17 @@ class Side:
             cwd=str(tree) if tree is not None else None,
             env={"PYTHONPATH": str(tree)} if tree is not None else {},
         )
-        self.stack = Stack(cfg).start()
+        # The workers alone (Stack.start less the router): every call here goes to a worker
+        # directly, and a router would be one more process to start and wait for, probing the
+        # workers twice a second while they are measured.
+        self.stack = Stack(cfg)
+        try:
+            self.stack.start_worker("prefill", 0)
+            self.stack.start_worker("decode", 0)
+            self.stack.wait_all_ready(time.monotonic() + cfg.ready_timeout_s)
+        except BaseException:
+            self.stack.stop()
+            raise
         self.prefill = worker(self.stack.workers("prefill")[0].endpoint, self.stack.token)
         self.decode = worker(self.stack.workers("decode")[0].endpoint, self.stack.token)
         self.metrics_url = self.stack.workers("decode")[0].metrics_url
@@ -260,6 +271,9 @@ def raw(args, lengths: list[int]) -> list[dict]:
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_raw_producer, args=(args, num_blocks, there), daemon=True)
     proc.start()
+    # The child holds its own end now: with ours closed, recv() fails (EOFError) when the child
+    # dies before it sends, instead of waiting for ever.
+    there.close()
     rows = []
     try:
         metadata, regions, n = here.recv()
@@ -291,7 +305,8 @@ def raw(args, lengths: list[int]) -> list[dict]:
             print(json.dumps(row), flush=True)
         agent.close()
     finally:
-        here.send("done")
+        with contextlib.suppress(BrokenPipeError):  # a child that died first reads nothing
+            here.send("done")
         proc.join(30)
     return rows
 

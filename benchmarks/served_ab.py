@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ratios, save  # noqa: E402
 from benchmarks.served_vs_offline import (  # noqa: E402
     Served,
     add_workload_args,
@@ -59,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name, _ in args.arm]
     if len(set(names)) != len(names) or len(names) < 2:
         raise SystemExit("--arm: two or more, each named once")
+    # Only once the arguments are good: it loads torch, seconds of a bad call's time. Still before
+    # the stacks start, so the client's process is the same during the rounds.
+    from benchmarks.common import ratios, save
+
     prompts = workload(args)
     with contextlib.ExitStack() as up:
         arms = [

@@ -43,7 +43,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import save  # noqa: E402
 from engine.gc_heap import freeze_startup_heap  # noqa: E402
 
 FIRST_TOKEN_ID = 16
@@ -427,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     check_workload_args(args)
+    # Only once the arguments are good: benchmarks.common loads torch, seconds of a bad call's time
+    # (served_ab.py reads the workload's flags from here too).
+    from benchmarks.common import save
+
     prompts = workload(args)
     if args.interleave:  # both up at once, a round of each in turn: the machine's drift falls on both
         with Offline(args, prompts(0)) as off, Served(args, prompts(0)) as srv:
