@@ -14,6 +14,8 @@ boundaries during decode.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,11 +35,25 @@ within ATOL can legitimately order them either way (the references hold 20th/21s
 SEED = 0
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread inside, as the engines here run: these models' products are too small
+    for a second, and two OpenMP threads beside other processes on two cores wait on each other
+    for most of each op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=VARIANTS)
 def case(request, tmp_path_factory) -> tuple[Path, list[Reference]]:
     """The variant's checkpoint and its references, built once per variant for all block sizes."""
-    model_dir = build_hf_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"), seed=SEED)
-    return model_dir, decisive_references(model_dir, PROMPT_LENS, steps=STEPS, seed=SEED)
+    with one_torch_thread():
+        model_dir = build_hf_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"), seed=SEED)
+        return model_dir, decisive_references(model_dir, PROMPT_LENS, steps=STEPS, seed=SEED)
 
 
 def assert_logprobs_match(got: dict[int, float], ref: torch.Tensor, token: int, where: str) -> None:
@@ -84,7 +100,7 @@ def test_logits_parity(case: tuple[Path, list[Reference]], block_size: int) -> N
 def assert_parity(model_dir: Path, refs: list[Reference], block_size: int) -> None:
     """The engine in float32 on model_dir against the references: greedy tokens exactly, every logprob
     it returns (generated and prompt) within ATOL, the reference's top-N."""
-    llm = LLM(model=str(model_dir), dtype="float32", block_size=block_size)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=block_size, num_threads=1)
     params = SamplingParams(
         temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=TOP_N, prompt_logprobs=TOP_N
     )

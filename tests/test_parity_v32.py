@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.hf_reference import V32_VARIANTS, Reference, build_hf_checkpoint, decisive_references
-from tests.test_parity_hf import PROMPT_LENS, SEED, STEPS, assert_parity
+from tests.test_parity_hf import PROMPT_LENS, SEED, STEPS, assert_parity, one_torch_thread
 
 
 @pytest.fixture(scope="module", params=V32_VARIANTS)
 def case(request, tmp_path_factory) -> tuple[Path, list[Reference]]:
-    model_dir = build_hf_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"), seed=SEED)
-    return model_dir, decisive_references(model_dir, PROMPT_LENS, steps=STEPS, seed=SEED)
+    with one_torch_thread():
+        model_dir = build_hf_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"), seed=SEED)
+        return model_dir, decisive_references(model_dir, PROMPT_LENS, steps=STEPS, seed=SEED)
 
 
 @pytest.mark.parametrize("block_size", [4, 16], ids=lambda b: f"bs{b}")

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from engine.loader import deepseek_to_hf
 from modelkit.quantize import QuantOptions, quantize_folder
 from tests.hf_reference import VARIANTS, build_hf_checkpoint, decisive_references
-from tests.test_parity_hf import assert_parity
+from tests.test_parity_hf import assert_parity, one_torch_thread
 
 FORMATS = {
     "fp8-128-f32-hf": QuantOptions(block=128),
@@ -98,7 +98,8 @@ def dequantized_folder(quantized: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """A float32 DeepSeek-V3 checkpoint with q-LoRA, YaRN and grouped routing (VARIANTS[0])."""
-    return build_hf_checkpoint(VARIANTS[0].values[0], tmp_path_factory.mktemp("src"), seed=0)
+    with one_torch_thread():
+        return build_hf_checkpoint(VARIANTS[0].values[0], tmp_path_factory.mktemp("src"), seed=0)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -108,6 +109,7 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_weights(so
     assert len(list(quantized.glob("*.safetensors"))) > 1  # sharded, with an index
     if FORMATS[fmt].names == "deepseek":
         assert "layers.0.attn.wq_a.scale" in names and not any(n.startswith("model.") for n in names)
-    reference_dir = dequantized_folder(quantized, tmp_path / "dequantized")
-    refs = decisive_references(reference_dir, PROMPT_LENS, steps=32, seed=0)
+    with one_torch_thread():
+        reference_dir = dequantized_folder(quantized, tmp_path / "dequantized")
+        refs = decisive_references(reference_dir, PROMPT_LENS, steps=32, seed=0)
     assert_parity(quantized, refs, block_size=16)
