@@ -113,24 +113,38 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model, tmp_path):
     body = f"from engine import LLM\nllm = LLM({tiny_model!r}, data_parallel_size=2, num_threads=1)\n"
     unguarded = tmp_path / "unguarded.py"
     unguarded.write_text(body + "print('built')\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run(
-        [sys.executable, str(unguarded)], capture_output=True, text=True, env=env, timeout=240
-    )
-    assert run.returncode == 1 and "built" not in run.stdout
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: data-parallel rank ")
-    assert "re-imports the main module" in last and str(unguarded) in last
-    assert 'if __name__ == "__main__":' in last
-    assert "AttributeError" not in run.stderr
-
     guarded = tmp_path / "guarded.py"
     indented = "".join(f"    {line}\n" for line in body.splitlines())
     guarded.write_text(
         f'if __name__ == "__main__":\n{indented}    print("built")\n    llm.engine.shutdown()\n'
     )
-    run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, env=env, timeout=240)
-    assert run.returncode == 0 and run.stdout.strip() == "built", run.stderr
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    # Both scripts at once: each imports torch in one process, then again in each of its two
+    # ranks; one script alone leaves a core idle while its first process imports.
+    def start(script: Path) -> subprocess.Popen:
+        with open(script.with_suffix(".out"), "w") as out, open(script.with_suffix(".err"), "w") as err:
+            return subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=err, text=True, env=env)
+
+    procs = [start(unguarded), start(guarded)]
+    try:
+        codes = [proc.wait(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    stdout, stderr = (
+        {p: p.with_suffix(ext).read_text() for p in (unguarded, guarded)} for ext in (".out", ".err")
+    )
+
+    assert codes[0] == 1 and "built" not in stdout[unguarded]
+    last = stderr[unguarded].strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: data-parallel rank ")
+    assert "re-imports the main module" in last and str(unguarded) in last
+    assert 'if __name__ == "__main__":' in last
+    assert "AttributeError" not in stderr[unguarded]
+
+    assert codes[1] == 0 and stdout[guarded].strip() == "built", stderr[guarded]
 
 
 def test_placement_round_robin_and_file_validation(tmp_path):

@@ -54,7 +54,8 @@ def read_gate(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory, read_gate):
+def started_stack(tiny_model, tmp_path_factory, read_gate):
+    """The module's processes, as started; tests take `stack`, which restarts what they killed."""
     st = start_stack(
         tiny_model,
         tmp_path_factory.mktemp("reliability"),
@@ -77,9 +78,21 @@ def stack(tiny_model, tmp_path_factory, read_gate):
     st.stop()
 
 
+@pytest.fixture
+def stack(started_stack):
+    """The module's stack with every worker up: a worker an earlier test killed is started again
+    here, before the next test that needs the stack, rather than by the test that killed it, so
+    none is started for nothing after the last kill (the tests after it run their own workers)."""
+    for proc in [p for p in started_stack.workers() if p.popen.poll() is not None]:
+        _restart(started_stack, proc)
+    return started_stack
+
+
 @pytest.fixture(scope="module")
 def offline(tiny_model) -> LLM:
-    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+    # One thread, as each worker runs (service_testing): torch's two OpenMP threads, in a process
+    # beside the stack's, wait on each other for most of each step.
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256, num_threads=1)
 
 
 def _live_workers(stack):
@@ -105,9 +118,9 @@ def _every_worker_idle(stack) -> None:
 
 
 @pytest.fixture(autouse=True)
-def blocks_return_to_baseline(stack):
+def blocks_return_to_baseline(started_stack):
     yield
-    _every_worker_idle(stack)
+    _every_worker_idle(started_stack)
 
 
 def _restart(stack, proc):
@@ -227,20 +240,17 @@ def test_prefill_worker_death_before_the_pull(stack, offline, policy, known):
         kv_handle_mac=handle_mac(TOKEN, first.kv_handle),
         kv_failure_policy=policy_pb,
     )
-    try:
-        stream = worker(decode.endpoint, TOKEN).Decode(request, timeout=30)
-        if policy == "fail":
-            with pytest.raises(grpc.RpcError) as err:
-                list(stream)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        else:
-            tokens = list(first.output.token_ids) + [t for m in stream for t in m.token_ids]
-            ref = offline.generate(
-                prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
-            )[0]
-            assert tokens == ref.token_ids
-    finally:
-        _restart(stack, prefill)
+    stream = worker(decode.endpoint, TOKEN).Decode(request, timeout=30)
+    if policy == "fail":
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    else:
+        tokens = list(first.output.token_ids) + [t for m in stream for t in m.token_ids]
+        ref = offline.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6)
+        )[0]
+        assert tokens == ref.token_ids
 
 
 def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_gate):
@@ -251,6 +261,11 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
     other requests, and its free blocks come back to where they were."""
     prefill = stack.workers("prefill")[0]
     decode = stack.workers("decode")[0]
+    # As in the other gated tests, the decode worker's first contact with a restarted prefill
+    # worker (`stack` restarts the one the test before killed) goes before the gate, not inside a
+    # gated pull: asked over a connection still backing off, it moved that pull over gRPC, past
+    # the gate, and the wait below ran out.
+    _every_decode_worker_reads_from(prefill, stack)
     stub = worker(decode.endpoint, TOKEN)
     free = load(decode.endpoint, TOKEN).num_free_blocks
     sampling = pb.SamplingParams(temperature=0, max_tokens=6)
@@ -303,7 +318,6 @@ def test_prefill_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read
         assert colocated() == alone[0].token_ids and decode.popen.poll() is None
     finally:
         read_gate.unlink(missing_ok=True)
-        _restart(stack, prefill)
 
 
 def _decode_request(first: wpb.PrefillResponse, prompt: list[int], policy: str) -> wpb.DecodeRequest:
@@ -361,7 +375,6 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
     ref = _offline_tokens(offline, prompt)
     reading = _held_at_gate_from_now(stack)
     stub = inference(stack)
-    victim = None
     read_gate.touch()
     try:
         stream = iter(stub.Generate(request, timeout=60))
@@ -382,8 +395,6 @@ def test_decode_worker_killed_in_the_middle_of_a_nixl_read(stack, offline, read_
         assert tokens == ref and prefill.popen.poll() is None
     finally:
         read_gate.unlink(missing_ok=True)
-        if victim is not None:
-            _restart(stack, victim)
 
 
 _WARM_UP_PROMPTS = itertools.count()
@@ -615,7 +626,6 @@ def test_decode_worker_killed_mid_stream(stack):
         mode=pb.SERVING_MODE_DISAGGREGATED,
     )
     assert len(tokens) == 5
-    _restart(stack, victim)
 
 
 def test_unavailable_before_the_first_token_is_retried_on_another_worker(stack, offline):
@@ -638,7 +648,6 @@ def test_unavailable_before_the_first_token_is_retried_on_another_worker(stack, 
     )[0]
     assert tokens == ref.token_ids
     assert metric(metrics_text(), "pdserve_request_retries_total") == retries_before + 1
-    _restart(stack, first)
 
 
 # ---- the engine thread dying or stalling, drain --------------------------------------------------------

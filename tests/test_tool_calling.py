@@ -65,14 +65,29 @@ def client(stack) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(tiny_model) -> LLM:
-    return LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+    # One thread, as each worker runs (service_testing): torch's two OpenMP threads, in a process
+    # beside the stack's, wait on each other for most of each step.
+    return LLM(tiny_model, dtype="float32", num_kv_blocks=256, num_threads=1)
+
+
+_GREEDY: dict = {}
+"""(client, request) -> the response to a greedy, unstreamed _create. Four tests make the same
+greedy request for "required" and for the named function (one checks the call, one compares it
+with the offline engine, two hold a stream and the gRPC API to it): a greedy answer is a function
+of the request, so the first makes it and the others check the same response."""
 
 
 def _create(client, **kw):
     args = dict(
         model="pdserve-tiny", messages=MESSAGES, tools=TOOLS, max_tokens=160, extra_body=DISAGGREGATED
     )
-    return client.chat.completions.create(**(args | kw))
+    args |= kw
+    if args.get("temperature") != 0.0 or args.get("stream"):
+        return client.chat.completions.create(**args)
+    key = (id(client), json.dumps(args, sort_keys=True))
+    if key not in _GREEDY:
+        _GREEDY[key] = client.chat.completions.create(**args)
+    return _GREEDY[key]
 
 
 def _validate(calls) -> None:
@@ -81,14 +96,22 @@ def _validate(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+_OFFLINE: dict = {}
+"""(engine, prompt, constraint, max_tokens) -> _offline's output: tool_choice auto and none give
+the same prompt (the tools are rendered either way) and no constraint, so one run serves both."""
+
+
 def _offline(offline: LLM, body: dict, messages=MESSAGES, max_tokens: int = 160):
     """The offline engine's greedy output for the same prompt and constraint."""
     tools = tool_request(body)
     tok = offline.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages, tools=tools.tools), add_special_tokens=False)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=tools.constraint())
-    (out,) = offline.generate(prompt_token_ids=[ids], sampling_params=[params])
-    return ids, out
+    constraint = tools.constraint()
+    key = (id(offline), tuple(ids), repr(constraint), max_tokens)
+    if key not in _OFFLINE:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=constraint)
+        (_OFFLINE[key],) = offline.generate(prompt_token_ids=[ids], sampling_params=[params])
+    return ids, _OFFLINE[key]
 
 
 @pytest.mark.parametrize(
