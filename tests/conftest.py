@@ -9,6 +9,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # `amx` products expect, instead of the faster path each engine would time at load (the default:
 # tests/test_decode_attention_choice.py). Worker processes inherit it.
 os.environ.setdefault("PDSERVE_NATIVE_AMX_ATTENTION", "1")
+# Two test workers, each with torch's two OpenMP threads, and the stacks' processes share two cores:
+# threads spinning after a parallel region kept the cores from the threads they waited for (an
+# equivalence file took 11.5 s in one run and 88 s in the next; 12-13 s with PASSIVE). So, as the
+# launcher does for workers sharing their cores, the suite's threads sleep while they wait
+# (libgomp reads this when torch loads it, just below). Processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
