@@ -81,17 +81,9 @@ class Side:
             cwd=str(tree) if tree is not None else None,
             env={"PYTHONPATH": str(tree)} if tree is not None else {},
         )
-        # The workers alone (Stack.start less the router): every call here goes to a worker
-        # directly, and a router would be one more process to start and wait for, probing the
-        # workers twice a second while they are measured.
-        self.stack = Stack(cfg)
-        try:
-            self.stack.start_worker("prefill", 0)
-            self.stack.start_worker("decode", 0)
-            self.stack.wait_all_ready(time.monotonic() + cfg.ready_timeout_s)
-        except BaseException:
-            self.stack.stop()
-            raise
+        # The workers alone: every call here goes to a worker directly, and a router would be one
+        # more process to start and wait for, probing the workers twice a second while they are measured.
+        self.stack = Stack(cfg).start(router=False)
         self.prefill = worker(self.stack.workers("prefill")[0].endpoint, self.stack.token)
         self.decode = worker(self.stack.workers("decode")[0].endpoint, self.stack.token)
         self.metrics_url = self.stack.workers("decode")[0].metrics_url

@@ -262,10 +262,11 @@ class Stack:
         proc.metrics_url = metrics_url
         return proc
 
-    def start(self, on_wait: Callable[[str], None] | None = None) -> Stack:
-        """Start the workers and the router; return once every process is ready and the router
-        routes to every worker. While it waits, `on_wait` gets a line every few seconds naming
-        what is still starting (a cold start says what it is doing)."""
+    def start(self, on_wait: Callable[[str], None] | None = None, router: bool = True) -> Stack:
+        """Start the workers and the router (router=False: the workers alone, for callers that call
+        them directly); return once every process is ready and the router routes to every worker.
+        While it waits, `on_wait` gets a line every few seconds naming what is still starting (a
+        cold start says what it is doing)."""
         cfg = self.cfg
         try:
             for role, count in (
@@ -275,10 +276,12 @@ class Stack:
             ):
                 for i in range(count):
                     self.start_worker(role, i)
-            self.start_router()
+            if router:
+                self.start_router()
             deadline = time.monotonic() + cfg.ready_timeout_s
             self.wait_all_ready(deadline, on_wait, cfg.progress_every_s)
-            self.wait_routable(deadline)
+            if router:
+                self.wait_routable(deadline)
         except BaseException:
             self.stop()
             raise

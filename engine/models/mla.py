@@ -166,7 +166,9 @@ class MLAttention(nn.Module):
             )
         return out
 
-    def prefill_context(self, seq, n: int, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor):
+    def prefill_context(
+        self, seq, n: int, c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
         """The latent rows [ctx, L+R] the first n tokens of prefill chunk `seq` attend to: the
         chunk's own latents where nothing was cached before it, else the cache's rows."""
         cached = seq.ctx_len - seq.q_len
