@@ -44,7 +44,7 @@ def bench_engine(args, prompts: list[list[int]]) -> dict:
     # REPEATS requests (a shared 2-core VM is noisy).
     runs = []
     for r in range(REPEATS):
-        llm.engine.block_manager.pool.reset_prefix_cache()
+        llm.engine.kv.reset_prefix_cache()
         one = llm.generate(
             prompt_token_ids=[prompts[r][::-1]],
             sampling_params=SamplingParams(

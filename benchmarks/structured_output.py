@@ -50,7 +50,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag:
     """Decode tokens per second and per CPU second of the prompts run together, from the last
     request's first token on."""
     engine = llm.engine
-    engine.block_manager.pool.reset_prefix_cache()  # both sides prefill the same way
+    engine.kv.reset_prefix_cache()  # both sides prefill the same way
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}-{time.monotonic_ns()}", ids, params)
     started: set[str] = set()

@@ -22,10 +22,10 @@ from engine import env
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
-from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.connector import KVConnector
 from engine.kv_cache.export import Export, ExportOptions, ExportTable
 from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.manager import KVCacheManager, KVStats, size_tables
 from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import ImportSink, KVPort
@@ -37,7 +37,7 @@ from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, kv_cache_spec
 from engine.sampling_params import SamplingParams, validate_request
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import Admission, ScheduledRequest, Scheduler
 from engine.spec_decode.stats import SpecStats, speculation_allowed
 from engine.structured.manager import StructuredOutputManager
 from engine.tokenizer import Tokenizer
@@ -55,6 +55,17 @@ def _generation_eos(folder: Path) -> list[int]:
         return []
     eos = json.loads(path.read_text()).get("eos_token_id")
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine after its last step, for other threads: a worker's /metrics, load reports and
+    registry record read this snapshot, never the scheduler's or the KV manager's own state."""
+
+    num_running: int
+    num_waiting: int
+    """Queued, waiting for a grammar, for remote KV or for an import's blocks."""
+    kv: KVStats
 
 
 @dataclass
@@ -99,11 +110,19 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys(eos))
 
         self.kv_spec = kv_cache_spec(self.model_cfg, cfg)
-        per_block = self.kv_spec.bytes_per_block
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        self.num_kv_blocks = cfg.num_kv_blocks or max(
-            1, min(useful, int(cfg.kv_cache_memory_gib * 2**30 // per_block))
+        self.kv_blocks = size_tables(
+            self.kv_spec,
+            int(cfg.kv_cache_memory_gib * 2**30),
+            cfg.max_num_seqs,
+            self.max_model_len,
+            cfg.max_num_batched_tokens,
+            lookahead=2 * cfg.spec.num_speculative_tokens if cfg.spec else 0,
+            num_blocks=cfg.num_kv_blocks,
         )
+        """Engine blocks per block table (KVCacheSpec.tables)."""
+        self.num_kv_blocks = self.kv_blocks[0]
+        """The history a request can hold, in blocks: the first table's, full attention (the one
+        table of every spec the engine runs: KVCacheSpec.check_runnable)."""
         self.group = group
         self.ep = make_expert_parallel(cfg, self.model_cfg, group) if group is not None else None
         self.structured = StructuredOutputManager(
@@ -116,7 +135,7 @@ class EngineCore:
             cfg,
             self.kv_spec,
             self.max_model_len,
-            self.num_kv_blocks,
+            self.kv_blocks,
             self.eos_token_ids,
             ep=self.ep,
             structured=self.structured,
@@ -131,15 +150,16 @@ class EngineCore:
         """The KV connector (the offload tiers) when one is configured."""
         self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches)
         """The services' only access to the cache (transfer.py says which thread may do what)."""
-        self.block_manager = BlockManager(
-            self.num_kv_blocks,
-            self.kv_spec.block_size,
+        self.kv = KVCacheManager(
+            self.kv_spec,
+            self.kv_blocks,
             cfg.enable_prefix_caching,
             on_evict=self.connector.on_evict if self.connector is not None else None,
         )
+        """Owns the KV blocks: the scheduler and this class ask it; nothing else allocates or frees."""
         self.spec = cfg.spec
         self.scheduler = Scheduler(
-            self.block_manager,
+            self.kv,
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
             num_speculative=self.spec.num_speculative_tokens if self.spec else 0,
@@ -153,6 +173,9 @@ class EngineCore:
         self.importing: dict[str, KVImport] = {}
         """Requests whose prompt KV is written from outside (a KV transfer), until it is in."""
         self.step_count = 0
+        self.stats: EngineStats
+        """Republished after every step and by the driver after the commands it runs (publish_stats)."""
+        self.publish_stats()
         self.heap = HeapTrimmer(cfg.heap_free_limit_mib << 20)
         torch.manual_seed(cfg.seed)
         logger.info(
@@ -297,27 +320,15 @@ class EngineCore:
         retry after a step."""
         imp = self.importing[request_id]
         req = imp.request
-        hits, num_hit_tokens = self.block_manager.get_computed_blocks(req)
         num_prompt = req.num_prompt_tokens
-        external = 0
-        if self.connector is not None:  # blocks an offload tier holds need not be transferred either
-            external = self.connector.lookup(
-                request_id, req.block_hashes[len(hits) : num_prompt // self.cfg.block_size]
-            )
-            if external is None:
-                return None
-        if not self.block_manager.allocate_slots(req, num_prompt - num_hit_tokens, hits, cache_blocks=False):
+        admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False)
+        if isinstance(admitted, Admission):
             return None
-        loaded = 0
-        if external:
-            ids = req.block_ids[len(hits) : len(hits) + external]
-            loaded = self.connector.load(request_id, req.block_hashes[len(hits) : len(hits) + external], ids)
-        if self.connector is not None:
-            self.connector.release(request_id)
+        cached, _ = admitted
         req.status = RequestStatus.LOADING_REMOTE_KV
-        req.metrics.num_cached_tokens = num_hit_tokens + loaded * self.cfg.block_size
-        imp.sink = self.kv_port.sink(request_id, req.block_ids[: -(-num_prompt // self.cfg.block_size)])
-        return len(hits) + loaded
+        req.metrics.num_cached_tokens = cached
+        imp.sink = self.kv_port.sink(request_id, req.block_ids[0][: -(-num_prompt // self.cfg.block_size)])
+        return cached // self.cfg.block_size
 
     def import_sink(self, request_id: str) -> ImportSink:
         """Where the transfer writes an importing request's prompt KV (after allocate_import)."""
@@ -332,7 +343,7 @@ class EngineCore:
         imp.close()
         req = imp.request
         req.num_computed_tokens = req.num_prompt_tokens
-        self.block_manager.cache_blocks(req, req.num_computed_tokens)
+        self.kv.cache_blocks(req, req.num_computed_tokens)
         req.metrics.first_scheduled_time = time.monotonic()
         self.structured.admit(req, self.scheduler.add_running)
 
@@ -359,7 +370,16 @@ class EngineCore:
             self.structured.wait(GRAMMAR_WAIT_S)
         failed = [self._abort_unconstrainable(req, error) for req, error in self.structured.poll()]
         outputs = self._step(stop)
+        self.publish_stats()
         return failed + outputs if failed else outputs
+
+    def publish_stats(self) -> None:
+        """Snapshot the queues and the KV memory into `stats` (engine thread only)."""
+        sched = self.scheduler
+        waiting = (
+            len(sched.waiting) + len(sched.waiting_for_kv) + len(self.importing) + self.structured.num_held
+        )
+        self.stats = EngineStats(len(sched.running), waiting, self.kv.stats())
 
     def _abort_unconstrainable(self, req: Request, error: str) -> RequestOutput:
         warn_limited(logger, "request %s cannot run: %s", req.request_id, error)
@@ -443,7 +463,7 @@ class EngineCore:
             if status is not None:
                 break
         if item.draft_token_ids:
-            self.block_manager.cache_blocks(req, req.num_computed_tokens, start=item.num_computed_tokens)
+            self.kv.cache_blocks(req, req.num_computed_tokens, start=item.num_computed_tokens)
         if status is None and req.kv_export:
             status = RequestStatus.FINISHED_EXPORTED
         if status is None:

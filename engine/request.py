@@ -75,7 +75,9 @@ class Request:
     """Prompt then output tokens."""
     num_computed_tokens: int = 0
     """Leading tokens whose KV is in this request's cache blocks."""
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """One block table per table of the KV cache spec (KVCacheSpec.tables; engine/kv_cache/manager.py
+    owns them): [] while the request holds no blocks."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained content hashes of the request's full blocks, computed once each."""
     status: RequestStatus = RequestStatus.WAITING

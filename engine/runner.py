@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq, token_tensors
 from engine.hugepages import WeightArena, place_parameters
-from engine.kv_cache.spec import KVCacheSpec, model_fingerprint
+from engine.kv_cache.spec import CacheKind, KVCacheSpec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, pick_decode_attention, use_native_kernels
@@ -79,7 +79,7 @@ class ModelRunner:
         cfg: EngineConfig,
         kv_spec: KVCacheSpec,
         max_model_len: int,
-        num_kv_blocks: int,
+        kv_blocks: int | tuple[int, ...],
         eos_token_ids: tuple[int, ...],
         ep=None,
         structured: StructuredOutputManager | None = None,
@@ -91,6 +91,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.block_size = kv_spec.block_size
+        self.kv_table = kv_spec.table_index(CacheKind.LATENT)
+        """The block table every cache the engine runs reads (spec.check_runnable: one, full attention)."""
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
         """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512F: engine/platform.py)."""
@@ -138,7 +140,7 @@ class ModelRunner:
             )
         self.kv_spec = kv_spec
         start = time.perf_counter()
-        self.kv_caches = kv_spec.allocate(num_kv_blocks, self.device, cfg.kv_prefault)  # the MTP group last
+        self.kv_caches = kv_spec.allocate(kv_blocks, self.device, cfg.kv_prefault)  # the MTP group last
         if cfg.kv_prefault:
             logger.info(
                 "KV cache resident from the start: %d MiB in %.2f s",
@@ -170,7 +172,7 @@ class ModelRunner:
             input_ids.extend(req.token_ids[start : start + item.num_new_tokens])
             input_ids.extend(item.draft_token_ids)  # verified in this forward
             positions.extend(range(start, start + n))
-            blocks = req.block_ids
+            blocks = req.block_ids[self.kv_table]
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.is_decode:
                 if not groups or groups[-1][1] != n:

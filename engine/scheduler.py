@@ -11,16 +11,24 @@ step.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+class Admission(enum.Enum):
+    """Why Scheduler.admit did not admit a request."""
+
+    NO_ROOM = "no_room"
+    LOOKING_UP = "looking_up"
 
 
 @dataclass
@@ -68,13 +76,14 @@ class Scheduler:
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_speculative: int = 0,
         connector: KVConnector | None = None,
     ):
-        self.block_manager = block_manager
+        self.kv = kv
+        """Owns the blocks: the scheduler asks it for room and gives blocks back through it."""
         self.connector = connector
         """Where prefix blocks missing from the device cache may come from (KV offload tiers)."""
         self.num_speculative = num_speculative
@@ -118,14 +127,43 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
-    def _external_run(self, req: Request, num_device_hits: int) -> int | None:
-        """Blocks after the device-cache hits that the connector can load (0 without one); None
-        while it is looking them up off the engine thread."""
-        if self.connector is None or req.params.prompt_logprobs is not None:
-            return 0
-        limit = (req.num_tokens - 1) // self.block_manager.block_size  # the last token is always computed
-        candidates = req.block_hashes[num_device_hits:limit]
-        return self.connector.lookup(req.request_id, candidates) if candidates else 0
+    def admit(
+        self, req: Request, upto: int, budget: int, cache_blocks: bool = True
+    ) -> tuple[int, int] | Admission:
+        """Admission, written once (waiting requests here, KV imports in EngineCore): give a request
+        that holds no blocks the blocks for its first `upto` tokens, computing at most `budget` of
+        them now: its device prefix hit, then the blocks the connector can load after it, then new
+        blocks (with room for speculation when the chunk samples). With cache_blocks=False the new
+        blocks are not prefix-cached (an import's: their contents arrive later).
+        -> (tokens already in its blocks, tokens to compute now), or why it was not admitted:
+        NO_ROOM (nothing changed) or LOOKING_UP (the connector is finding its prefix off the
+        engine thread: ask again once `connector.poll` names it)."""
+        kv = self.kv
+        computed = kv.get_computed_blocks(req, upto)
+        external = 0
+        if self.connector is not None and req.params.prompt_logprobs is None:
+            limit = min(upto, req.num_tokens - 1) // kv.block_size  # the last token is always computed
+            candidates = req.block_hashes[computed.num_blocks : limit]
+            external = self.connector.lookup(req.request_id, candidates) if candidates else 0
+            if external is None:
+                return Admission.LOOKING_UP
+        cached = computed.num_tokens
+        num_new = min(upto - cached, budget)
+        samples = req.spec_enabled and cached + num_new == req.num_tokens
+        lookahead = 2 * self.num_speculative if samples else 0
+        if not kv.allocate_slots(req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead):
+            return Admission.NO_ROOM
+        if external:  # load what the connector holds into the blocks just allocated after the hits
+            bs, start = kv.block_size, computed.num_blocks
+            ids = req.block_ids[0][
+                start : start + min(external, num_new // bs)
+            ]  # one table: see KVCacheManager
+            loaded = self.connector.load(req.request_id, req.block_hashes[start : start + len(ids)], ids)
+            cached += loaded * bs
+            num_new -= loaded * bs
+        if self.connector is not None:
+            self.connector.release(req.request_id)
+        return cached, num_new
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
@@ -136,7 +174,7 @@ class Scheduler:
         """The one place KV blocks are freed: a request's blocks after its first `keep`. Called
         when a request finishes (an exported one keeps its prompt blocks), is preempted or
         recomputed, and when an export ends (EngineCore.free_ended_exports)."""
-        self.block_manager.free(req, keep)
+        self.kv.free(req, keep)
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []
@@ -161,14 +199,13 @@ class Scheduler:
         if self.waiting_for_kv:
             self._requeue_looked_up()
         budget = self.max_num_batched_tokens
-        bm = self.block_manager
-
+        kv = self.kv
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = req.draft_token_ids if num_new == 1 and len(req.draft_token_ids) < budget else []
-            while not bm.allocate_slots(req, num_new, lookahead=self._lookahead(req, num_new)):
+            while not kv.allocate_slots(req, num_new, lookahead=self._lookahead(req, num_new)):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -183,28 +220,16 @@ class Scheduler:
 
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = bm.get_computed_blocks(req)
-            external = self._external_run(req, len(hits))
-            if external is None:  # its prefix is being looked up off the engine thread; others go on
+            admitted = self.admit(req, req.num_tokens, budget)
+            if admitted is Admission.LOOKING_UP:  # others go on meanwhile
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv.append(self.waiting.popleft())
                 continue
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
-            samples = req.spec_enabled and num_hit_tokens + num_new == req.num_tokens
-            lookahead = 2 * self.num_speculative if samples else 0
-            if not bm.allocate_slots(req, num_new, hits, lookahead=lookahead):
+            if admitted is Admission.NO_ROOM:
                 break
+            num_hit_tokens, num_new = admitted
             self.waiting.popleft()
             self._started(req)
-            if external:  # load what the connector holds into the blocks just allocated after the hits
-                bs = bm.block_size
-                start = len(hits)
-                ids = req.block_ids[start : start + min(external, num_new // bs)]
-                loaded = self.connector.load(req.request_id, req.block_hashes[start : start + len(ids)], ids)
-                num_hit_tokens += loaded * bs
-                num_new -= loaded * bs
-            if self.connector is not None:
-                self.connector.release(req.request_id)
             req.num_computed_tokens = num_hit_tokens
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()

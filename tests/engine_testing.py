@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.spec import KVCaches, mla_spec
 from engine.outputs import RequestOutput
+from engine.request import Request
 
 
 def mla_caches(layer_caches: list[torch.Tensor], mtp_caches: list[torch.Tensor] = ()) -> KVCaches:
@@ -22,6 +24,25 @@ def mla_caches(layer_caches: list[torch.Tensor], mtp_caches: list[torch.Tensor] 
         fingerprint="test",
     )
     return KVCaches(spec, [*layer_caches, *mtp_caches])
+
+
+def full_manager(num_blocks: int, block_size: int, **kwargs) -> KVCacheManager:
+    """A KV cache manager of one full-attention table (DeepSeek-V2/V3's: one latent group)."""
+    spec = mla_spec(
+        num_layers=1,
+        num_mtp_layers=0,
+        block_size=block_size,
+        kv_lora_rank=8,
+        rope_dim=0,
+        dtype=torch.float32,
+        fingerprint="test",
+    )
+    return KVCacheManager(spec, num_blocks, **kwargs)
+
+
+def table(req: Request, t: int = 0) -> list[int]:
+    """The request's block table t ([] while it holds no blocks)."""
+    return req.block_ids[t] if req.block_ids else []
 
 
 def run_finished(core, steps: int | None = None) -> dict[str, RequestOutput]:

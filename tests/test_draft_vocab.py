@@ -57,7 +57,7 @@ def _run(vocab: str | None, one_call: bool, monkeypatch, k: int = 2):
     llm = LLM(TRAINED, dtype=dtype, num_kv_blocks=64, block_size=16, num_threads=1, speculative_config=spec)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     tokens = [o.token_ids for o in llm.generate(TEXTS, params)]
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
     assert any(taken) == (one_call and on)  # the native one-call step ran, or never
     return tokens, steps, llm.engine.spec_stats
 

@@ -82,13 +82,13 @@ def test_absorbed_decode_matches_non_absorbed_prefill(tiny_model):
 def test_paged_shuffled_blocks_match_contiguous(tiny_model, baseline):
     prompts, expected = baseline
     llm = _llm(tiny_model)
-    free = llm.engine.block_manager.pool.free_queue
+    free = llm.engine.kv.pools[0].free_queue
     order = list(free)
     random.Random(1).shuffle(order)
     free.clear()
     free.update((b, None) for b in order)
     assert _tokens(llm, prompts) == expected
-    used = llm.engine.block_manager.pool
+    used = llm.engine.kv.pools[0]
     assert used.num_free_blocks == used.num_blocks
 
 
@@ -120,7 +120,7 @@ def test_preempted_and_recomputed_matches_uninterrupted(tiny_model, baseline):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    pool = llm.engine.block_manager.pool
+    pool = llm.engine.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks
 
 

@@ -257,7 +257,7 @@ def core(tiny_model) -> EngineCore:
 def test_exported_request_id_cannot_be_reused(core):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = list(range(10, 23))  # 13 tokens: 4 blocks of 4
-    pool = core.block_manager
+    pool = core.kv
     free_at_start = pool.num_free_blocks
     core.add_request("p", prompt, params, kv_export=True)
     assert run_finished(core)["p"].finish_reason == "exported"
@@ -289,7 +289,7 @@ def test_exported_request_id_cannot_be_reused(core):
 def test_importing_request_id_cannot_be_reused(core):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = list(range(30, 39))
-    pool = core.block_manager
+    pool = core.kv
     free_at_start = pool.num_free_blocks
     core.begin_import("i", prompt, [5], params)
     assert core.allocate_import("i") is not None

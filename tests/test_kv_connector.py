@@ -38,7 +38,7 @@ class Store:
         core.add_request("fill", PROMPT, PARAMS)
         run_finished(core)
         hashes = hash_blocks(PROMPT, BS)
-        hit, _ = core.block_manager.get_computed_blocks(_probe(core))
+        hit = core.kv.get_computed_blocks(_probe(core)).blocks[0]
         self.blobs = {
             h: encode_block(core.kv_spec, core.runner.kv_caches, b.block_id)
             for h, b in zip(hashes, hit, strict=False)
@@ -129,7 +129,7 @@ def _same(out, ref) -> None:
 
 def _idle(core: EngineCore) -> None:
     assert not core.has_unfinished_requests() and not core.requests
-    assert core.block_manager.num_free_blocks == core.num_kv_blocks
+    assert core.kv.num_free_blocks == core.num_kv_blocks
     assert not core.scheduler.waiting_for_kv
 
 

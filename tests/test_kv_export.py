@@ -63,7 +63,7 @@ def table(clock, freed) -> ExportTable:
 def _export(table: ExportTable, request_id: str, lease_s: float = 10.0, caller: str = "") -> Export:
     """Export a finished 11-token request that holds blocks 4, 5, 6."""
     req = Request(request_id, list(range(11)), SamplingParams())
-    req.block_ids = [4, 5, 6]
+    req.block_ids = [[4, 5, 6]]
     return table.add(req, [b"h0", b"h1"], None, ExportOptions(lease_s, caller))
 
 

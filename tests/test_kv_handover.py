@@ -67,7 +67,7 @@ def _reset(core: EngineCore, noise_seed: int) -> None:
     core.exports.abort_all()
     core.free_ended_exports()
     assert not core.importing and not core.has_unfinished_requests()
-    pool = core.block_manager.pool
+    pool = core.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks, "a test leaked blocks"
     pool.reset_prefix_cache()
     assert pool.cached == {}
@@ -187,7 +187,7 @@ def _assert_same(first: RequestOutput, final: RequestOutput, ref: RequestOutput)
 
 def _hit_ids(core: EngineCore, prompt: list[int]) -> list[int]:
     """Block ids a new request with this prompt would reuse from the prefix cache."""
-    hits, _ = core.block_manager.get_computed_blocks(Request("probe", list(prompt), SamplingParams()))
+    hits = core.kv.get_computed_blocks(Request("probe", list(prompt), SamplingParams())).blocks[0]
     return [b.block_id for b in hits]
 
 
@@ -207,8 +207,8 @@ def test_handover_matches_whole_request(pd, n, mode, transport):
     _assert_same(first, final, ref)
     assert final.num_cached_tokens == 0
     # Everything went back; the imported full prompt blocks are now the consumer's prefix cache.
-    assert pd.consumer.block_manager.num_free_blocks == NUM_BLOCKS
-    assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
+    assert pd.consumer.kv.num_free_blocks == NUM_BLOCKS
+    assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
     num_hits = (n - 1) // BS
     assert _hit_ids(pd.consumer, prompt) == list(range(num_hits))  # its blocks were 0..n-1
 
@@ -251,7 +251,7 @@ def test_handover_without_the_kv_write_goes_wrong(pd):
 
 def test_export_pins_blocks_until_release(pd):
     p = pd.producer
-    bm = p.block_manager
+    bm = p.kv
     prompt = _prompt(13)
     out = _export(p, "x", prompt, GREEDY)
     kv = out.exported_kv
@@ -262,7 +262,7 @@ def test_export_pins_blocks_until_release(pd):
     assert len(p.exports) == 1 and p.exports.find("x") is kv
     assert "x" not in p.requests and not p.has_unfinished_requests()
     assert bm.num_free_blocks == NUM_BLOCKS - 4
-    assert [bm.pool.blocks[b].ref_count for b in kv.block_ids] == [1, 1, 1, 1]
+    assert [bm.pools[0].blocks[b].ref_count for b in kv.block_ids] == [1, 1, 1, 1]
     assert p.abort_request("x") is None  # the request is over; only release_export unpins
     assert bm.num_free_blocks == NUM_BLOCKS - 4
 
@@ -288,20 +288,20 @@ def test_export_pins_blocks_until_release(pd):
 
 def test_export_of_a_cached_prefix_shares_its_blocks(pd):
     p = pd.producer
-    bm = p.block_manager
+    bm = p.kv
     prompt = _prompt(13)
     _whole(p, prompt, GREEDY)  # 23 tokens in blocks 0..5, freed tail first
-    assert list(bm.pool.free_queue)[-6:] == [5, 4, 3, 2, 1, 0]
+    assert list(bm.pools[0].free_queue)[-6:] == [5, 4, 3, 2, 1, 0]
     x = _export(p, "x", prompt, GREEDY)
     assert x.num_cached_tokens == 12
     assert x.exported_kv.block_ids == [0, 1, 2, 6]  # 3 hits + the queue head for the partial block
     assert bm.num_free_blocks == NUM_BLOCKS - 4
     y = _export(p, "y", prompt, GREEDY)
     assert y.exported_kv.block_ids == [0, 1, 2, 7]
-    assert [bm.pool.blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [2, 2, 2, 1, 1]
+    assert [bm.pools[0].blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [2, 2, 2, 1, 1]
     assert bm.num_free_blocks == NUM_BLOCKS - 5
     assert p.release_export("x")
-    assert [bm.pool.blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [1, 1, 1, 0, 1]
+    assert [bm.pools[0].blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [1, 1, 1, 0, 1]
     assert bm.num_free_blocks == NUM_BLOCKS - 4
     assert p.release_export("y")
     assert bm.num_free_blocks == NUM_BLOCKS
@@ -313,12 +313,12 @@ def test_every_end_of_an_export_frees_its_blocks_once_on_the_engine_thread(pd, e
     (free_ended_exports, which every step starts with), are freed then exactly once, and only
     then may its request id be used again."""
     p = pd.producer
-    bm = p.block_manager
+    bm = p.kv
     prompt = _prompt(13)
     p.add_request("x", prompt, GREEDY, kv_export=ExportOptions(lease_s=0.05))
     kv = run_finished(p)["x"].exported_kv
     ids = list(kv.block_ids)
-    refs = [bm.pool.blocks[b].ref_count for b in ids]
+    refs = [bm.pools[0].blocks[b].ref_count for b in ids]
     if end == "expired":
         time.sleep(0.1)
         assert p.exports.expire_due() == 1
@@ -335,7 +335,7 @@ def test_every_end_of_an_export_frees_its_blocks_once_on_the_engine_thread(pd, e
         p.add_request("x", prompt, GREEDY)
     assert p.step() == []  # the step frees them
     assert bm.num_free_blocks == NUM_BLOCKS
-    assert [bm.pool.blocks[b].ref_count for b in ids] == [r - 1 for r in refs] and kv.block_ids == []
+    assert [bm.pools[0].blocks[b].ref_count for b in ids] == [r - 1 for r in refs] and kv.block_ids == []
     assert p.free_ended_exports() == 0 and p.release_export("x") is False
     assert bm.num_free_blocks == NUM_BLOCKS
     assert _whole(p, prompt, GREEDY, rid="x").num_cached_tokens == 12  # the id is free; the blocks cached
@@ -359,7 +359,7 @@ def test_export_whose_first_token_ends_it_finishes_normally(pd, case):
     assert out.exported_kv is None
     assert len(pd.producer.exports) == 0
     assert pd.producer.release_export("x") is False
-    assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
+    assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
 
 
 def test_export_aborted_before_it_runs_pins_nothing(pd):
@@ -367,7 +367,7 @@ def test_export_aborted_before_it_runs_pins_nothing(pd):
     assert pd.producer.abort_request("x").finish_reason == "abort"
     assert pd.producer.step() == []
     assert len(pd.producer.exports) == 0
-    assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
+    assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
 
 
 def test_a_byte_flipped_after_the_checksums_were_taken_is_caught_and_recomputed(pd):
@@ -392,8 +392,8 @@ def test_a_byte_flipped_after_the_checksums_were_taken_is_caught_and_recomputed(
     assert pd.producer.release_export("r")
     final = run_finished(c)["r"]
     _assert_same(first, final, _whole(pd.reference, prompt, GREEDY))
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
-    assert pd.producer.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
+    assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
 
 
 # ---- consumer: prefix reuse, abort, recompute, room -------------------------------------------
@@ -412,15 +412,15 @@ def test_import_reuses_the_consumers_cached_prefix(pd, mode, transport):
     c.begin_import("r", prompt, first.token_ids, params, kv.generator_state)
     assert c.allocate_import("r") == 2
     # The hits are warm's blocks; the 3 new ones come from the head of the free queue.
-    assert c.requests["r"].block_ids == [0, 1, 6, 7, 8]
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS - 5
+    assert c.requests["r"].block_ids == [[0, 1, 6, 7, 8]]
+    assert c.kv.num_free_blocks == NUM_BLOCKS - 5
     _move(pd, kv, "r", 2, transport)
     c.finish_import("r")
     pd.producer.release_export("r")
     final = run_finished(c)["r"]
     assert final.num_cached_tokens == 8
     _assert_same(first, final, _whole(pd.reference, prompt, params))
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
 
 
 def test_import_of_a_fully_cached_prompt_transfers_nothing(pd):
@@ -430,7 +430,7 @@ def test_import_of_a_fully_cached_prompt_transfers_nothing(pd):
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
     assert c.allocate_import("r") == 2 == len(first.exported_kv.block_ids)
-    assert c.requests["r"].block_ids == [0, 1]
+    assert c.requests["r"].block_ids == [[0, 1]]
     c.finish_import("r")
     pd.producer.release_export("r")
     _assert_same(first, run_finished(c)["r"], _whole(pd.reference, prompt, GREEDY))
@@ -439,12 +439,12 @@ def test_import_of_a_fully_cached_prompt_transfers_nothing(pd):
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm2"])
 def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm):
     c = pd.consumer
-    bm = c.block_manager
+    bm = c.kv
     base = _prompt(13)
     if warm:
         _whole(c, base, GREEDY, rid="warm")
     prompt = base[:8] + _prompt(9, seed=1)  # 17 tokens: 4 full blocks + 1 partial
-    cached_before = dict(bm.pool.cached)
+    cached_before = dict(bm.pools[0].cached)
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
     hits = c.allocate_import("r")
@@ -456,7 +456,7 @@ def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm)
     assert "r" not in c.requests and "r" not in c.importing
     assert bm.num_free_blocks == NUM_BLOCKS
     # Only blocks that were cached before are findable: none of the import's own.
-    assert bm.pool.cached == cached_before
+    assert bm.pools[0].cached == cached_before
     assert _hit_ids(c, prompt) == ([0, 1] if warm else [])
     # And the same prompt run here computes (or reuses) only real KV.
     again = _whole(c, prompt, GREEDY, rid="again")
@@ -497,7 +497,7 @@ def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypat
     c.abort_request("r")
     assert written.is_set(), "the abort returned while a write into its blocks was in flight"
     writer.join()
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
     with pytest.raises(ImportClosed, match="the import of request 'r' has ended"):
         sink.write(slab, data)
     pd.producer.release_export("r")
@@ -527,7 +527,7 @@ def test_abort_before_allocate_import_leaves_no_trace(pd):
     c.begin_import("r", _prompt(13), [7], GREEDY)
     assert c.abort_request("r").finish_reason == "abort"
     assert (c.requests, c.importing, c.detokenizers) == ({}, {}, {})
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
 
 
 @pytest.mark.parametrize("mode", PARAMS)
@@ -543,17 +543,17 @@ def test_recompute_import_after_a_failed_transfer(pd, mode):
     assert pd.producer.release_export("r")
     c.recompute_import("r")
     assert "r" not in c.importing
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS  # the blocks wait for the scheduler
-    assert c.block_manager.pool.cached == {}  # the half-written blocks were never registered
+    assert c.kv.num_free_blocks == NUM_BLOCKS  # the blocks wait for the scheduler
+    assert c.kv.pools[0].cached == {}  # the half-written blocks were never registered
     final = run_finished(c)["r"]
     _assert_same(first, final, _whole(pd.reference, prompt, params))
     assert final.num_cached_tokens == 0
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
 
 
 def test_allocate_import_waits_for_room(pd):
     c = pd.consumer
-    bm = c.block_manager
+    bm = c.kv
     c.add_request("big", _prompt(199, seed=2), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     c.step()  # prefill: 199 tokens in 50 blocks
     assert bm.num_free_blocks == 14
@@ -563,14 +563,14 @@ def test_allocate_import_waits_for_room(pd):
     assert bm.num_free_blocks == 14
     c.begin_import("c", _prompt(56), [7], GREEDY)  # needs exactly the 14 left
     assert c.allocate_import("c") == 0
-    assert c.requests["c"].block_ids == list(range(50, 64))
+    assert c.requests["c"].block_ids == [list(range(50, 64))]
     assert bm.num_free_blocks == 0
     assert c.allocate_import("b") is None
     c.step()  # "big" decodes its last token into block 49 and finishes
     assert "big" not in c.requests
     assert bm.num_free_blocks == 50
     assert c.allocate_import("b") == 0
-    assert len(c.requests["b"].block_ids) == 15
+    assert len(c.requests["b"].block_ids[0]) == 15
     assert bm.num_free_blocks == 35
 
 
@@ -615,7 +615,7 @@ def test_begin_import_rejects_and_leaves_no_trace(pd, case):
     with pytest.raises(ValueError, match=message):
         c.begin_import("r", _prompt(13), outputs, params, state)
     assert (list(c.requests), list(c.importing), list(c.detokenizers)) == (["other"], ["other"], ["other"])
-    assert c.block_manager.num_free_blocks == NUM_BLOCKS
+    assert c.kv.num_free_blocks == NUM_BLOCKS
     # The id is free again: a correct import under it is accepted.
     c.begin_import("r", _prompt(13), [7], GREEDY)
     assert c.allocate_import("r") == 0

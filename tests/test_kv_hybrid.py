@@ -16,8 +16,8 @@ import functools
 import pytest
 import torch
 
-from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.export import Export
+from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import HostTier, KVOffloader
 from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec
 from engine.kv_cache.transfer import KVPort
@@ -70,21 +70,20 @@ def test_the_spec_gives_each_group_its_block_table():
 def test_allocated_prefix_cached_evicted_and_offloaded_together():
     caches = _filled(seed=0)
     offload = KVOffloader(SPEC, caches, [HostTier(capacity_blocks=16)])
-    bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, on_evict=offload.on_evict)
+    bm = KVCacheManager(SPEC, NUM_BLOCKS, enable_prefix_caching=True, on_evict=offload.on_evict)
     prompt = list(range(100, 100 + 3 * BS + 1))  # 3 full blocks and one token
     a = _request("a", prompt)
-    hits, _ = bm.get_computed_blocks(a)
-    assert hits == [] and bm.allocate_slots(a, len(prompt))
-    blocks = list(a.block_ids[:3])
+    assert bm.get_computed_blocks(a).num_tokens == 0 and bm.allocate_slots(a, len(prompt))
+    blocks = list(a.block_ids[0][:3])
     written = _rows(caches, blocks)  # what "a" computed into its full blocks, in both groups
     hashes = list(a.block_hashes[:3])
     bm.free(a)
 
     # Prefix-cached: the same prompt finds the three blocks again, with both groups' rows.
     b = _request("b", prompt)
-    hits, num_hit_tokens = bm.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == blocks and num_hit_tokens == 3 * BS
-    bm.allocate_slots(b, len(prompt) - num_hit_tokens, hits)
+    hits = bm.get_computed_blocks(b)
+    assert [h.block_id for h in hits.blocks[0]] == blocks and hits.num_tokens == 3 * BS
+    bm.allocate_slots(b, len(prompt) - hits.num_tokens, hits)
     bm.free(b)
 
     # Evicted: other prompts take every block; each cached block is stored, all groups in one blob.
@@ -92,18 +91,18 @@ def test_allocated_prefix_cached_evicted_and_offloaded_together():
         other = _request(f"o{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + NUM_BLOCKS * BS // 2)))
         assert bm.allocate_slots(other, other.num_tokens)
         for layer, cache in enumerate(caches):  # the new owner overwrites the rows
-            cache[SPEC.group_block_ids(SPEC.group_at(layer), other.block_ids)] = 0
+            cache[SPEC.group_block_ids(SPEC.group_at(layer), other.block_ids[0])] = 0
         bm.free(other)
-    assert all(bm.pool.lookup(h) is None for h in hashes)
+    assert all(bm.pools[0].lookup(h) is None for h in hashes)
     assert offload.stats.stored_blocks >= 3 and not _same(_rows(caches, blocks), written)
 
     # Offloaded and loaded back: into whichever blocks a new request gets, block for block.
     c = _request("c", prompt)
-    assert bm.get_computed_blocks(c) == ([], 0)
+    assert bm.get_computed_blocks(c).num_tokens == 0
     assert offload.lookup("c", hashes) == 3
     assert bm.allocate_slots(c, len(prompt))
-    assert offload.load("c", hashes, c.block_ids[:3]) == 3
-    assert _same(_rows(caches, c.block_ids[:3]), written)
+    assert offload.load("c", hashes, c.block_ids[0][:3]) == 3
+    assert _same(_rows(caches, c.block_ids[0][:3]), written)
     offload.close()
 
 
@@ -114,7 +113,7 @@ def test_transferred_together(max_bytes):
     src, dst = _filled(seed=1), _filled(seed=2)
     before = [c.clone() for c in dst]
     export = Export("t", _request("p", list(range(3 * BS))), [], 3 * BS, None, lease_expiry=0.0)
-    export.request.block_ids = [6, 1, 4]
+    export.request.block_ids = [[6, 1, 4]]
     producer, consumer = KVPort(SPEC, src), KVPort(SPEC, dst)
     sink = consumer.sink("c", [2, 7, 3])
     first = 1

@@ -45,6 +45,9 @@ class _Core:
     def has_unfinished_requests(self) -> bool:
         return True
 
+    def publish_stats(self) -> None:
+        pass
+
     def step(self) -> list[RequestOutput]:
         if self.log and self.log[-1] != "step":
             self.log.append("step")

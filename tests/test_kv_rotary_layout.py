@@ -83,7 +83,7 @@ def test_kv_written_on_the_cpu_path_decodes_the_same_on_triton_kernels(model_dir
     assert consumer.allocate_import("r") == 0
     layers = producer.kv_spec.num_caches
     data = read_slab(producer.kv_spec, producer.runner.kv_caches, kv.block_ids, 0, layers)
-    write_slab(consumer.kv_spec, consumer.runner.kv_caches, consumer.requests["r"].block_ids, 0, data)
+    write_slab(consumer.kv_spec, consumer.runner.kv_caches, consumer.requests["r"].block_ids[0], 0, data)
     consumer.finish_import("r")
     assert producer.release_export("r")
 

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from engine.kv_cache.codec import BLOCK_HEADER_BYTES, decode_block, encode_block
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec, mla_spec
+from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec, StateSpec, mla_spec
 
 LATENT = CacheGroupSpec(
     CacheKind.LATENT, (0, 1, 2), 4, 80, torch.float32, rope_width=16, rotary_layout="halves"
 )
 MTP = dataclasses.replace(LATENT, kind=CacheKind.MTP_LATENT, layers=(3,))
 SPEC = KVCacheSpec((LATENT, MTP), "model-a")
+WINDOW = CacheGroupSpec(CacheKind.SLIDING_WINDOW, (4,), 4, 128, torch.bfloat16, window=8)
+STATE = StateSpec("compressor", (4,), (2, 16), torch.float32)
 
 
 def test_geometry():
@@ -41,7 +43,10 @@ def _changed(field: str, value) -> KVCacheSpec:
 
 
 CHANGES = {
-    "kind": lambda: _changed("kind", CacheKind.SLIDING_WINDOW),
+    "kind": lambda: _changed("kind", CacheKind.COMPRESSED),
+    "window": lambda: KVCacheSpec((LATENT, MTP, WINDOW), "model-a"),
+    "window-size": lambda: KVCacheSpec((LATENT, MTP, dataclasses.replace(WINDOW, window=16)), "model-a"),
+    "states": lambda: KVCacheSpec(SPEC.groups, "model-a", (STATE,)),
     "block_size": lambda: KVCacheSpec(
         (dataclasses.replace(LATENT, block_size=8), dataclasses.replace(MTP, block_size=8)), "model-a"
     ),
@@ -74,6 +79,8 @@ def test_compat_hash_is_stable_and_describes_the_spec():
     assert same.compat_hash() == SPEC.compat_hash()
     assert len(SPEC.compat_hash()) == 16 and int(SPEC.compat_hash(), 16) >= 0
     assert KVCacheSpec.from_description(SPEC.describe()) == SPEC
+    hybrid = KVCacheSpec((LATENT, MTP, WINDOW), "model-a", (STATE,))
+    assert KVCacheSpec.from_description(hybrid.describe()) == hybrid
 
 
 INVALID_GROUPS = {
@@ -98,6 +105,11 @@ INVALID_GROUPS = {
     "scale-unknown": (dict(scale="int8"), r"scale must be one of"),
     "fp8-without-scale": (dict(dtype=torch.float8_e4m3fn), r"dtype float8_e4m3fn with scale 'none'"),
     "scale-without-fp8": (dict(scale="float32_per_entry"), r"dtype float32 with scale 'float32_per_entry'"),
+    "window-on-a-full-group": (
+        dict(window=8),
+        r"a latent group with window 8: sliding-window groups, and only",
+    ),
+    "window-missing": (dict(kind=CacheKind.SLIDING_WINDOW), r"sliding_window group with window 0"),
 }
 
 
@@ -119,9 +131,10 @@ def test_the_engine_refuses_what_it_cannot_run_yet():
         NotImplementedError, match="FP8 entries with a float32_per_entry scale is described but not run"
     ):
         KVCacheSpec((LATENT, MTP, fp8), "m").check_runnable()
-    window = CacheGroupSpec(CacheKind.SLIDING_WINDOW, (4,), 4, 128, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="'sliding_window' is described but not run yet"):
-        KVCacheSpec((LATENT, MTP, window), "m").check_runnable()
+        KVCacheSpec((LATENT, MTP, WINDOW), "m").check_runnable()
+    with pytest.raises(NotImplementedError, match="per-request state 'compressor' is described but not run"):
+        KVCacheSpec((LATENT, MTP), "m", (STATE,)).check_runnable()
     mixed = KVCacheSpec((LATENT, dataclasses.replace(MTP, block_size=8)), "m")
     with pytest.raises(
         NotImplementedError, match="latent group of 4-entry blocks under 8-token engine blocks"
@@ -169,8 +182,8 @@ def test_groups_name_model_layers_and_caches_are_found_by_kind_and_layer():
     assert caches.group(CacheKind.MTP_LATENT) == [caches[5]]
     with pytest.raises(KeyError, match=r"'indexer_keys' cache group holds no layer 1 \(it holds \[0, 2\]\)"):
         caches.layer(CacheKind.INDEXER_KEYS, 1)
-    with pytest.raises(KeyError, match="no 'state' group"):
-        caches.group(CacheKind.STATE)
+    with pytest.raises(KeyError, match="no 'compressed' group"):
+        caches.group(CacheKind.COMPRESSED)
     with pytest.raises(ValueError, match=r"one group of each kind, got \['latent', 'latent'\]"):
         KVCacheSpec((LATENT, dataclasses.replace(LATENT, layers=(3,))), "m")
 
@@ -260,3 +273,24 @@ def test_a_damaged_or_foreign_stored_block_writes_nothing(case):
     blob = REFUSED_BLOBS[case](encode_block(TWO, _filled(TWO, 3, seed=0), 0), TWO)
     assert not decode_block(TWO, blob, dst, 1)
     assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
+
+
+def test_groups_that_live_alike_share_a_block_table():
+    """Full-attention groups (latent, MTP, indexer keys) share one table, first; a sliding-window
+    and a compressed group each hold their own, and their caches are sized by their table."""
+    compressed = CacheGroupSpec(CacheKind.COMPRESSED, (0, 2), 1, 96, torch.bfloat16, tokens_per_entry=4)
+    spec = KVCacheSpec((WINDOW, LATENT, compressed, MTP), "m", (STATE,))
+    assert [(t.manager, t.kinds) for t in spec.tables] == [
+        ("full", (CacheKind.LATENT, CacheKind.MTP_LATENT)),
+        ("sliding_window", (CacheKind.SLIDING_WINDOW,)),
+        ("compressed", (CacheKind.COMPRESSED,)),
+    ]
+    assert [spec.table_index(k) for k in (CacheKind.MTP_LATENT, CacheKind.SLIDING_WINDOW)] == [0, 1]
+    assert spec.tables[1].window == 8 and spec.tables[2].tokens_per_entry == 4
+    assert spec.table_bytes_per_block(spec.tables[2]) == 2 * 1 * 96 * 2
+    caches = spec.allocate((6, 3, 5), "cpu")
+    assert [c.shape[0] for c in caches] == [3, 6, 6, 6, 5, 5, 6]  # window, latent x3, compressed x2, MTP
+    spec.check_caches(caches)
+    with pytest.raises(ValueError, match=r"\(6, 3\) blocks: the spec has 3 block tables"):
+        spec.allocate((6, 3), "cpu")
+    assert STATE.slot_bytes == 2 * 16 * 4

@@ -108,8 +108,9 @@ def test_one_step_loop():
 
 
 def test_blocks_are_freed_in_one_place():
-    """Finish, preemption, recompute and the end of an export all free KV blocks through
-    Scheduler.free_blocks; nothing else drops block references."""
+    """Finish, preemption, recompute and the end of an export all free KV blocks (and state
+    slots) through Scheduler.free_blocks -> KVCacheManager.free; the one other place a block goes
+    back to its pool is a sliding window's table giving back what falls behind the window."""
     freers = []
     for package in ("engine", "services"):
         for path in _modules(package):
@@ -121,10 +122,12 @@ def test_blocks_are_freed_in_one_place():
                         isinstance(node, ast.Call)
                         and isinstance(node.func, ast.Attribute)
                         and node.func.attr == "free"
-                        and ast.unparse(node.func.value).endswith(("block_manager", "pool"))
+                        and ast.unparse(node.func.value).endswith(("kv", "pool", "states"))
                     ):
                         freers.append((str(path.relative_to(REPO)), func.name))
     assert sorted(set(freers)) == [
-        ("engine/kv_cache/block_manager.py", "free"),
+        ("engine/kv_cache/manager.py", "free"),
+        ("engine/kv_cache/single_type.py", "free"),
+        ("engine/kv_cache/single_type.py", "free_behind"),
         ("engine/scheduler.py", "free_blocks"),
     ]

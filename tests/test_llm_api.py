@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from modelkit.bpe_tokenizer import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN
 from services.common import convert
+from tests.engine_testing import table
 
 BOS_ID, EOS_ID, USER_ID, ASSISTANT_ID = 0, 1, 3, 4
 MAX_TOKENS = 12
@@ -383,7 +384,7 @@ def test_chat_template_renders_deepseek_markers_and_encodes(llm):
 @pytest.mark.parametrize("steps_before_abort", [0, 3], ids=["waiting", "running"])
 def test_abort_frees_blocks_and_leaves_others_alone(llm, greedy, steps_before_abort):
     engine: EngineCore = llm.engine
-    pool = engine.block_manager.pool
+    pool = engine.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
     engine.add_request("keep", prompt_ids[0], GREEDY)
@@ -403,7 +404,7 @@ def test_abort_frees_blocks_and_leaves_others_alone(llm, greedy, steps_before_ab
     assert aborted.metrics.finished_time is not None
     assert "drop" not in engine.requests
     assert engine.abort_request("drop") is None
-    held = engine.requests["keep"].block_ids
+    held = table(engine.requests["keep"])
     assert pool.num_free_blocks == pool.num_blocks - len(held)
 
     while engine.has_unfinished_requests():
@@ -425,5 +426,5 @@ def test_closing_a_stream_early_aborts_its_request(llm):
     assert not first.finished and llm.engine.has_request(first.request_id)
     stream.close()
     assert not llm.engine.has_unfinished_requests() and not llm.engine.has_request(first.request_id)
-    pool = llm.engine.block_manager.pool
+    pool = llm.engine.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks

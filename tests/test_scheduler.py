@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from engine.kv_cache.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from tests.engine_testing import full_manager, table
 
 VOCAB = 11
 
@@ -32,7 +32,7 @@ def make_req(
 
 
 def make_sched(num_blocks: int, bs: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, bs), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(full_manager(num_blocks, bs), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
 
 
 def update(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
@@ -65,7 +65,7 @@ def ids(reqs) -> list[str]:
 
 
 def free_queue(sched: Scheduler) -> list[int]:
-    return list(sched.block_manager.pool.free_queue)
+    return list(sched.kv.pools[0].free_queue)
 
 
 # ---- chunked prefill and batching ---------------------------------------------------------------
@@ -94,14 +94,14 @@ def test_chunked_prefill_splits_a_long_prompt_under_the_budget(n, budget, chunks
         assert (item.num_computed_tokens, item.num_new_tokens) == (done, size)
         done += size
         assert item.samples == (done == n)  # only the last chunk samples
-        assert req.block_ids == list(range(-(-done // 4)))  # blocks grow with the chunks
+        assert table(req) == list(range(-(-done // 4)))  # blocks grow with the chunks
         update(sched, out)
     # Then one token per step until max_tokens.
     assert [step(sched)[0] for _ in range(2)] == [[("a", n, 1)], [("a", n + 1, 1)]]
     assert req.status == RequestStatus.FINISHED_LENGTH
     assert req.num_output_tokens == 3
     assert sched.num_unfinished == 0 and sched.schedule().empty
-    assert sched.block_manager.num_free_blocks == 16
+    assert sched.kv.num_free_blocks == 16
 
 
 def test_decodes_and_a_prefill_chunk_share_a_step():
@@ -147,7 +147,7 @@ def test_waiting_request_blocks_the_queue_when_blocks_are_short():
     assert ids(sched.waiting) == ["b", "c"]
     assert sched.running == [] and free_queue(sched) == [2, 1, 0]  # a finished
     assert step(sched)[0] == [("b", 0, 8), ("c", 0, 1)]
-    assert [r.block_ids for r in sched.running] == [[2, 1], [0]]
+    assert [table(r) for r in sched.running] == [[2, 1], [0]]
 
 
 # ---- preemption ---------------------------------------------------------------------------------
@@ -159,32 +159,32 @@ def test_newest_running_requests_are_preempted_first():
     for r in reqs.values():
         sched.add(r)
     assert step(sched) == ([("a", 0, 4), ("b", 0, 4), ("c", 0, 4), ("d", 0, 4)], [])
-    assert [r.block_ids for r in reqs.values()] == [[0], [1], [2], [3]]
+    assert [table(r) for r in reqs.values()] == [[0], [1], [2], [3]]
     # Every decode now needs a second block and none is free: a takes d's, b takes c's.
     items, preempted = step(sched)
     assert items == [("a", 4, 1), ("b", 4, 1)]
     assert preempted == ["d", "c"]
     assert ids(sched.running) == ["a", "b"]
     assert ids(sched.waiting) == ["c", "d"]  # arrival order kept at the front
-    assert reqs["a"].block_ids == [0, 3] and reqs["b"].block_ids == [1, 2]
+    assert table(reqs["a"]) == [0, 3] and table(reqs["b"]) == [1, 2]
     for rid in "cd":
         r = reqs[rid]
-        assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert table(r) == [] and r.num_computed_tokens == 0
         assert r.status == RequestStatus.PREEMPTED
         assert r.metrics.num_preemptions == 1
         assert r.num_tokens == 5  # the generated token is kept
-    assert sched.block_manager.pool.num_evictions == 2  # c's and d's full blocks were reused
+    assert sched.kv.pools[0].num_evictions == 2  # c's and d's full blocks were reused
     # a and b finish at the next step, then c and d are recomputed from scratch.
     assert step(sched) == ([("a", 5, 1), ("b", 5, 1)], [])
     assert ids(sched.running) == []
     assert step(sched) == ([("c", 0, 5), ("d", 0, 5)], [])
     assert reqs["c"].status == RequestStatus.RUNNING
-    assert reqs["c"].block_ids == [3, 0] and reqs["d"].block_ids == [2, 1]
+    assert table(reqs["c"]) == [3, 0] and table(reqs["d"]) == [2, 1]
 
 
 def test_preempted_request_recomputes_prompt_and_output_with_cache_hits():
     sched = make_sched(num_blocks=4)
-    bm = sched.block_manager
+    bm = sched.kv
     a = make_req("a", list(range(4)), max_tokens=3)  # [0]
     b = make_req("b", list(range(100, 109)), max_tokens=2)  # [1, 2 full, 3 partial]
     sched.add(a)
@@ -193,9 +193,9 @@ def test_preempted_request_recomputes_prompt_and_output_with_cache_hits():
     b_first_token = b.token_ids[-1]
     # a's decode needs a block: b goes, freeing 3, 2, 1; a takes the uncached partial block 3.
     assert step(sched) == ([("a", 4, 1)], ["b"])
-    assert a.block_ids == [0, 3]
+    assert table(a) == [0, 3]
     assert free_queue(sched) == [2, 1]
-    assert bm.pool.num_evictions == 0
+    assert bm.pools[0].num_evictions == 0
     # b's 10 tokens: hits on its own blocks 1 and 2 need the last free block too. It waits.
     assert step(sched) == ([("a", 5, 1)], [])
     assert a.status == RequestStatus.FINISHED_LENGTH
@@ -203,7 +203,7 @@ def test_preempted_request_recomputes_prompt_and_output_with_cache_hits():
     # Readmitted: the prompt's first 8 tokens hit, the last prompt token and b's output are recomputed.
     out = sched.schedule()
     assert [(s.request, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(b, 8, 2)]
-    assert b.block_ids == [1, 2, 3]
+    assert table(b) == [1, 2, 3]
     assert free_queue(sched) == [0]
     update(sched, out)
     assert b.output_token_ids[0] == b_first_token and b.num_output_tokens == 2
@@ -215,7 +215,7 @@ def test_preempted_request_recomputes_prompt_and_output_with_cache_hits():
 
 def test_nothing_is_admitted_in_a_step_that_preempted():
     sched = make_sched(num_blocks=4)
-    bm = sched.block_manager
+    bm = sched.kv
     prompt = list(range(8))
     a = make_req("a", prompt, max_tokens=4)
     d = make_req("d", prompt, max_tokens=4)
@@ -223,19 +223,20 @@ def test_nothing_is_admitted_in_a_step_that_preempted():
     sched.add(d)
     # d hits block 0, which a registered earlier in the same step, and recomputes a copy of block 1.
     assert step(sched) == ([("a", 0, 8), ("d", 4, 4)], [])
-    assert (a.block_ids, d.block_ids) == ([0, 1], [0, 2])
+    assert (table(a), table(d)) == ([0, 1], [0, 2])
     assert d.metrics.num_cached_tokens == 4
     # a takes the last block; d, the newest, preempts itself.
     assert step(sched) == ([("a", 8, 1)], ["d"])
-    assert (a.block_ids, d.block_ids) == ([0, 1, 3], [])
+    assert (table(a), table(d)) == ([0, 1, 3], [])
     assert free_queue(sched) == [2]
     # d would fit now (hits on a's 0 and 1, plus block 2), yet was not readmitted in that step ...
-    hits, num_hit_tokens = bm.get_computed_blocks(d)
+    computed = bm.get_computed_blocks(d)
+    hits, num_hit_tokens = computed.blocks[0], computed.num_tokens
     assert [h.block_id for h in hits] == [0, 1] and num_hit_tokens == 8
     # ... but is at the next one, recomputing only its generated token.
     assert step(sched) == ([("a", 9, 1), ("d", 8, 1)], [])
-    assert d.block_ids == [0, 1, 2]
-    assert [b.ref_count for b in bm.pool.blocks] == [2, 2, 1, 1]
+    assert table(d) == [0, 1, 2]
+    assert [b.ref_count for b in bm.pools[0].blocks] == [2, 2, 1, 1]
     assert d.metrics.num_preemptions == 1 and a.metrics.num_preemptions == 0
 
 
@@ -248,9 +249,9 @@ def test_finish_frees_blocks_tail_first():
         sched.add(r)
     step(sched)
     sched.add(c)
-    assert (a.block_ids, b.block_ids) == ([0, 1, 2], [3])
+    assert (table(a), table(b)) == ([0, 1, 2], [3])
     sched.finish(a, RequestStatus.FINISHED_ABORTED)
-    assert a.block_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
+    assert table(a) == [] and a.status == RequestStatus.FINISHED_ABORTED
     assert a.metrics.finished_time is not None
     assert free_queue(sched) == [4, 5, 6, 7, 2, 1, 0]
     assert ids(sched.running) == ["b"]
@@ -259,33 +260,33 @@ def test_finish_frees_blocks_tail_first():
     sched.finish(b, RequestStatus.FINISHED_STOPPED)
     assert sched.num_unfinished == 0
     assert free_queue(sched) == [4, 5, 6, 7, 2, 1, 0, 3]
-    assert [blk.ref_count for blk in sched.block_manager.pool.blocks] == [0] * 8
+    assert [blk.ref_count for blk in sched.kv.pools[0].blocks] == [0] * 8
 
 
 # ---- randomised workload: invariants every step -------------------------------------------------
 
 
 def check_invariants(sched: Scheduler, kv: dict[tuple[int, int], int]) -> None:
-    bm = sched.block_manager
-    pool, bs = bm.pool, bm.block_size
+    bm = sched.kv
+    pool, bs = bm.pools[0], bm.block_size
     assert len(sched.running) <= sched.max_num_seqs
     holders: dict[int, list[tuple[Request, int]]] = {}
     for req in sched.running:
-        assert len(set(req.block_ids)) == len(req.block_ids)
-        assert len(req.block_ids) == -(-req.num_computed_tokens // bs)
-        for i, block_id in enumerate(req.block_ids):
+        assert len(set(table(req))) == len(table(req))
+        assert len(table(req)) == -(-req.num_computed_tokens // bs)
+        for i, block_id in enumerate(table(req)):
             holders.setdefault(block_id, []).append((req, i))
         # Every computed token's KV sits where the request's blocks say.
         for p in range(req.num_computed_tokens):
-            assert kv[req.block_ids[p // bs], p % bs] == req.token_ids[p], (req.request_id, p)
+            assert kv[table(req)[p // bs], p % bs] == req.token_ids[p], (req.request_id, p)
     for req in sched.waiting:
-        assert req.block_ids == [] and req.num_computed_tokens == 0
+        assert table(req) == [] and req.num_computed_tokens == 0
     for block in pool.blocks:
         assert block.ref_count == len(holders.get(block.block_id, []))
         assert (block.ref_count == 0) == (block.block_id in pool.free_queue)
         if block.block_hash is not None:
             assert pool.cached[block.block_hash] == block.block_id
-    assert sum(b.ref_count for b in pool.blocks) == sum(len(r.block_ids) for r in sched.running)
+    assert sum(b.ref_count for b in pool.blocks) == sum(len(table(r)) for r in sched.running)
     assert all(pool.blocks[b].block_hash == h for h, b in pool.cached.items())
     for block_id, owners in holders.items():
         block = pool.blocks[block_id]
@@ -300,7 +301,7 @@ def run_workload(
 ) -> dict:
     rng = random.Random(seed)
     sched = make_sched(num_blocks, bs=bs, max_num_seqs=max_num_seqs, budget=budget)
-    bm = sched.block_manager
+    bm = sched.kv
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 3 * bs))] for _ in range(3)]
     pending = []
     for i in range(num_requests):
@@ -333,7 +334,7 @@ def run_workload(
         assert out.preempted == running_before[::-1][:k]
         assert list(sched.waiting)[:k] == out.preempted[::-1]
         for r in out.preempted:
-            assert r.status == RequestStatus.PREEMPTED and r.block_ids == []
+            assert r.status == RequestStatus.PREEMPTED and table(r) == []
         if out.preempted:
             assert all(s.request in running_before for s in out.scheduled)
         assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
@@ -346,13 +347,13 @@ def run_workload(
             req = s.request
             assert s.num_computed_tokens == req.num_computed_tokens and s.num_new_tokens >= 1
             for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
-                slot = (req.block_ids[p // bs], p % bs)
+                slot = (table(req)[p // bs], p % bs)
                 assert written.setdefault(slot, req.token_ids[p]) == req.token_ids[p]
         kv.update(written)
         for s in out.scheduled:
             req = s.request
             for p in range(s.num_computed_tokens + s.num_new_tokens):
-                assert kv[req.block_ids[p // bs], p % bs] == req.token_ids[p], (req.request_id, p)
+                assert kv[table(req)[p // bs], p % bs] == req.token_ids[p], (req.request_id, p)
             if s.samples:
                 num_samples[req.request_id] += 1
         update(sched, out)
@@ -361,7 +362,7 @@ def run_workload(
         raise AssertionError("workload did not drain in 2000 steps")
 
     assert bm.num_free_blocks == num_blocks
-    assert all(b.ref_count == 0 for b in bm.pool.blocks)
+    assert all(b.ref_count == 0 for b in bm.pools[0].blocks)
     for r in all_reqs:
         assert r.status.finished
         if r.request_id not in aborted:
@@ -371,7 +372,7 @@ def run_workload(
     return {
         "preemptions": sum(r.metrics.num_preemptions for r in all_reqs),
         "prefix_hits": bm.prefix_hits,
-        "evictions": bm.pool.num_evictions,
+        "evictions": bm.pools[0].num_evictions,
     }
 
 

@@ -47,7 +47,7 @@ def test_greedy_with_mtp_equals_greedy_without(mtp_model, reference, k):
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 class Oracle:
@@ -182,7 +182,7 @@ def test_accepted_and_rejected_drafts_keep_tokens_and_blocks_exact(
         assert stats.acceptance_rate == 1.0 and stats.mean_accept_length > 3.0
     else:  # exactly the draft before the wrong one is accepted, whenever there was room for it
         assert 0 < stats.acceptance_rate < 0.5 and stats.per_position()[1] == 0.0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_preemption_during_speculation_stays_exact(mtp_model, reference, monkeypatch):
@@ -196,7 +196,7 @@ def test_preemption_during_speculation_stays_exact(mtp_model, reference, monkeyp
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=[_greedy(n) for n in MAX_TOKENS])
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert llm.engine.block_manager.num_free_blocks == 24
+    assert llm.engine.kv.num_free_blocks == 24
 
 
 def test_speculating_and_plain_requests_share_steps_exactly(mtp_model, reference):
@@ -220,7 +220,7 @@ def test_speculating_and_plain_requests_share_steps_exactly(mtp_model, reference
                 assert g.keys() == w.keys()
                 assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
     assert llm.engine.spec_stats.num_drafts > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_speculation_pauses_in_large_steps_and_resumes(mtp_model, reference, monkeypatch):
@@ -242,7 +242,7 @@ def test_speculation_pauses_in_large_steps_and_resumes(mtp_model, reference, mon
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert any(n >= 4 for n, _ in steps) and not any(drafted for n, drafted in steps if n >= 4)
     assert any(drafted for n, drafted in steps if n < 4)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_sampled_requests_speculate_and_finish(mtp_model):

@@ -336,7 +336,7 @@ def test_greedy_with_mtp_equals_constrained_greedy_without(mtp_model, spec_refer
         assert stats.acceptance_rate == 1.0
     if drafts == "wrong-at-1":
         assert stats.num_accepted_tokens > 0 and stats.per_position()[1] == 0.0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 def test_drafts_the_constraint_refuses_are_never_accepted(mtp_model, spec_reference, monkeypatch):

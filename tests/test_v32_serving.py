@@ -240,7 +240,7 @@ def test_preempted_and_resumed_matches_uninterrupted(model, reference, caching):
     outs = _run(llm, PROMPTS, MAX_TOKENS)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    pool = llm.engine.block_manager.pool
+    pool = llm.engine.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks
 
 
@@ -465,7 +465,7 @@ def test_mtp_speculation_matches_greedy_without_it(mtp_model, mtp_reference, k, 
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     assert (stats.acceptance_rate > 0.5) == oracle
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
     runner = llm.engine.runner
     mtp_keys = runner.kv_caches.layer(CacheKind.INDEXER_KEYS, runner.model_cfg.num_hidden_layers)
     assert mtp_keys.abs().sum() > 0

@@ -112,7 +112,7 @@ def test_bad_request_does_not_disturb_running_ones(llm):
             break
     assert done == {"a": expected[0].token_ids, "b": expected[1].token_ids}
     assert set(engine.requests) == set()
-    pool = engine.block_manager.pool
+    pool = engine.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks
 
 

@@ -32,11 +32,16 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         on_evict: Callable[[bytes, int], None] | None = None,
+        null_block: bool = False,
     ):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        """null_block: block 0 is never handed out; it stands in a block table for blocks a
+        request no longer holds (those behind a sliding window), so the table stays a valid index."""
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        order = range(num_blocks) if enable_prefix_caching else reversed(range(num_blocks))  # block 0 first
+        self.null_block = self.blocks[0] if null_block else None
+        first = 1 if null_block else 0
+        order = range(first, num_blocks) if enable_prefix_caching else reversed(range(first, num_blocks))
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in order)
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
@@ -54,8 +59,13 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be handed out (all but the null block)."""
+        return len(self.blocks) - (self.null_block is not None)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def lookup(self, block_hash: bytes) -> Block | None:
         block_id = self.cached.get(block_hash)

@@ -120,7 +120,9 @@ class Export:
 
     @property
     def block_ids(self) -> list[int]:
-        return self.request.block_ids
+        """The prompt's blocks: the full-attention table, the one table of every spec the engine
+        runs (KVCacheSpec.check_runnable); moving several tables is not built yet."""
+        return self.request.block_ids[0] if self.request.block_ids else []
 
 
 class ExportTable:

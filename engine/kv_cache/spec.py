@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -78,11 +79,12 @@ class CacheKind(StrEnum):
     """DeepSeek-V4: latent rows kept only for the last window of tokens (not run yet)."""
     COMPRESSED = "compressed"
     """DeepSeek-V4: one entry summarises `tokens_per_entry` tokens (not run yet)."""
-    STATE = "state"
-    """DeepSeek-V4: per-request compressor state, not per token (not run yet)."""
 
 
 RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT, CacheKind.INDEXER_KEYS})
+
+FULL_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT, CacheKind.INDEXER_KEYS})
+"""Kinds attended over a request's whole history: they live alike and share one block table."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,15 @@ class CacheGroupSpec:
     indexer key ropes its leading elements: 0)."""
     scale: str = "none"
     """One of SCALES."""
+    window: int = 0
+    """SLIDING_WINDOW only (and required there): the tokens a query sees, itself included."""
 
     def __post_init__(self) -> None:
+        if (self.window > 0) != (self.kind == CacheKind.SLIDING_WINDOW) or self.window < 0:
+            raise ValueError(
+                f"a {self.kind.value} group with window {self.window}: sliding-window groups, and only "
+                "they, name a window >= 1"
+            )
         if not self.layers or any(b <= a for a, b in zip(self.layers, self.layers[1:], strict=False)):
             raise ValueError(
                 f"a cache group's layers must be non-empty and strictly ascending, got {self.layers}"
@@ -183,6 +192,78 @@ class CacheGroupSpec:
             "tokens_per_entry": self.tokens_per_entry,
             "rope_offset": self.rope_start,
             "scale": self.scale,
+            **({"window": self.window} if self.window else {}),
+        }
+
+
+MANAGER_KINDS = ("full", "sliding_window", "compressed")
+"""How a block table's blocks live (engine/kv_cache/single_type.py has one manager per kind)."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Cache groups that share one block table because they live alike: a request's blocks in
+    them are allocated, prefix-cached and freed together (vLLM groups its full-attention layers of
+    different widths the same way). Every table is in engine blocks of the spec's block_size
+    tokens; a member group whose blocks are smaller takes sub_blocks of them per engine block."""
+
+    manager: str
+    """One of MANAGER_KINDS."""
+    groups: tuple[CacheGroupSpec, ...]
+
+    @property
+    def window(self) -> int:
+        """sliding_window: the tokens a query sees (0 otherwise)."""
+        return self.groups[0].window
+
+    @property
+    def tokens_per_entry(self) -> int:
+        """compressed: the tokens one entry summarises (1 otherwise)."""
+        return self.groups[0].tokens_per_entry
+
+    @property
+    def kinds(self) -> tuple[CacheKind, ...]:
+        return tuple(g.kind for g in self.groups)
+
+
+def _manager_of(g: CacheGroupSpec) -> str:
+    if g.kind in FULL_KINDS:
+        return "full"
+    return "sliding_window" if g.kind == CacheKind.SLIDING_WINDOW else "compressed"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A per-request state, not per token (DeepSeek-V4's compressor state): one tensor of `shape`
+    per layer, overwritten as the request runs. Kept in slots (engine/kv_cache/state.py), one per
+    running request, with snapshots at block boundaries for prefix hits."""
+
+    name: str
+    layers: tuple[int, ...]
+    shape: tuple[int, ...]
+    """One layer's state of one request."""
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.layers or not self.shape or min(self.shape) < 1:
+            raise ValueError(
+                f"state {self.name!r}: needs a name, layers and a shape of sizes >= 1, got "
+                f"layers {self.layers}, shape {self.shape}"
+            )
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"state dtype must be one of {sorted(DTYPE_NAMES.values())}, got {self.dtype}")
+
+    @property
+    def slot_bytes(self) -> int:
+        """One request's state over every layer."""
+        return len(self.layers) * math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "layers": list(self.layers),
+            "shape": list(self.shape),
+            "dtype": DTYPE_NAMES[self.dtype],
         }
 
 
@@ -192,6 +273,8 @@ class KVCacheSpec:
     model_fingerprint: str
     """Fingerprint of the model's config: KV only means the same thing under the same weights'
     architecture (see `model_fingerprint`)."""
+    states: tuple[StateSpec, ...] = ()
+    """Per-request states beside the caches (DeepSeek-V4's compressor states)."""
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -205,6 +288,27 @@ class KVCacheSpec:
                     f"a {g.kind.value} group's block holds {_tokens_per_block(g)} tokens, which does not "
                     f"divide the engine block of {self.block_size} tokens"
                 )
+
+    @functools.cached_property
+    def tables(self) -> tuple[TableSpec, ...]:
+        """The block tables a request holds: the full-attention groups together (first), then each
+        other group alone, in the spec's group order."""
+        by_manager: dict[str, list[CacheGroupSpec]] = {}
+        for g in self.groups:
+            by_manager.setdefault(_manager_of(g) if g.kind in FULL_KINDS else g.kind.value, []).append(g)
+        tables = [TableSpec(_manager_of(gs[0]), tuple(gs)) for gs in by_manager.values()]
+        return tuple(sorted(tables, key=lambda t: t.manager != "full"))
+
+    def table_index(self, kind: CacheKind) -> int:
+        """Which of a request's block tables group `kind` reads."""
+        for i, t in enumerate(self.tables):
+            if kind in t.kinds:
+                return i
+        raise KeyError(f"the KV cache spec has no {kind.value!r} group")
+
+    def table_bytes_per_block(self, t: TableSpec) -> int:
+        """One engine block of table t over every layer of its groups."""
+        return sum(g.num_layers * self.layer_bytes_per_block(g) for g in t.groups)
 
     @property
     def num_caches(self) -> int:
@@ -273,7 +377,10 @@ class KVCacheSpec:
         return sum(g.num_layers * self.layer_bytes_per_block(g) for g in self.groups)
 
     def describe(self) -> dict:
-        return {"model": self.model_fingerprint, "groups": [g.describe() for g in self.groups]}
+        d = {"model": self.model_fingerprint, "groups": [g.describe() for g in self.groups]}
+        if self.states:
+            d["states"] = [s.describe() for s in self.states]
+        return d
 
     def compat_hash(self) -> str:
         """Equal hashes <=> KV blocks mean the same thing in both engines (16 hex digits)."""
@@ -300,10 +407,20 @@ class KVCacheSpec:
                     tokens_per_entry=int(g["tokens_per_entry"]),
                     rope_offset=_rope_offset(g),
                     scale=str(g["scale"]),
+                    window=int(g.get("window", 0)),
                 )
                 for g in d["groups"]
             )
-            return KVCacheSpec(groups, str(d["model"]))
+            states = tuple(
+                StateSpec(
+                    str(s["name"]),
+                    tuple(int(x) for x in s["layers"]),
+                    tuple(int(x) for x in s["shape"]),
+                    _dtype_named(s["dtype"]),
+                )
+                for s in d.get("states", ())
+            )
+            return KVCacheSpec(groups, str(d["model"]), states)
         except KeyError as e:
             raise ValueError(f"KV cache spec lacks the field {e.args[0]!r}") from None
 
@@ -314,6 +431,11 @@ class KVCacheSpec:
         for g in self.groups:
             if g.kind not in RUNNABLE_KINDS:
                 raise NotImplementedError(f"cache group kind {g.kind.value!r} is described but not run yet")
+        if self.states:
+            raise NotImplementedError(
+                f"per-request state {self.states[0].name!r} is described but not run yet"
+            )
+        for g in self.groups:
             if g.scale != "none":
                 raise NotImplementedError(
                     f"a {g.kind.value} group of FP8 entries with a {g.scale} scale is described but not run yet"
@@ -324,9 +446,21 @@ class KVCacheSpec:
                     "engine blocks is allocated and moved, but not attended yet"
                 )
 
-    def allocate(self, num_blocks: int, device: torch.device | str, prefault: bool = False) -> KVCaches:
-        """The layer caches for num_blocks engine blocks, zeroed: [num_blocks x sub_blocks(g),
-        g.block_size, g.width] per layer of group g, a group's layers together, in the spec's group order.
+    def table_blocks(self, num_blocks: int | Sequence[int]) -> tuple[int, ...]:
+        """Engine blocks per table: one count for every table, or one each."""
+        counts = (num_blocks,) * len(self.tables) if isinstance(num_blocks, int) else tuple(num_blocks)
+        if len(counts) != len(self.tables) or min(counts) < 1:
+            raise ValueError(
+                f"{counts} blocks: the spec has {len(self.tables)} block tables, each needs >= 1 block"
+            )
+        return counts
+
+    def allocate(
+        self, num_blocks: int | Sequence[int], device: torch.device | str, prefault: bool = False
+    ) -> KVCaches:
+        """The layer caches for num_blocks engine blocks (per table, or one count for all), zeroed:
+        [blocks of g's table x sub_blocks(g), g.block_size, g.width] per layer of group g, a group's
+        layers together, in the spec's group order.
 
         On huge pages (engine/hugepages.py huge_zeros): decode gathers blocks from all over the
         cache, and 4 KiB pages made every block a string of TLB misses (a 5x slower gather
@@ -334,9 +468,10 @@ class KVCacheSpec:
         blocks freed last first when nothing is prefix-cached (block_pool.py), so a cache sized
         for 256 sequences of 512 tokens costs what the sequences running hold; or, prefault, all
         of it from the start (engine/hugepages.py populate: a server's cache)."""
+        counts = self.table_blocks(num_blocks)
         caches = []
         for g in self.groups:
-            shape = (num_blocks * self.sub_blocks(g), g.block_size, g.storage_width)
+            shape = (counts[self.table_index(g.kind)] * self.sub_blocks(g), g.block_size, g.storage_width)
             nbytes = math.prod(shape) * g.storage_dtype.itemsize
             caches += [
                 huge_zeros(nbytes, device, prefault).view(g.storage_dtype).view(shape) for _ in g.layers
@@ -344,19 +479,22 @@ class KVCacheSpec:
         return KVCaches(self, caches)
 
     def check_caches(self, caches: list[torch.Tensor]) -> None:
-        """The tensors are this spec's (after allocate, or caches handed in from outside)."""
+        """The tensors are this spec's (after allocate, or caches handed in from outside): every
+        group of a table has as many engine blocks as the table's first group."""
         if len(caches) != self.num_caches:
             raise ValueError(f"{len(caches)} caches, the spec has {self.num_caches} (group, layer) caches")
-        num_blocks = caches[0].shape[0] // self.sub_blocks(self.groups[0]) if caches[0].dim() else 0
+        counts = {}
         for slot, cache in enumerate(caches):
             g = self.group_at(slot)
-            rows = num_blocks * self.sub_blocks(g)
-            want = (rows, g.block_size, g.storage_width)
+            t = self.table_index(g.kind)
+            if t not in counts:
+                counts[t] = cache.shape[0] // self.sub_blocks(g) if cache.dim() else 0
+            want = (counts[t] * self.sub_blocks(g), g.block_size, g.storage_width)
             if cache.dim() != 3 or cache.shape != want or cache.dtype != g.storage_dtype:
                 layer = g.layers[slot - self.slot_start(g)]
                 raise ValueError(
                     f"the {g.kind.value} cache of layer {layer} is {tuple(cache.shape)} {cache.dtype}, the spec "
-                    f"says {list(want)} {g.storage_dtype} for {num_blocks} engine blocks"
+                    f"says {list(want)} {g.storage_dtype} for {counts[t]} engine blocks"
                 )
 
 

@@ -150,7 +150,7 @@ def draft_with_mtp(runner, items, batch: ForwardBatch, hidden: torch.Tensor, out
             step = _draft_batch(
                 inputs,
                 [drafting[i].position + j for i in live],
-                [drafting[i].request.block_ids for i in live],
+                [drafting[i].request.block_ids[runner.kv_table] for i in live],
                 runner.block_size,
                 dev,
             )

@@ -190,14 +190,18 @@ class AsyncEngine:
 
     def _drain_commands(self, wait_s: float) -> None:
         """Run every queued command, waiting up to wait_s for the first one when there is none."""
+        ran = False
         try:
             item = self._commands.get(timeout=wait_s) if wait_s > 0 else None
             while True:
                 if item is not None:
                     self._run_command(*item)
+                    ran = True
                 item = self._commands.get_nowait()
         except queue.Empty:
             pass
+        if ran:  # commands add, abort, import and release: what other threads read must follow
+            self.core.publish_stats()
 
     def _step(self, stop: bool) -> list[RequestOutput]:
         if self._fault is not None and self.step_count >= self._fault[1]:

@@ -178,16 +178,15 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         return 1
     service.engine_ready(core.kv_spec, core.kv_port, agent)
     kv_service.engine_ready(core.kv_port, nixl=agent is not None)
-    bm = core.block_manager
     metrics.gauge(
-        "pdserve_num_requests_running", "Requests in the running batch", lambda: len(core.scheduler.running)
+        "pdserve_num_requests_running", "Requests in the running batch", lambda: core.stats.num_running
     )
-    metrics.gauge("pdserve_num_requests_waiting", "Requests waiting", lambda: len(core.scheduler.waiting))
-    metrics.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use", lambda: bm.usage)
+    metrics.gauge("pdserve_num_requests_waiting", "Requests waiting", lambda: core.stats.num_waiting)
+    metrics.gauge("pdserve_kv_cache_usage", "Fraction of KV blocks in use", lambda: core.stats.kv.usage)
     metrics.gauge(
         "pdserve_prefix_cache_hit_rate",
         "Prompt tokens found in the prefix cache / looked up",
-        lambda: bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+        lambda: core.stats.kv.prefix_hit_rate,
     )
     metrics.gauge("pdserve_kv_transfers_pinned", "Transfers pinned on this worker", lambda: len(exports))
     metrics.gauge(
@@ -257,10 +256,11 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     if registry is not None:
 
         def record() -> WorkerRecord:
+            stats = core.stats
             load = {
-                "num_running": len(core.scheduler.running),
-                "num_waiting": len(core.scheduler.waiting),
-                "kv_usage": bm.usage,
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "kv_usage": stats.kv.usage,
             }
             return WorkerRecord(
                 endpoint,

@@ -145,15 +145,15 @@ class WorkerService(wgrpc.WorkerServicer):
         core = self.engine.core
         if core is None:
             return wpb.Load(draining=self.draining)
-        bm = core.block_manager
+        stats = core.stats
         return wpb.Load(
-            num_running=len(core.scheduler.running),
-            num_waiting=len(core.scheduler.waiting) + len(core.importing),
-            kv_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=core.num_kv_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=stats.kv.usage,
+            num_free_blocks=stats.kv.num_free_blocks,
+            num_total_blocks=stats.kv.num_blocks,
             num_pinned_transfers=len(self.exports),
-            prefix_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_hit_rate=stats.kv.prefix_hit_rate,
             draining=self.draining,
         )
 
