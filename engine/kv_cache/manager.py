@@ -138,6 +138,8 @@ class KVCacheManager:
             self.states = StatePool(
                 spec.states, num_state_slots, num_state_snapshots, num_draft_positions, device
             )
+        self._windowed = [i for i, t in enumerate(spec.tables) if t.manager == "sliding_window"]
+        """Tables whose blocks fall behind a window as the request runs."""
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -228,43 +230,56 @@ class KVCacheManager:
         full blocks are not registered in the prefix cache (their contents arrive later: see
         cache_blocks). lookahead: room for that many more slots whose tokens are not known yet
         (speculative drafts); they are never registered in the prefix cache."""
-        admitting = not req.block_ids
-        tables = req.block_ids or [[] for _ in self.managers]
+        if req.block_ids:  # a running request grows (every step: kept lean)
+            assert computed is None, "prefix hits are for a request that holds no blocks"
+            return self._grow(req, num_new_tokens, cache_blocks, lookahead)
+        tables = [[] for _ in self.managers]
+        hits = computed.blocks if computed is not None else tuple([] for _ in self.managers)
         num_hits = computed.num_blocks if computed is not None else 0
         num_computed = req.num_computed_tokens + num_hits * self.block_size
         total = num_computed + num_new_tokens
         assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
-        if not admitting:
-            for m, table in zip(self.managers, tables, strict=True):
-                m.free_behind(table, req.num_computed_tokens)
-        needs = []
-        for i, (m, table) in enumerate(zip(self.managers, tables, strict=True)):
-            hits = computed.blocks[i] if computed is not None else []
-            need = m.num_new_blocks(table, len(hits), total + lookahead)
+        want = self.blocks_needed(total + lookahead)
+        for m, table_hits in zip(self.managers, hits, strict=True):
             reusable_free = sum(
-                1 for b in hits if b is not None and b.ref_count == 0
-            )  # hits in the free queue
-            if need > m.pool.num_free_blocks - reusable_free:
+                1 for b in table_hits if b is not None and b.ref_count == 0
+            )  # in the free queue
+            if want - len(table_hits) > m.pool.num_free_blocks - reusable_free:
                 return False
-            needs.append(need)
-        wants_state = admitting and self.states is not None and not self.states.holds(req.request_id)
+        wants_state = self.states is not None and not self.states.holds(req.request_id)
         if wants_state and not self.states.allocate(req.request_id):
             return False
-        if admitting and self.enable_prefix_caching and req.params.prompt_logprobs is None:
+        if self.enable_prefix_caching and req.params.prompt_logprobs is None:
             # Admission (first allocation): count the lookup once, not on every retry.
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_hits * self.block_size
-        for i, (m, table, need) in enumerate(zip(self.managers, tables, needs, strict=True)):
-            if computed is not None:
-                hits = computed.blocks[i]
-                m.pool.touch([b for b in hits if b is not None])
-                null = m.pool.null_block
-                table.extend(b.block_id if b is not None else null.block_id for b in hits)
-            table.extend(b.block_id for b in m.pool.allocate(need))
+        for m, table, table_hits in zip(self.managers, tables, hits, strict=True):
+            m.pool.touch([b for b in table_hits if b is not None])
+            null = m.pool.null_block
+            table.extend(b.block_id if b is not None else null.block_id for b in table_hits)
+            table.extend(b.block_id for b in m.pool.allocate(max(0, want - len(table))))
         req.block_ids = tables
         if wants_state and num_hits:
             self.states.restore(req.request_id, req.block_hashes[num_hits - 1])
         if cache_blocks:
+            self.cache_blocks(req, total, start=num_computed)
+        return True
+
+    def _grow(self, req: Request, num_new_tokens: int, cache_blocks: bool, lookahead: int) -> bool:
+        tables = req.block_ids
+        num_computed = req.num_computed_tokens
+        total = num_computed + num_new_tokens
+        assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
+        for t in self._windowed:
+            self.managers[t].free_behind(tables[t], num_computed)
+        want = self.blocks_needed(total + lookahead)
+        for m, table in zip(self.managers, tables, strict=True):
+            if want - len(table) > m.pool.num_free_blocks:
+                return False
+        for m, table in zip(self.managers, tables, strict=True):
+            if want > len(table):
+                table.extend(b.block_id for b in m.pool.allocate(want - len(table)))
+        if cache_blocks and num_computed // self.block_size < total // self.block_size:
             self.cache_blocks(req, total, start=num_computed)
         return True
 

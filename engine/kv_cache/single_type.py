@@ -32,10 +32,6 @@ class SingleTypeManager(ABC):
         self.pool = pool
         self.block_size = block_size
 
-    def num_new_blocks(self, blocks: list[int], num_hits: int, num_tokens: int) -> int:
-        """Blocks to take from the pool so a table of len(blocks) + num_hits entries covers num_tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(blocks) - num_hits)
-
     def free_behind(self, blocks: list[int], num_computed: int) -> None:  # noqa: B027 - most keep all
         """Give back the blocks no token from num_computed on will read (in place: their entries
         become the null block)."""
