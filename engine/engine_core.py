@@ -23,12 +23,12 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
 from engine.kv_cache.connector import KVConnector
-from engine.kv_cache.export import Export, ExportOptions, ExportTable
-from engine.kv_cache.hashing import hash_blocks
+from engine.kv_cache.export import ExportOptions, ExportTable
 from engine.kv_cache.manager import KVCacheManager, KVStats, size_tables
 from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
-from engine.kv_cache.transfer import ImportSink, KVPort
+from engine.kv_cache.transfer import KVPort
+from engine.kv_handover import KVHandover
 from engine.loader import check_model_folder
 from engine.log import warn_limited
 from engine.outputs import RequestOutput
@@ -37,10 +37,11 @@ from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, kv_cache_spec
 from engine.sampling_params import SamplingParams, validate_request
-from engine.scheduler import Admission, ScheduledRequest, Scheduler
+from engine.scheduler import Scheduler
 from engine.spec_decode.stats import SpecStats, speculation_allowed
 from engine.structured.manager import StructuredOutputManager
 from engine.tokenizer import Tokenizer
+from engine.update import StepUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +67,6 @@ class EngineStats:
     num_waiting: int
     """Queued, waiting for a grammar, for remote KV or for an import's blocks."""
     kv: KVStats
-
-
-@dataclass
-class KVImport:
-    """A request continued here whose prompt KV comes from another engine."""
-
-    request: Request
-    sink: ImportSink | None = None
-    """Writes into its blocks, from allocate_import until the import ends."""
-
-    def close(self) -> None:
-        if self.sink is not None:
-            self.sink.close()
 
 
 class EngineCore:
@@ -168,10 +156,21 @@ class EngineCore:
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.exports = exports if exports is not None else ExportTable()
-        """Prefill-only requests' prompt blocks, pinned under leases (disaggregated prefill)."""
-        self.importing: dict[str, KVImport] = {}
-        """Requests whose prompt KV is written from outside (a KV transfer), until it is in."""
+        self.handover = KVHandover(
+            self.scheduler, self.kv_port, self.structured, exports if exports is not None else ExportTable()
+        )
+        """Disaggregated prefill: prefill-only requests' exports and KV imports (kv_handover.py)."""
+        self.updater = StepUpdater(
+            self.scheduler,
+            self.handover,
+            self.structured,
+            self.spec_stats,
+            self.eos_token_ids,
+            self.max_model_len,
+            self.requests,
+            self.detokenizers,
+        )
+        """Applies each step's results to its requests and builds the outputs (update.py)."""
         self.step_count = 0
         self.stats: EngineStats
         """Republished after every step and by the driver after the commands it runs (publish_stats)."""
@@ -217,8 +216,8 @@ class EngineCore:
         client: str = "",
     ) -> Request:
         """Queue a request. kv_export: prefill only; it ends after its first token with status
-        FINISHED_EXPORTED and its prompt blocks pinned in an export (`exports`, see
-        release_export), under the options' lease. client: who it is for (a server's name for
+        FINISHED_EXPORTED and its prompt blocks pinned in an export (`handover.exports`, see
+        KVHandover.release_export), under the options' lease. client: who it is for (a server's name for
         its client): waiting requests are taken fairly among clients (Scheduler.add)."""
         req = self._new_request(request_id, prompt_token_ids, params, prompt)
         req.client = client
@@ -231,7 +230,7 @@ class EngineCore:
     ) -> Request:
         # A finished prefill-only request still owns its pinned blocks under its id until its
         # export ends and the blocks are freed: reusing the id would orphan them.
-        if request_id in self.requests or self.exports.holds(request_id) or request_id in self.importing:
+        if request_id in self.requests or self.handover.holds(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, prompt=prompt)
@@ -251,30 +250,13 @@ class EngineCore:
         if req is None:
             return None
         self.structured.discard(request_id)
-        imp = self.importing.pop(request_id, None)
-        if imp is not None:
-            imp.close()  # no transfer writes into the blocks from here on; finish frees them
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._finalize(req, [], "")
+        # An import whose READ is still being cancelled keeps its blocks until the READ has left
+        # (KVHandover.reap_closed): the engine thread does not wait on a peer.
+        keep = max(map(len, req.block_ids)) if self.handover.abort_import(request_id) else 0
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, keep_blocks=keep)
+        return self.updater.finalize(req, [], "")
 
-    # ---- KV transfer: the producer side ------------------------------------------------------
-
-    def release_export(self, request_id: str) -> bool:
-        """Abort an exported request's export and free its blocks now (they stay in the prefix
-        cache). False if it has no live export."""
-        released = self.exports.release_request(request_id)
-        self.free_ended_exports()
-        return released
-
-    def free_ended_exports(self) -> int:
-        """Free the blocks of every export that ended (released, aborted, expired) since the
-        last call; every step starts with it. Returns how many."""
-        ended = self.exports.take_ended()
-        for export in ended:
-            self.scheduler.free_blocks(export.request)
-        return len(ended)
-
-    # ---- KV transfer: the consumer side ------------------------------------------------------
+    # ---- KV hand-over (engine/kv_handover.py holds the rest) -------------------------------------
 
     def begin_import(
         self,
@@ -286,7 +268,8 @@ class EngineCore:
     ) -> Request:
         """Create a request that continues after output_token_ids (sampled elsewhere) once its
         prompt KV has been written into its blocks from outside. It is not scheduled until
-        `finish_import`; `allocate_import` gives it blocks; `abort_request` ends it."""
+        `handover.finish_import`; `handover.allocate_import` gives it blocks (engine/kv_handover.py);
+        `abort_request` ends it."""
         if not output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
         if len(output_token_ids) >= params.max_tokens:
@@ -304,57 +287,19 @@ class EngineCore:
             try:
                 req.generator.set_state(generator_state)
             except (RuntimeError, TypeError) as e:
-                self._finalize(req, [], "")
+                self.updater.finalize(req, [], "")
                 raise ValueError(f"sampler_state is not a valid generator state: {e}") from None
         for tok in output_token_ids:
             req.append_token(tok)
         self.detokenizers[request_id].step(list(output_token_ids))  # that text was sent by the producer
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.importing[request_id] = KVImport(req)
+        self.handover.begin_import(req)
         return req
 
-    def allocate_import(self, request_id: str) -> int | None:
-        """Give an importing request blocks for its prompt, reusing prefix-cache hits and what the
-        connector holds. Returns how many leading prompt blocks need no transfer, or None when
-        that is not known yet (the connector is looking them up) or the cache has no room yet:
-        retry after a step."""
-        imp = self.importing[request_id]
-        req = imp.request
-        num_prompt = req.num_prompt_tokens
-        admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False)
-        if isinstance(admitted, Admission):
-            return None
-        cached, _ = admitted
-        req.status = RequestStatus.LOADING_REMOTE_KV
-        req.metrics.num_cached_tokens = cached
-        imp.sink = self.kv_port.sink(request_id, req.block_ids[0][: -(-num_prompt // self.cfg.block_size)])
-        return cached // self.cfg.block_size
-
-    def import_sink(self, request_id: str) -> ImportSink:
-        """Where the transfer writes an importing request's prompt KV (after allocate_import)."""
-        sink = self.importing[request_id].sink
-        if sink is None:
-            raise RuntimeError(f"request {request_id!r} has no blocks yet: call allocate_import first")
-        return sink
-
-    def finish_import(self, request_id: str) -> None:
-        """The prompt KV is in the request's blocks: cache them and join the running batch."""
-        imp = self.importing.pop(request_id)
-        imp.close()
-        req = imp.request
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_blocks(req, req.num_computed_tokens)
-        req.metrics.first_scheduled_time = time.monotonic()
-        self.structured.admit(req, self.scheduler.add_running)
-
-    def recompute_import(self, request_id: str) -> None:
-        """The transfer failed: drop the blocks and compute the prompt here instead."""
-        imp = self.importing.pop(request_id)
-        imp.close()
-        self.structured.admit(imp.request, self.scheduler.recompute)
-
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.structured.num_held > 0
+        """Requests to run, or aborted imports' blocks still to free (the loop steps until they are)."""
+        return (
+            self.scheduler.num_unfinished > 0 or self.structured.num_held > 0 or bool(self.handover.closing)
+        )
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -377,7 +322,10 @@ class EngineCore:
         """Snapshot the queues and the KV memory into `stats` (engine thread only)."""
         sched = self.scheduler
         waiting = (
-            len(sched.waiting) + len(sched.waiting_for_kv) + len(self.importing) + self.structured.num_held
+            len(sched.waiting)
+            + len(sched.waiting_for_kv)
+            + len(self.handover.importing)
+            + self.structured.num_held
         )
         self.stats = EngineStats(len(sched.running), waiting, self.kv.stats())
 
@@ -389,7 +337,8 @@ class EngineCore:
         return out
 
     def _step(self, stop: bool) -> list[RequestOutput]:
-        self.free_ended_exports()
+        self.handover.free_ended_exports()
+        self.handover.reap_closed()
         sched = self.scheduler.schedule()
         if self.group is not None:
             busy, self.stop_requested = self.group.sync(not sched.empty, stop)
@@ -413,13 +362,7 @@ class EngineCore:
         self.step_count += 1
         self._after_forward()
         self.heap.maybe_trim(prefilled=any(not it.is_decode for it in sched.scheduled))
-        now = time.monotonic()
-        outputs = []
-        for item in sched.scheduled:
-            out = self._update(item, result, now)
-            if out is not None:
-                outputs.append(out)
-        return outputs
+        return self.updater.apply(sched.scheduled, result, time.monotonic())
 
     def parallel_stats(self) -> dict:
         """Expert-parallel state of this rank: placement and EPLB results (empty without EP)."""
@@ -432,113 +375,6 @@ class EngineCore:
             stats["rank_load"] = self.rebalancer.last_rank_load
         return stats
 
-    def _update(self, item: ScheduledRequest, result, now: float) -> RequestOutput | None:
-        """Apply one request's step result: computed tokens, new tokens (with speculation, the
-        accepted drafts and the target's token), stop checks, drafts for the next step."""
-        req = item.request
-        req.num_computed_tokens += item.num_new_tokens
-        if req.request_id in result.prompt_logprobs:
-            req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
-        tokens = result.sampled.get(req.request_id)
-        req.draft_token_ids = []
-        if not tokens:
-            return None
-        if item.draft_token_ids:  # the accepted drafts' KV is valid now
-            self.spec_stats.record(len(item.draft_token_ids), len(tokens) - 1)
-            req.num_computed_tokens += len(tokens) - 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        detokenizer = self.detokenizers[req.request_id]
-        new_ids, new_text, status, detok = [], "", None, None
-        for token in tokens:
-            req.append_token(token)
-            new_ids.append(token)
-            if req.request_id in result.logprobs:
-                req.logprobs.append(result.logprobs[req.request_id])
-            detok = detokenizer.step([token])
-            new_text += detok.text
-            status = self._check_stop(req, token, detok.stop_matched)
-            if status is None and req.grammar is not None:
-                status = self.structured.advance(req, token)
-            if status is not None:
-                break
-        if item.draft_token_ids:
-            self.kv.cache_blocks(req, req.num_computed_tokens, start=item.num_computed_tokens)
-        if status is None and req.kv_export:
-            status = RequestStatus.FINISHED_EXPORTED
-        if status is None:
-            req.draft_token_ids = result.drafts.get(req.request_id, [])
-            return self._output(req, new_ids, new_text)
-        # An exported request's text goes on at the decode side: hold back what is held back.
-        if detok.stop_matched is None and status is not RequestStatus.FINISHED_EXPORTED:
-            new_text += detokenizer.finish()  # flushing held-back text may still match a stop string
-            if detokenizer.stop_matched is not None:
-                req.stop_reason, status = detokenizer.stop_matched, RequestStatus.FINISHED_STOPPED
-        export = None
-        if status is RequestStatus.FINISHED_EXPORTED:
-            export = self._export(req)
-        else:
-            self.scheduler.finish(req, status)
-        out = self._finalize(req, new_ids, new_text)
-        out.exported_kv = export
-        return out
-
-    def _export(self, req: Request) -> Export:
-        """End a prefill-only request, its prompt blocks pinned in an export."""
-        n, bs = req.num_prompt_tokens, self.cfg.block_size
-        # Speculation may hold lookahead blocks past the prompt: those are freed.
-        self.scheduler.finish(req, RequestStatus.FINISHED_EXPORTED, keep_blocks=-(-n // bs))
-        hashes = req.block_hashes[: n // bs]
-        if len(hashes) < n // bs:  # prefix caching off: not kept on the way
-            hashes = hash_blocks(req.prompt_token_ids, bs)
-        state = req.generator.get_state() if req.generator is not None else None
-        return self.exports.add(req, hashes, state, req.kv_export)
-
     def _after_forward(self) -> None:
         if self.rebalancer is not None:
             self.rebalancer.after_step()
-
-    def _check_stop(self, req: Request, token: int, stop_string: str | None) -> RequestStatus | None:
-        params = req.params
-        if stop_string is not None:
-            req.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _output(
-        self, req: Request, new_ids: list[int], new_text: str, finished: bool = False
-    ) -> RequestOutput:
-        status = req.status
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=self.detokenizers[req.request_id].text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            logprobs=req.logprobs if req.params.logprobs is not None else None,
-            new_logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :]
-            if req.params.logprobs is not None
-            else None,
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-            finished=finished,
-            finish_reason=status.value if finished else None,
-            stop_reason=req.stop_reason,
-            metrics=req.metrics,
-            error=req.error if finished else None,
-        )
-
-    def _finalize(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
-        out = self._output(req, new_ids, new_text, finished=True)
-        del self.requests[req.request_id]
-        del self.detokenizers[req.request_id]
-        return out

@@ -173,7 +173,7 @@ class Scheduler:
     def free_blocks(self, req: Request, keep: int = 0) -> None:
         """The one place KV blocks are freed: a request's blocks after its first `keep`. Called
         when a request finishes (an exported one keeps its prompt blocks), is preempted or
-        recomputed, and when an export ends (EngineCore.free_ended_exports)."""
+        recomputed, and when an export ends (KVHandover.free_ended_exports)."""
         self.kv.free(req, keep)
 
     def _preempt(self, req: Request) -> None:

@@ -261,7 +261,7 @@ def test_exported_request_id_cannot_be_reused(core):
     free_at_start = pool.num_free_blocks
     core.add_request("p", prompt, params, kv_export=True)
     assert run_finished(core)["p"].finish_reason == "exported"
-    exported = list(core.exports.find("p").block_ids)
+    exported = list(core.handover.exports.find("p").block_ids)
     assert len(exported) == 4
     free_while_exported = pool.num_free_blocks
     assert free_while_exported == free_at_start - 4
@@ -274,11 +274,11 @@ def test_exported_request_id_cannot_be_reused(core):
         with pytest.raises(ValueError, match=r"^request_id 'p' is already in use$"):
             reuse()
         assert pool.num_free_blocks == free_while_exported
-        assert core.exports.find("p").block_ids == exported
+        assert core.handover.exports.find("p").block_ids == exported
         assert "p" not in core.requests and "p" not in core.detokenizers
         assert not core.has_unfinished_requests()
 
-    assert core.release_export("p")
+    assert core.handover.release_export("p")
     assert pool.num_free_blocks == free_at_start  # everything back
     # Released, the id is free again.
     core.add_request("p", prompt, params)
@@ -292,10 +292,10 @@ def test_importing_request_id_cannot_be_reused(core):
     pool = core.kv
     free_at_start = pool.num_free_blocks
     core.begin_import("i", prompt, [5], params)
-    assert core.allocate_import("i") is not None
+    assert core.handover.allocate_import("i") is not None
     free_while_importing = pool.num_free_blocks
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("i", prompt, params, kv_export=True)
-    assert pool.num_free_blocks == free_while_importing and "i" in core.importing
+    assert pool.num_free_blocks == free_while_importing and "i" in core.handover.importing
     core.abort_request("i")
     assert pool.num_free_blocks == free_at_start

@@ -64,9 +64,9 @@ def _reset(core: EngineCore, noise_seed: int) -> None:
     order (so block ids are predictable) and noise in every KV block."""
     for rid in list(core.requests):
         core.abort_request(rid)
-    core.exports.abort_all()
-    core.free_ended_exports()
-    assert not core.importing and not core.has_unfinished_requests()
+    core.handover.exports.abort_all()
+    core.handover.free_ended_exports()
+    assert not core.handover.importing and not core.has_unfinished_requests()
     pool = core.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks, "a test leaked blocks"
     pool.reset_prefix_cache()
@@ -117,7 +117,7 @@ def _export(producer: EngineCore, rid: str, prompt: list[int], params: SamplingP
     producer.add_request(rid, prompt, params, kv_export=True)
     out = run_finished(producer)[rid]
     assert out.finish_reason == "exported"
-    assert out.exported_kv is producer.exports.find(rid)
+    assert out.exported_kv is producer.handover.exports.find(rid)
     return out
 
 
@@ -128,7 +128,7 @@ def _num_layers(core: EngineCore) -> int:
 def _transfer(producer: EngineCore, consumer: EngineCore, kv, rid: str, first_block: int, end=None) -> None:
     """What a KvTransfer pull does: every layer of the producer's blocks [first_block, end), read
     through its KV port, written through the consumer's import sink at the same positions."""
-    sink = consumer.import_sink(rid)
+    sink = consumer.handover.import_sink(rid)
     assert sink.num_blocks == len(kv.block_ids)
     end = sink.num_blocks if end is None else end
     if first_block < end:
@@ -141,10 +141,10 @@ def _nixl_transfer(pd, kv, rid: str, first_block: int) -> None:
     """What a NIXL pull does: the producer's checksums taken inside a read of the export (as its
     Prefill handler does before the handle goes out), the consumer READs the producer's blocks
     [first_block, end) into its sink's and verifies them."""
-    export = pd.producer.exports.begin_read(kv.export_id)
+    export = pd.producer.handover.exports.begin_read(kv.export_id)
     digests = pd.producer.kv_port.checksum_exported(export, first_block)
-    pd.producer.exports.end_read(export)
-    sink = pd.consumer.import_sink(rid)
+    pd.producer.handover.exports.end_read(export)
+    sink = pd.consumer.handover.import_sink(rid)
     pd.consumer_agent.read(
         pd.peer, sink, first_block, kv.block_ids[first_block:], 30.0, threading.Event(), digests
     )
@@ -164,10 +164,10 @@ def _hand_over(
     first = _export(pd.producer, rid, prompt, params)
     kv = first.exported_kv
     pd.consumer.begin_import(rid, prompt, first.token_ids, params, kv.generator_state)
-    hits = pd.consumer.allocate_import(rid)
+    hits = pd.consumer.handover.allocate_import(rid)
     _move(pd, kv, rid, hits, transport)
-    pd.consumer.finish_import(rid)
-    assert pd.producer.release_export(rid)
+    pd.consumer.handover.finish_import(rid)
+    assert pd.producer.handover.release_export(rid)
     return first, run_finished(pd.consumer)[rid], hits
 
 
@@ -222,9 +222,9 @@ def test_seeded_handover_carries_the_generator_state(pd):
     # Without the state the consumer restarts the seed's stream: a different continuation,
     # which is what makes the state handover in the test above necessary.
     pd.consumer.begin_import("r", prompt, first.token_ids, SEEDED, None)
-    assert pd.consumer.allocate_import("r") == 0
+    assert pd.consumer.handover.allocate_import("r") == 0
     _transfer(pd.producer, pd.consumer, first.exported_kv, "r", 0)
-    pd.consumer.finish_import("r")
+    pd.consumer.handover.finish_import("r")
     final = run_finished(pd.consumer)["r"]
     assert final.token_ids[0] == first.token_ids[0]
     assert final.token_ids != _whole(pd.reference, prompt, SEEDED).token_ids
@@ -240,8 +240,8 @@ def test_handover_without_the_kv_write_goes_wrong(pd):
     prompt = _prompt(13)
     first = _export(pd.producer, "r", prompt, GREEDY)
     pd.consumer.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert pd.consumer.allocate_import("r") == 0
-    pd.consumer.finish_import("r")  # no _transfer
+    assert pd.consumer.handover.allocate_import("r") == 0
+    pd.consumer.handover.finish_import("r")  # no _transfer
     final = run_finished(pd.consumer)["r"]
     assert final.token_ids != _whole(pd.reference, prompt, GREEDY).token_ids
 
@@ -259,7 +259,7 @@ def test_export_pins_blocks_until_release(pd):
     assert kv.block_hashes == hash_blocks(prompt, BS) and len(kv.block_hashes) == 3
     assert kv.num_tokens == 13
     assert out.token_ids == _whole(pd.reference, prompt, GREEDY).token_ids[:1]
-    assert len(p.exports) == 1 and p.exports.find("x") is kv
+    assert len(p.handover.exports) == 1 and p.handover.exports.find("x") is kv
     assert "x" not in p.requests and not p.has_unfinished_requests()
     assert bm.num_free_blocks == NUM_BLOCKS - 4
     assert [bm.pools[0].blocks[b].ref_count for b in kv.block_ids] == [1, 1, 1, 1]
@@ -274,11 +274,11 @@ def test_export_pins_blocks_until_release(pd):
     assert read_slab(p.kv_spec, p.runner.kv_caches, kv.block_ids, 0, _num_layers(p)) == pinned
     assert bm.num_free_blocks == NUM_BLOCKS - 4
 
-    assert p.release_export("x") is True
+    assert p.handover.release_export("x") is True
     assert bm.num_free_blocks == NUM_BLOCKS
-    assert len(p.exports) == 0
-    assert p.release_export("x") is False
-    assert p.release_export("never-exported") is False
+    assert len(p.handover.exports) == 0
+    assert p.handover.release_export("x") is False
+    assert p.handover.release_export("never-exported") is False
     # Released, still cached: the 3 full prompt blocks are hits (a hit never covers the last token).
     assert _hit_ids(p, prompt) == [0, 1, 2]
     again = _whole(p, prompt, GREEDY, rid="again")
@@ -300,10 +300,10 @@ def test_export_of_a_cached_prefix_shares_its_blocks(pd):
     assert y.exported_kv.block_ids == [0, 1, 2, 7]
     assert [bm.pools[0].blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [2, 2, 2, 1, 1]
     assert bm.num_free_blocks == NUM_BLOCKS - 5
-    assert p.release_export("x")
+    assert p.handover.release_export("x")
     assert [bm.pools[0].blocks[b].ref_count for b in (0, 1, 2, 6, 7)] == [1, 1, 1, 0, 1]
     assert bm.num_free_blocks == NUM_BLOCKS - 4
-    assert p.release_export("y")
+    assert p.handover.release_export("y")
     assert bm.num_free_blocks == NUM_BLOCKS
 
 
@@ -321,22 +321,22 @@ def test_every_end_of_an_export_frees_its_blocks_once_on_the_engine_thread(pd, e
     refs = [bm.pools[0].blocks[b].ref_count for b in ids]
     if end == "expired":
         time.sleep(0.1)
-        assert p.exports.expire_due() == 1
+        assert p.handover.exports.expire_due() == 1
     elif end == "released":
-        p.exports.release(kv.export_id, done=True)
+        p.handover.exports.release(kv.export_id, done=True)
     else:
-        p.exports.begin_read(kv.export_id)
-        p.exports.release(kv.export_id, done=False)
-        assert p.free_ended_exports() == 0  # not under the read
-        p.exports.end_read(kv)
+        p.handover.exports.begin_read(kv.export_id)
+        p.handover.exports.release(kv.export_id, done=False)
+        assert p.handover.free_ended_exports() == 0  # not under the read
+        p.handover.exports.end_read(kv)
     assert bm.num_free_blocks == NUM_BLOCKS - 4  # the table only marks it ended
-    assert p.exports.find("x") is None and p.exports.holds("x")
+    assert p.handover.exports.find("x") is None and p.handover.exports.holds("x")
     with pytest.raises(ValueError, match="already in use"):
         p.add_request("x", prompt, GREEDY)
     assert p.step() == []  # the step frees them
     assert bm.num_free_blocks == NUM_BLOCKS
     assert [bm.pools[0].blocks[b].ref_count for b in ids] == [r - 1 for r in refs] and kv.block_ids == []
-    assert p.free_ended_exports() == 0 and p.release_export("x") is False
+    assert p.handover.free_ended_exports() == 0 and p.handover.release_export("x") is False
     assert bm.num_free_blocks == NUM_BLOCKS
     assert _whole(p, prompt, GREEDY, rid="x").num_cached_tokens == 12  # the id is free; the blocks cached
 
@@ -357,8 +357,8 @@ def test_export_whose_first_token_ends_it_finishes_normally(pd, case):
     assert (out.token_ids, out.finish_reason) == ([tok], reason)
     assert out.stop_reason == (tok if stopped_by_token else None)
     assert out.exported_kv is None
-    assert len(pd.producer.exports) == 0
-    assert pd.producer.release_export("x") is False
+    assert len(pd.producer.handover.exports) == 0
+    assert pd.producer.handover.release_export("x") is False
     assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
 
 
@@ -366,7 +366,7 @@ def test_export_aborted_before_it_runs_pins_nothing(pd):
     pd.producer.add_request("x", _prompt(13), GREEDY, kv_export=True)
     assert pd.producer.abort_request("x").finish_reason == "abort"
     assert pd.producer.step() == []
-    assert len(pd.producer.exports) == 0
+    assert len(pd.producer.handover.exports) == 0
     assert pd.producer.kv.num_free_blocks == NUM_BLOCKS
 
 
@@ -377,19 +377,21 @@ def test_a_byte_flipped_after_the_checksums_were_taken_is_caught_and_recomputed(
     prompt = _prompt(13)
     first = _export(pd.producer, "r", prompt, GREEDY)
     kv = first.exported_kv
-    export = pd.producer.exports.begin_read(kv.export_id)
+    export = pd.producer.handover.exports.begin_read(kv.export_id)
     digests = pd.producer.kv_port.checksum_exported(export)
-    pd.producer.exports.end_read(export)
+    pd.producer.handover.exports.end_read(export)
     pd.producer.runner.kv_caches[1][kv.block_ids[2], 0, 5] += 1.0  # [blocks, BS, width]
     c = pd.consumer
     c.begin_import("r", prompt, first.token_ids, GREEDY, None)
-    assert c.allocate_import("r") == 0
+    assert c.handover.allocate_import("r") == 0
     with pytest.raises(
         nixl.ChecksumMismatch, match="KV block 2 read from handover-producer fails its checksum"
     ):
-        pd.consumer_agent.read(pd.peer, c.import_sink("r"), 0, kv.block_ids, 30.0, threading.Event(), digests)
-    c.recompute_import("r")
-    assert pd.producer.release_export("r")
+        pd.consumer_agent.read(
+            pd.peer, c.handover.import_sink("r"), 0, kv.block_ids, 30.0, threading.Event(), digests
+        )
+    c.handover.recompute_import("r")
+    assert pd.producer.handover.release_export("r")
     final = run_finished(c)["r"]
     _assert_same(first, final, _whole(pd.reference, prompt, GREEDY))
     assert c.kv.num_free_blocks == NUM_BLOCKS
@@ -410,13 +412,13 @@ def test_import_reuses_the_consumers_cached_prefix(pd, mode, transport):
     first = _export(pd.producer, "r", prompt, params)
     kv = first.exported_kv
     c.begin_import("r", prompt, first.token_ids, params, kv.generator_state)
-    assert c.allocate_import("r") == 2
+    assert c.handover.allocate_import("r") == 2
     # The hits are warm's blocks; the 3 new ones come from the head of the free queue.
     assert c.requests["r"].block_ids == [[0, 1, 6, 7, 8]]
     assert c.kv.num_free_blocks == NUM_BLOCKS - 5
     _move(pd, kv, "r", 2, transport)
-    c.finish_import("r")
-    pd.producer.release_export("r")
+    c.handover.finish_import("r")
+    pd.producer.handover.release_export("r")
     final = run_finished(c)["r"]
     assert final.num_cached_tokens == 8
     _assert_same(first, final, _whole(pd.reference, prompt, params))
@@ -429,10 +431,10 @@ def test_import_of_a_fully_cached_prompt_transfers_nothing(pd):
     _whole(c, prompt, GREEDY, rid="warm")  # prompt blocks 0, 1 cached
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert c.allocate_import("r") == 2 == len(first.exported_kv.block_ids)
+    assert c.handover.allocate_import("r") == 2 == len(first.exported_kv.block_ids)
     assert c.requests["r"].block_ids == [[0, 1]]
-    c.finish_import("r")
-    pd.producer.release_export("r")
+    c.handover.finish_import("r")
+    pd.producer.handover.release_export("r")
     _assert_same(first, run_finished(c)["r"], _whole(pd.reference, prompt, GREEDY))
 
 
@@ -447,13 +449,13 @@ def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm)
     cached_before = dict(bm.pools[0].cached)
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
-    hits = c.allocate_import("r")
+    hits = c.handover.allocate_import("r")
     assert hits == (2 if warm else 0)
     assert bm.num_free_blocks == NUM_BLOCKS - 5
     _transfer(pd.producer, c, first.exported_kv, "r", hits, end=3)  # the stream broke after block 2
     out = c.abort_request("r")
     assert out.finish_reason == "abort"
-    assert "r" not in c.requests and "r" not in c.importing
+    assert "r" not in c.requests and "r" not in c.handover.importing
     assert bm.num_free_blocks == NUM_BLOCKS
     # Only blocks that were cached before are findable: none of the import's own.
     assert bm.pools[0].cached == cached_before
@@ -477,8 +479,8 @@ def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypat
     prompt = _prompt(13)
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert c.allocate_import("r") == 0
-    sink = c.import_sink("r")
+    assert c.handover.allocate_import("r") == 0
+    sink = c.handover.import_sink("r")
     started, written = threading.Event(), threading.Event()
     real_write = transfer.write_slab
 
@@ -500,7 +502,46 @@ def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypat
     assert c.kv.num_free_blocks == NUM_BLOCKS
     with pytest.raises(ImportClosed, match="the import of request 'r' has ended"):
         sink.write(slab, data)
-    pd.producer.release_export("r")
+    pd.producer.handover.release_export("r")
+
+
+def test_abort_during_a_remote_read_does_not_wait_on_the_peer(pd):
+    """An abort while a one-sided READ holds the sink's remote-write slot (a NIXL READ being
+    cancelled, which may take the peer's time): the engine thread returns at once with the
+    request aborted, the READ is told to cancel, its blocks stay held -- a READ may still land in
+    them -- and the id stays taken; once the READ has left its slot, the next step frees them."""
+    c = pd.consumer
+    prompt = _prompt(13)
+    first = _export(pd.producer, "r", prompt, GREEDY)
+    c.begin_import("r", prompt, first.token_ids, GREEDY)
+    assert c.handover.allocate_import("r") == 0
+    sink = c.handover.import_sink("r")
+    in_slot, leave = threading.Event(), threading.Event()
+
+    def remote_read() -> None:
+        with sink.remote_write() as cancel:
+            in_slot.set()
+            assert cancel.wait(5)  # the close asks it to cancel...
+            leave.wait(5)  # ...and the peer takes its time
+
+    reader = threading.Thread(target=remote_read)
+    reader.start()
+    assert in_slot.wait(5)
+    start = time.monotonic()
+    assert c.abort_request("r").finish_reason == "abort"
+    assert time.monotonic() - start < 1.0, "the abort waited for the peer"
+    assert "r" not in c.requests and c.kv.num_free_blocks == NUM_BLOCKS - 4
+    assert c.has_unfinished_requests() and c.handover.holds("r")
+    with pytest.raises(ValueError, match="'r' is already in use"):
+        c.begin_import("r", prompt, first.token_ids, GREEDY)
+    c.step()
+    assert c.kv.num_free_blocks == NUM_BLOCKS - 4  # still in its slot: nothing freed
+    leave.set()
+    reader.join(5)
+    c.step()
+    assert c.kv.num_free_blocks == NUM_BLOCKS and not c.has_unfinished_requests()
+    assert not c.handover.holds("r")
+    pd.producer.handover.release_export("r")
 
 
 def test_once_the_import_joined_the_batch_its_sink_refuses_writes(pd):
@@ -509,16 +550,16 @@ def test_once_the_import_joined_the_batch_its_sink_refuses_writes(pd):
     prompt = _prompt(13)
     first = _export(pd.producer, "r", prompt, GREEDY)
     c.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert c.allocate_import("r") == 0
-    sink = c.import_sink("r")
+    assert c.handover.allocate_import("r") == 0
+    sink = c.handover.import_sink("r")
     _transfer(pd.producer, c, first.exported_kv, "r", 0)
-    c.finish_import("r")
+    c.handover.finish_import("r")
     slab = Slab(0, _num_layers(c), 0, 1)
     with pytest.raises(ImportClosed):
         sink.write(slab, bytes(len(pd.producer.kv_port.read_exported(first.exported_kv, slab))))
     with pytest.raises(KeyError):
-        c.import_sink("r")
-    assert pd.producer.release_export("r")
+        c.handover.import_sink("r")
+    assert pd.producer.handover.release_export("r")
     _assert_same(first, run_finished(c)["r"], _whole(pd.reference, prompt, GREEDY))
 
 
@@ -526,7 +567,7 @@ def test_abort_before_allocate_import_leaves_no_trace(pd):
     c = pd.consumer
     c.begin_import("r", _prompt(13), [7], GREEDY)
     assert c.abort_request("r").finish_reason == "abort"
-    assert (c.requests, c.importing, c.detokenizers) == ({}, {}, {})
+    assert (c.requests, c.handover.importing, c.detokenizers) == ({}, {}, {})
     assert c.kv.num_free_blocks == NUM_BLOCKS
 
 
@@ -538,11 +579,11 @@ def test_recompute_import_after_a_failed_transfer(pd, mode):
     first = _export(pd.producer, "r", prompt, params)
     kv = first.exported_kv
     c.begin_import("r", prompt, first.token_ids, params, kv.generator_state)
-    assert c.allocate_import("r") == 0
+    assert c.handover.allocate_import("r") == 0
     _transfer(pd.producer, c, kv, "r", 0, end=2)  # half the blocks arrived, then the pull failed
-    assert pd.producer.release_export("r")
-    c.recompute_import("r")
-    assert "r" not in c.importing
+    assert pd.producer.handover.release_export("r")
+    c.handover.recompute_import("r")
+    assert "r" not in c.handover.importing
     assert c.kv.num_free_blocks == NUM_BLOCKS  # the blocks wait for the scheduler
     assert c.kv.pools[0].cached == {}  # the half-written blocks were never registered
     final = run_finished(c)["r"]
@@ -558,18 +599,18 @@ def test_allocate_import_waits_for_room(pd):
     c.step()  # prefill: 199 tokens in 50 blocks
     assert bm.num_free_blocks == 14
     c.begin_import("b", _prompt(57), [7], GREEDY)  # needs 15 blocks
-    assert c.allocate_import("b") is None
-    assert c.requests["b"].block_ids == [] and "b" in c.importing
+    assert c.handover.allocate_import("b") is None
+    assert c.requests["b"].block_ids == [] and "b" in c.handover.importing
     assert bm.num_free_blocks == 14
     c.begin_import("c", _prompt(56), [7], GREEDY)  # needs exactly the 14 left
-    assert c.allocate_import("c") == 0
+    assert c.handover.allocate_import("c") == 0
     assert c.requests["c"].block_ids == [list(range(50, 64))]
     assert bm.num_free_blocks == 0
-    assert c.allocate_import("b") is None
+    assert c.handover.allocate_import("b") is None
     c.step()  # "big" decodes its last token into block 49 and finishes
     assert "big" not in c.requests
     assert bm.num_free_blocks == 50
-    assert c.allocate_import("b") == 0
+    assert c.handover.allocate_import("b") == 0
     assert len(c.requests["b"].block_ids[0]) == 15
     assert bm.num_free_blocks == 35
 
@@ -614,11 +655,15 @@ def test_begin_import_rejects_and_leaves_no_trace(pd, case):
     c.begin_import("other", _prompt(5), [7], GREEDY)
     with pytest.raises(ValueError, match=message):
         c.begin_import("r", _prompt(13), outputs, params, state)
-    assert (list(c.requests), list(c.importing), list(c.detokenizers)) == (["other"], ["other"], ["other"])
+    assert (list(c.requests), list(c.handover.importing), list(c.detokenizers)) == (
+        ["other"],
+        ["other"],
+        ["other"],
+    )
     assert c.kv.num_free_blocks == NUM_BLOCKS
     # The id is free again: a correct import under it is accepted.
     c.begin_import("r", _prompt(13), [7], GREEDY)
-    assert c.allocate_import("r") == 0
+    assert c.handover.allocate_import("r") == 0
 
 
 @pytest.mark.parametrize(
@@ -630,7 +675,7 @@ def test_begin_import_validates_the_prompt_like_add_request(pd, prompt, message)
     c = pd.consumer
     with pytest.raises(ValueError, match=message):
         c.begin_import("r", prompt, [7], GREEDY)
-    assert (c.requests, c.importing, c.detokenizers) == ({}, {}, {})
+    assert (c.requests, c.handover.importing, c.detokenizers) == ({}, {}, {})
 
 
 def test_begin_import_rejects_an_id_in_use(pd):

@@ -41,6 +41,7 @@ class _Core:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.refusals = FULL_STEPS
+        self.handover = self  # the import's calls past begin_import: KVHandover's
 
     def has_unfinished_requests(self) -> bool:
         return True

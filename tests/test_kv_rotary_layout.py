@@ -80,12 +80,12 @@ def test_kv_written_on_the_cpu_path_decodes_the_same_on_triton_kernels(model_dir
     first = run_finished(producer)["r"]
     kv = first.exported_kv
     consumer.begin_import("r", PROMPT, first.token_ids, PARAMS, kv.generator_state)
-    assert consumer.allocate_import("r") == 0
+    assert consumer.handover.allocate_import("r") == 0
     layers = producer.kv_spec.num_caches
     data = read_slab(producer.kv_spec, producer.runner.kv_caches, kv.block_ids, 0, layers)
     write_slab(consumer.kv_spec, consumer.runner.kv_caches, consumer.requests["r"].block_ids[0], 0, data)
-    consumer.finish_import("r")
-    assert producer.release_export("r")
+    consumer.handover.finish_import("r")
+    assert producer.handover.release_export("r")
 
     calls = _force_triton(monkeypatch)
     final = run_finished(consumer)["r"]

@@ -266,7 +266,7 @@ def test_a_continued_request_rebuilds_its_matcher_from_the_tokens_it_brings(llm,
     (whole,) = llm.generate(prompt_token_ids=[prompt], sampling_params=[params])
     head = whole.token_ids[:3]
     req = core.begin_import("continued", prompt, head, params)
-    core.recompute_import("continued")
+    core.handover.recompute_import("continued")
     out = run_finished(core)["continued"]
     assert out.token_ids[:3] == head and req.grammar is not None
     assert_follows(S(json=PERSON), out.text)
@@ -279,7 +279,7 @@ def test_a_continued_request_whose_tokens_break_the_constraint_is_aborted(llm):
     prompt = core.tokenizer.encode(PROMPT)
     bad_first = core.tokenizer.encode("x", add_special_tokens=False)  # JSON starts with "{"
     core.begin_import("broken", prompt, bad_first, _params(S(json=PERSON)))
-    core.recompute_import("broken")
+    core.handover.recompute_import("broken")
     out = run_finished(core)["broken"]
     assert out.finish_reason == "abort" and out.token_ids == bad_first
 

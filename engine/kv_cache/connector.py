@@ -19,9 +19,9 @@ KV transfers between engines have the same split, in two modules: the send half 
 export.py's `ExportTable` (a finished prefill-only request's blocks are handed to an export
 with a lease -- vLLM's `request_finished` holding the blocks -- and ended exports come back to
 the engine thread through `take_ended`, its `get_finished`); the receive half is an import
-(`EngineCore.begin_import` / `allocate_import`, which asks this connector first, then
-transfer.py's `ImportSink`, then `finish_import` or `recompute_import`). Every block they hold
-is freed through `Scheduler.free_blocks`.
+(engine/kv_handover.py: `allocate_import` admits it through `Scheduler.admit`, which asks this
+connector first, then transfer.py's `ImportSink`, then `finish_import` or `recompute_import`).
+Every block they hold is freed through `Scheduler.free_blocks`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Who may touch the cache, stated once:
   the export cannot end under a read, so the engine thread cannot free them meanwhile
   (engine/kv_cache/export.py);
 - any thread may write an importing request's blocks, only through its `ImportSink`, between
-  `allocate_import` (which opens the sink) and `finish_import` / `recompute_import` /
-  `abort_request` (which close it on the engine thread before the blocks join the batch or are
+  `KVHandover.allocate_import` (which opens the sink) and `finish_import` / `recompute_import` /
+  `EngineCore.abort_request` (which close it on the engine thread before the blocks join the batch or are
   freed). Closing waits for a write in progress, and a write after the close is refused, so a
   transfer that is cancelled mid-write can never land in blocks that were freed and handed to
   another request;
@@ -109,14 +109,22 @@ class ImportSink:
         end or num_blocks) (engine/kv_cache/checksum.py)."""
         return block_checksums(self.spec, self._caches, self._block_ids[first_block:end])
 
-    def close(self) -> None:
-        """Engine thread: waits for a write in progress and cancels a remote write, waiting until
-        it can no longer land; later writes raise ImportClosed."""
+    def close(self, wait: bool = True) -> bool:
+        """Engine thread: later writes raise ImportClosed; a write in progress is waited for and a
+        remote write is cancelled. wait: also wait until the remote write can no longer land;
+        without it (an abort, which must not stall the engine thread on a peer) the caller keeps
+        the blocks until `idle`. Returns whether the blocks are free of writers now."""
         with self._lock:
             self._open = False
             self._cancel.set()
-            while self._remote_writers:
+            while wait and self._remote_writers:
                 self._idle.wait()
+            return not self._remote_writers
+
+    @property
+    def idle(self) -> bool:
+        """No remote write is in its slot (after close: none can land any more)."""
+        return not self._remote_writers
 
     @property
     def is_open(self) -> bool:

@@ -109,8 +109,8 @@ class KvImporter:
             if not begun:
                 core.begin_import(rid, prompt, outputs, params, state)
                 begun = True
-            hits = core.allocate_import(rid)
-            return None if hits is None else (hits, core.import_sink(rid))
+            hits = core.handover.allocate_import(rid)
+            return None if hits is None else (hits, core.handover.import_sink(rid))
 
         first_block, sink = await self.engine.call(begin_and_allocate, retry_until_set=True)
         start = time.monotonic()
@@ -158,7 +158,7 @@ class KvImporter:
             logger.warning(
                 "request %s (engine id %s): KV transfer failed (%s); recomputing the prompt", label, rid, e
             )
-            await self.engine.call(lambda core: core.recompute_import(rid))
+            await self.engine.call(lambda core: core.handover.recompute_import(rid))
             return 0, time.monotonic() - start, False
         seconds = time.monotonic() - start
         self.metrics.labels(self.metrics.kv_transfer_bytes, "received").inc(received)
@@ -167,5 +167,5 @@ class KvImporter:
         if transport == "nixl":
             for phase, phase_s in timings.phases().items():
                 self.metrics.labels(self.metrics.kv_transfer_phase_seconds, phase).observe(phase_s)
-        await self.engine.call(lambda core: core.finish_import(rid))
+        await self.engine.call(lambda core: core.handover.finish_import(rid))
         return received, seconds, True

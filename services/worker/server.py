@@ -126,7 +126,7 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         None
     ):  # any thread: an export ended; its blocks are freed on the engine thread
         loop.call_soon_threadsafe(
-            lambda: service.background(engine.call(lambda core: core.free_ended_exports()))
+            lambda: service.background(engine.call(lambda core: core.handover.free_ended_exports()))
         )
 
     exports = ExportTable(

@@ -104,7 +104,7 @@ class WorkerService(wgrpc.WorkerServicer):
     async def _abort(self, request_id: str) -> None:
         def abort(core) -> None:
             core.abort_request(request_id)
-            core.release_export(request_id)
+            core.handover.release_export(request_id)
 
         try:
             await self.engine.call(abort)
