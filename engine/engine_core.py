@@ -22,7 +22,7 @@ from engine import env
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
-from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.connector import KVConnector, run_load
 from engine.kv_cache.export import ExportOptions, ExportTable
 from engine.kv_cache.manager import KVCacheManager, KVStats, size_tables
 from engine.kv_cache.offload import make_offloader
@@ -37,7 +37,7 @@ from engine.parallel.rebalance import Rebalancer, make_expert_parallel
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, kv_cache_spec
 from engine.sampling_params import SamplingParams, validate_request
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec_decode.stats import SpecStats, speculation_allowed
 from engine.structured.manager import StructuredOutputManager
 from engine.tokenizer import Tokenizer
@@ -340,6 +340,9 @@ class EngineCore:
         self.handover.free_ended_exports()
         self.handover.reap_closed()
         sched = self.scheduler.schedule()
+        for item in sched.scheduled:
+            if item.kv_load is not None:
+                self._load_kv(item, sched)
         if self.group is not None:
             busy, self.stop_requested = self.group.sync(not sched.empty, stop)
             if not busy or self.stop_requested:
@@ -363,6 +366,20 @@ class EngineCore:
         self._after_forward()
         self.heap.maybe_trim(prefilled=any(not it.is_decode for it in sched.scheduled))
         return self.updater.apply(sched.scheduled, result, time.monotonic())
+
+    def _load_kv(self, item: ScheduledRequest, sched: SchedulerOutput) -> None:
+        """The worker side of an admission's connector load (Scheduler.admit planned it): write the
+        blocks; tokens of blocks it could not give are computed in this step instead (their blocks
+        are allocated, and registered for the computation)."""
+        req = item.request
+        missing = run_load(self.connector, req.request_id, item.kv_load) * self.kv.block_size
+        if missing:
+            item.num_computed_tokens -= missing
+            item.num_new_tokens += missing
+            req.num_computed_tokens -= missing
+            sched.num_batched_tokens += missing
+            if not req.metrics.num_preemptions:  # first admission: what the output reports as cached
+                req.metrics.num_cached_tokens -= missing
 
     def parallel_stats(self) -> dict:
         """Expert-parallel state of this rank: placement and EPLB results (empty without EP)."""

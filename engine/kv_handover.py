@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine.kv_cache.connector import run_load
 from engine.kv_cache.export import Export, ExportTable
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.transfer import ImportSink, KVPort
@@ -121,7 +122,9 @@ class KVHandover:
         admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False)
         if isinstance(admitted, Admission):
             return None
-        cached, _ = admitted
+        cached, _, load = admitted
+        if load is not None:  # written now: the transfer then sends only what is still missing
+            cached -= run_load(self.scheduler.connector, request_id, load) * self.block_size
         req.status = RequestStatus.LOADING_REMOTE_KV
         req.metrics.num_cached_tokens = cached
         # The full-attention table: moving several tables is not built yet (Export.block_ids).

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache.connector import KVConnector
+from engine.kv_cache.connector import KVConnector, KVLoad
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -40,6 +40,9 @@ class ScheduledRequest:
     """Known tokens this step runs through the model."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative drafts run after them, to be verified (the runner returns what was accepted)."""
+    kv_load: KVLoad | None = None
+    """Blocks the connector writes before the forward (counted in num_computed_tokens); those it
+    cannot give are computed instead (EngineCore moves their tokens to num_new_tokens)."""
 
     @property
     def samples(self) -> bool:
@@ -129,15 +132,17 @@ class Scheduler:
 
     def admit(
         self, req: Request, upto: int, budget: int, cache_blocks: bool = True
-    ) -> tuple[int, int] | Admission:
+    ) -> tuple[int, int, KVLoad | None] | Admission:
         """Admission, written once (waiting requests here, KV imports in EngineCore): give a request
         that holds no blocks the blocks for its first `upto` tokens, computing at most `budget` of
         them now: its device prefix hit, then the blocks the connector can load after it, then new
         blocks (with room for speculation when the chunk samples). With cache_blocks=False the new
         blocks are not prefix-cached (an import's: their contents arrive later).
-        -> (tokens already in its blocks, tokens to compute now), or why it was not admitted:
-        NO_ROOM (nothing changed) or LOOKING_UP (the connector is finding its prefix off the
-        engine thread: ask again once `connector.poll` names it)."""
+        -> (tokens in its blocks once the load is written, tokens to compute now, the connector's
+        load for the worker side to write -- connector.run_load -- or None), or why it was not
+        admitted: NO_ROOM (nothing changed) or LOOKING_UP (the connector is finding its prefix off
+        the engine thread: ask again once `connector.poll` names it). The scheduler only plans:
+        decoding, checking and copying blocks is the worker side's."""
         kv = self.kv
         computed = kv.get_computed_blocks(req, upto)
         external = 0
@@ -153,17 +158,17 @@ class Scheduler:
         lookahead = 2 * self.num_speculative if samples else 0
         if not kv.allocate_slots(req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead):
             return Admission.NO_ROOM
-        if external:  # load what the connector holds into the blocks just allocated after the hits
-            bs, start = kv.block_size, computed.num_blocks
-            ids = req.block_ids[0][
-                start : start + min(external, num_new // bs)
-            ]  # one table: see KVCacheManager
-            loaded = self.connector.load(req.request_id, req.block_hashes[start : start + len(ids)], ids)
-            cached += loaded * bs
-            num_new -= loaded * bs
-        if self.connector is not None:
-            self.connector.release(req.request_id)
-        return cached, num_new
+        bs, start = kv.block_size, computed.num_blocks
+        num_load = min(external, num_new // bs)
+        if not num_load:
+            if self.connector is not None:
+                self.connector.release(req.request_id)
+            return cached, num_new, None
+        # What the connector holds goes into the blocks just allocated after the hits (one table:
+        # the connector is refused for specs of several, see KVCacheManager).
+        ids = req.block_ids[0][start : start + num_load]
+        load = KVLoad(req.block_hashes[start : start + num_load], ids)
+        return cached + num_load * bs, num_new - num_load * bs, load
 
     def _lookahead(self, req: Request, num_new: int) -> int:
         if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
@@ -227,7 +232,7 @@ class Scheduler:
                 continue
             if admitted is Admission.NO_ROOM:
                 break
-            num_hit_tokens, num_new = admitted
+            num_hit_tokens, num_new, load = admitted
             self.waiting.popleft()
             self._started(req)
             req.num_computed_tokens = num_hit_tokens
@@ -236,7 +241,7 @@ class Scheduler:
                 req.metrics.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_hit_tokens, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_hit_tokens, num_new, kv_load=load))
             budget -= num_new
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget

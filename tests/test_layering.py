@@ -131,3 +131,30 @@ def test_blocks_are_freed_in_one_place():
         ("engine/kv_cache/single_type.py", "free_behind"),
         ("engine/scheduler.py", "free_blocks"),
     ]
+
+
+def test_the_scheduler_plans_kv_loads_and_never_writes_blocks():
+    """Scheduler.admit plans what a connector supplies (KVLoad); decoding, checking and copying
+    the blocks (KVConnector.load, through run_load) happens only on the worker side: EngineCore
+    before the forward, and an import's allocation."""
+    loaders = []
+    for package in ("engine", "services"):
+        for path in _modules(package):
+            for func in ast.walk(_parse(path)):
+                if not isinstance(func, ast.FunctionDef):
+                    continue
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Call) and (
+                        (isinstance(node.func, ast.Name) and node.func.id == "run_load")
+                        or (
+                            isinstance(node.func, ast.Attribute)
+                            and node.func.attr == "load"
+                            and ast.unparse(node.func.value).endswith("connector")
+                        )
+                    ):
+                        loaders.append((str(path.relative_to(REPO)), func.name))
+    assert sorted(set(loaders)) == [
+        ("engine/engine_core.py", "_load_kv"),
+        ("engine/kv_cache/connector.py", "run_load"),
+        ("engine/kv_handover.py", "allocate_import"),
+    ]

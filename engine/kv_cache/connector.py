@@ -8,8 +8,11 @@ Split the way vLLM splits its KVConnector, into what the scheduler asks and what
   request waits in RequestStatus.WAITING_FOR_REMOTE_KV meanwhile);
   `on_evict` -- a cached block is about to be reused;
   `release` -- the request was admitted (its blocks loaded) or ended: forget what was kept for it;
-- worker side: `load` writes supplied blocks into the blocks the scheduler allocated, `poll`
-  names the requests whose lookups finished (they go back to the head of the waiting queue).
+- worker side: `load` writes supplied blocks into the blocks the scheduler allocated -- the
+  scheduler only plans it (a `KVLoad` on the scheduled request); EngineCore writes it before the
+  forward through `run_load`, so decoding and checking blocks stays out of `Scheduler.schedule`
+  -- and `poll` names the requests whose lookups finished (they go back to the head of the
+  waiting queue).
 
 The engine holds at most one connector (`EngineCore.connector`) and hands it to the scheduler and
 the block pool when it builds them. The offload tiers (offload.py: host memory and a shared
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -75,3 +79,21 @@ class KVConnector(ABC):
     def gauges(self) -> list[Gauge]:
         """What the connector reports to a worker's /metrics (none by default)."""
         return []
+
+
+@dataclass
+class KVLoad:
+    """Blocks the connector supplies to a request just admitted, as the scheduler planned them:
+    the worker side writes them before the forward (`run_load`); the scheduler never does."""
+
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    """Where they go: blocks allocated right after the request's device prefix hit."""
+
+
+def run_load(connector: KVConnector, request_id: str, load: KVLoad) -> int:
+    """Write a planned load, then forget what the connector kept for the request. -> blocks that
+    could not be given intact (the run stops at the first): their tokens are computed instead."""
+    loaded = connector.load(request_id, load.block_hashes, load.block_ids)
+    connector.release(request_id)
+    return len(load.block_ids) - loaded
