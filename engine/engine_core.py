@@ -24,7 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.heap import HeapTrimmer
 from engine.kv_cache.connector import KVConnector, run_load
 from engine.kv_cache.export import ExportOptions, ExportTable
-from engine.kv_cache.manager import KVCacheManager, KVStats, size_tables
+from engine.kv_cache.manager import KVCacheManager, KVStats, history_blocks, size_tables
 from engine.kv_cache.offload import make_offloader
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import KVPort
@@ -108,9 +108,8 @@ class EngineCore:
             num_blocks=cfg.num_kv_blocks,
         )
         """Engine blocks per block table (KVCacheSpec.tables)."""
-        self.num_kv_blocks = self.kv_blocks[0]
-        """The history a request can hold, in blocks: the first table's, full attention (the one
-        table of every spec the engine runs: KVCacheSpec.check_runnable)."""
+        self.num_kv_blocks = history_blocks(self.kv_spec, self.kv_blocks)
+        """The history a request can hold, in blocks (what validate_request bounds a request by)."""
         self.group = group
         self.ep = make_expert_parallel(cfg, self.model_cfg, group) if group is not None else None
         self.structured = StructuredOutputManager(
@@ -178,10 +177,10 @@ class EngineCore:
         self.heap = HeapTrimmer(cfg.heap_free_limit_mib << 20)
         torch.manual_seed(cfg.seed)
         logger.info(
-            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s, %s, KV blocks per table %s of %d tokens, max_model_len %d",
             self.model_cfg.architecture,
             cfg.dtype,
-            self.num_kv_blocks,
+            "/".join(map(str, self.kv_blocks)),
             cfg.block_size,
             self.max_model_len,
         )

@@ -466,6 +466,15 @@ def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm)
     assert again.token_ids == _whole(pd.reference, prompt, GREEDY).token_ids
 
 
+def _importing(pd, rid: str, prompt: list[int]):
+    """A prompt exported by the producer and begun, with blocks, on the consumer (no prefix hit)
+    -> (the producer's output, the consumer's import sink)."""
+    first = _export(pd.producer, rid, prompt, GREEDY)
+    pd.consumer.begin_import(rid, prompt, first.token_ids, GREEDY)
+    assert pd.consumer.handover.allocate_import(rid) == 0
+    return first, pd.consumer.handover.import_sink(rid)
+
+
 def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypatch):
     """A transfer cancelled mid-write (its handler gone, the engine aborting the request) cannot
     land in blocks that were freed and handed to another request: the abort waits for the write,
@@ -476,11 +485,7 @@ def test_abort_waits_for_a_write_in_flight_and_then_refuses_writes(pd, monkeypat
     import engine.kv_cache.transfer as transfer
 
     c = pd.consumer
-    prompt = _prompt(13)
-    first = _export(pd.producer, "r", prompt, GREEDY)
-    c.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert c.handover.allocate_import("r") == 0
-    sink = c.handover.import_sink("r")
+    first, sink = _importing(pd, "r", _prompt(13))
     started, written = threading.Event(), threading.Event()
     real_write = transfer.write_slab
 
@@ -512,10 +517,7 @@ def test_abort_during_a_remote_read_does_not_wait_on_the_peer(pd):
     them -- and the id stays taken; once the READ has left its slot, the next step frees them."""
     c = pd.consumer
     prompt = _prompt(13)
-    first = _export(pd.producer, "r", prompt, GREEDY)
-    c.begin_import("r", prompt, first.token_ids, GREEDY)
-    assert c.handover.allocate_import("r") == 0
-    sink = c.handover.import_sink("r")
+    first, sink = _importing(pd, "r", prompt)
     in_slot, leave = threading.Event(), threading.Event()
 
     def remote_read() -> None:

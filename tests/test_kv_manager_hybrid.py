@@ -334,3 +334,20 @@ def test_tables_are_sized_by_what_they_hold():
     assert size_tables(SPEC, 1 << 20, 8, 4096, 64, num_blocks=100)[::2] == (100, 100)
     # A short max_model_len caps both: no request could use more.
     assert size_tables(SPEC, 1 << 30, 2, 16, 64) == (8, 2 * 4 + 1, 8)
+
+
+def test_a_request_is_bounded_by_the_history_tables_not_the_window():
+    """validate_request bounds prompt + max_tokens by the blocks of the tables that keep a whole
+    history; a window table's few blocks bound nothing, and a spec of windows alone has no bound."""
+    from engine.kv_cache.manager import history_blocks
+    from engine.sampling_params import validate_request
+
+    assert history_blocks(SPEC, (40, 9, 50)) == 40
+    window_only = KVCacheSpec((WINDOW,), "w")
+    assert history_blocks(window_only, (9,)) is None
+    long = list(range(1000))
+    validate_request(long, SamplingParams(max_tokens=8), 2000, 4096, BS, history_blocks(window_only, (9,)))
+    with pytest.raises(ValueError, match=r"needs 252 KV blocks, more than num_kv_blocks \(40\)"):
+        validate_request(
+            long, SamplingParams(max_tokens=8), 2000, 4096, BS, history_blocks(SPEC, (40, 9, 50))
+        )

@@ -107,25 +107,33 @@ def test_one_step_loop():
     ]
 
 
+def _callers(matches) -> list[tuple[str, str]]:
+    """(file, function) of every call in engine/ and services/ that matches(call node) accepts."""
+    found = set()
+    for package in ("engine", "services"):
+        for path in _modules(package):
+            for func in ast.walk(_parse(path)):
+                if isinstance(func, ast.FunctionDef) and any(
+                    isinstance(node, ast.Call) and matches(node) for node in ast.walk(func)
+                ):
+                    found.add((str(path.relative_to(REPO)), func.name))
+    return sorted(found)
+
+
 def test_blocks_are_freed_in_one_place():
     """Finish, preemption, recompute and the end of an export all free KV blocks (and state
     slots) through Scheduler.free_blocks -> KVCacheManager.free; the one other place a block goes
     back to its pool is a sliding window's table giving back what falls behind the window."""
-    freers = []
-    for package in ("engine", "services"):
-        for path in _modules(package):
-            for func in ast.walk(_parse(path)):
-                if not isinstance(func, ast.FunctionDef):
-                    continue
-                for node in ast.walk(func):
-                    if (
-                        isinstance(node, ast.Call)
-                        and isinstance(node.func, ast.Attribute)
-                        and node.func.attr == "free"
-                        and ast.unparse(node.func.value).endswith(("kv", "pool", "states"))
-                    ):
-                        freers.append((str(path.relative_to(REPO)), func.name))
-    assert sorted(set(freers)) == [
+
+    def frees(call: ast.Call) -> bool:
+        f = call.func
+        return (
+            isinstance(f, ast.Attribute)
+            and f.attr == "free"
+            and ast.unparse(f.value).endswith(("kv", "pool", "states"))
+        )
+
+    assert _callers(frees) == [
         ("engine/kv_cache/manager.py", "free"),
         ("engine/kv_cache/single_type.py", "free"),
         ("engine/kv_cache/single_type.py", "free_behind"),
@@ -137,23 +145,16 @@ def test_the_scheduler_plans_kv_loads_and_never_writes_blocks():
     """Scheduler.admit plans what a connector supplies (KVLoad); decoding, checking and copying
     the blocks (KVConnector.load, through run_load) happens only on the worker side: EngineCore
     before the forward, and an import's allocation."""
-    loaders = []
-    for package in ("engine", "services"):
-        for path in _modules(package):
-            for func in ast.walk(_parse(path)):
-                if not isinstance(func, ast.FunctionDef):
-                    continue
-                for node in ast.walk(func):
-                    if isinstance(node, ast.Call) and (
-                        (isinstance(node.func, ast.Name) and node.func.id == "run_load")
-                        or (
-                            isinstance(node.func, ast.Attribute)
-                            and node.func.attr == "load"
-                            and ast.unparse(node.func.value).endswith("connector")
-                        )
-                    ):
-                        loaders.append((str(path.relative_to(REPO)), func.name))
-    assert sorted(set(loaders)) == [
+
+    def loads(call: ast.Call) -> bool:
+        f = call.func
+        if isinstance(f, ast.Name):
+            return f.id == "run_load"
+        return (
+            isinstance(f, ast.Attribute) and f.attr == "load" and ast.unparse(f.value).endswith("connector")
+        )
+
+    assert _callers(loads) == [
         ("engine/engine_core.py", "_load_kv"),
         ("engine/kv_cache/connector.py", "run_load"),
         ("engine/kv_handover.py", "allocate_import"),

@@ -99,6 +99,14 @@ def size_tables(
     return tuple(counts)
 
 
+def history_blocks(spec: KVCacheSpec, counts: Sequence[int]) -> int | None:
+    """How many engine blocks of history a request can hold: the count of the tables that keep
+    it all (full attention, compressed); None when every table is a window (no bound: a window
+    table holds a window, whatever the length)."""
+    history = [n for t, n in zip(spec.tables, counts, strict=True) if t.manager != "sliding_window"]
+    return min(history) if history else None
+
+
 class KVCacheManager:
     def __init__(
         self,

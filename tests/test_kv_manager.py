@@ -1,4 +1,4 @@
-"""BlockPool / BlockManager / hashing, exact: block ids, ref counts, free-queue order, eviction
+"""BlockPool / KVCacheManager (one full-attention table) / hashing, exact: block ids, ref counts, free-queue order, eviction
 order and prefix-cache hits are asserted, never printed (STYLE.md item 9).
 
 Legend: `bs` is the block size; a request "computes" its tokens when allocate_slots covers them
