@@ -170,6 +170,16 @@ class Scheduler:
         load = KVLoad(req.block_hashes[start : start + num_load], ids)
         return cached + num_load * bs, num_new - num_load * bs, load
 
+    def _aligned(self, start: int, num_new: int) -> int:
+        """With per-request state and prefix caching, a chunk that crosses a block boundary without
+        ending on one ends at the last it crosses, the rest next step: the state is snapshotted
+        only where a step ends on a boundary (KVCacheManager.snapshot_state), and this puts one at
+        the last full block of every prompt, where a later request with the prefix can start."""
+        if self.kv.states is None or not self.kv.enable_prefix_caching:
+            return num_new
+        boundary = (start + num_new) // self.kv.block_size * self.kv.block_size
+        return boundary - start if start < boundary < start + num_new else num_new
+
     def _lookahead(self, req: Request, num_new: int) -> int:
         if not req.spec_enabled or req.num_computed_tokens + num_new < req.num_tokens:
             return 0
@@ -208,7 +218,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._aligned(
+                req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget)
+            )
             drafts = req.draft_token_ids if num_new == 1 and len(req.draft_token_ids) < budget else []
             while not kv.allocate_slots(req, num_new, lookahead=self._lookahead(req, num_new)):
                 victim = self.running.pop()  # the most recently admitted
@@ -233,6 +245,9 @@ class Scheduler:
             if admitted is Admission.NO_ROOM:
                 break
             num_hit_tokens, num_new, load = admitted
+            num_new = self._aligned(
+                num_hit_tokens, num_new
+            )  # its blocks cover the unaligned chunk: no matter
             self.waiting.popleft()
             self._started(req)
             req.num_computed_tokens = num_hit_tokens

@@ -351,3 +351,26 @@ def test_a_request_is_bounded_by_the_history_tables_not_the_window():
         validate_request(
             long, SamplingParams(max_tokens=8), 2000, 4096, BS, history_blocks(SPEC, (40, 9, 50))
         )
+
+
+def test_a_prompt_chunk_ends_on_its_last_block_boundary_so_its_state_is_kept():
+    """With states, a 26-token prompt under a 64-token budget runs as 24 tokens (ending on a block
+    boundary, where the state is snapshotted) and then 2 that sample; the same prompt later starts
+    from 24 tokens in every table. A spec without states keeps the one 26-token chunk."""
+    kv = manager()
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(100, 126))
+    first = make_req("first", prompt, max_tokens=1)
+    sched.add(first)
+    chunks = []
+    run(
+        sched,
+        on_step=lambda out: chunks.extend((s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled),
+    )
+    assert chunks == [(0, 24), (24, 2)]
+    assert kv.get_computed_blocks(make_req("again", prompt + [5])).num_tokens == 24
+
+    no_state = KVCacheManager(KVCacheSpec((FULL, WINDOW, COMPRESSED), "hybrid"), (64, 32, 64))
+    sched = Scheduler(no_state, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add(make_req("first", prompt, max_tokens=1))
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in sched.schedule().scheduled] == [(0, 26)]
