@@ -18,6 +18,11 @@ a decode worker as processes, Poisson arrivals at `--rate`, `--num-requests` per
 disaggregated and colocated) and compares each mode's output tok/s and TTFT and inter-token p50.
 Results go to benchmarks/results/ab_revisions[_serving]_<hardware>_<date>.json unless `--output`
 says otherwise.
+
+Compare like with like: the baseline runs from a worktree in a temporary folder, the default
+candidate from this checkout, and on the 2-core EPYC (2026-12-07) that alone made the candidate
+5-10 % slower in every round (the same code from a worktree beside the baseline's was not):
+commit and pass `--candidate REV` for figures you report.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq, token_tensors
 from engine.hugepages import WeightArena, place_parameters
-from engine.kv_cache.spec import CacheKind, KVCacheSpec, model_fingerprint
+from engine.kv_cache.cache_group import CacheKind
+from engine.kv_cache.spec import KVCacheSpec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, pick_decode_attention, use_native_kernels

@@ -133,7 +133,7 @@ class Scheduler:
     def admit(
         self, req: Request, upto: int, budget: int, cache_blocks: bool = True
     ) -> tuple[int, int, KVLoad | None] | Admission:
-        """Admission, written once (waiting requests here, KV imports in EngineCore): give a request
+        """Admission, written once (waiting requests here, KV imports in KVHandover): give a request
         that holds no blocks the blocks for its first `upto` tokens, computing at most `budget` of
         them now: its device prefix hit, then the blocks the connector can load after it, then new
         blocks (with room for speculation when the chunk samples). With cache_blocks=False the new

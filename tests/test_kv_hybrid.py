@@ -16,10 +16,11 @@ import functools
 import pytest
 import torch
 
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind
 from engine.kv_cache.export import Export
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import HostTier, KVOffloader
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec
+from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.transfer import KVPort
 from engine.request import Request
 from engine.sampling_params import SamplingParams

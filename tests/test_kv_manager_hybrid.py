@@ -16,8 +16,9 @@ import random
 import pytest
 import torch
 
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind, StateSpec
 from engine.kv_cache.manager import KVCacheManager, size_tables
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec, StateSpec
+from engine.kv_cache.spec import KVCacheSpec
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

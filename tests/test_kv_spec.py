@@ -9,8 +9,9 @@ import functools
 import pytest
 import torch
 
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind, StateSpec
 from engine.kv_cache.codec import BLOCK_HEADER_BYTES, decode_block, encode_block
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec, StateSpec, mla_spec
+from engine.kv_cache.spec import KVCacheSpec, mla_spec
 
 LATENT = CacheGroupSpec(
     CacheKind.LATENT, (0, 1, 2), 4, 80, torch.float32, rope_width=16, rotary_layout="halves"

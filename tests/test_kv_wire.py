@@ -16,8 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind
 from engine.kv_cache.codec import DTYPE_CODES, read_slab, write_slab
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCacheSpec
+from engine.kv_cache.spec import KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from services.common.errors import DataLoss
 from services.kv_transfer.wire import (

@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from engine import LLM, SamplingParams
-from engine.kv_cache.spec import CacheKind
+from engine.kv_cache.cache_group import CacheKind
 from engine.models.deepseek_v32 import SparseMLAttention
 from modelkit.make_model import make_model
 from modelkit.quantize import QuantOptions

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.spec import DTYPE_NAMES, KVCacheSpec
+from engine.kv_cache.cache_group import DTYPE_NAMES
+from engine.kv_cache.spec import KVCacheSpec
 
 assert sys.byteorder == "little", "the KV byte format is little-endian"
 

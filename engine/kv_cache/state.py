@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from engine.kv_cache.spec import StateSpec
+from engine.kv_cache.cache_group import StateSpec
 
 
 class StatePool:

@@ -14,7 +14,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.kv_cache.spec import CacheKind, KVCaches, KVCacheSpec, mla_spec
+from engine.kv_cache.cache_group import CacheKind
+from engine.kv_cache.spec import KVCaches, KVCacheSpec, mla_spec
 from engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from engine.models.mla import MLAttention
 from engine.models.moe import DeepseekMoE

@@ -24,7 +24,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import DecodeGroup, ForwardBatch
-from engine.kv_cache.spec import CacheGroupSpec, CacheKind, KVCaches, KVCacheSpec
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind
+from engine.kv_cache.spec import KVCaches, KVCacheSpec
 from engine.models.deepseek_v2 import DecoderLayer, DeepseekV2ForCausalLM
 from engine.models.layers import LayerNorm, Linear
 from engine.models.mla import MLAttention
