@@ -110,7 +110,10 @@ def test_costly_schemas_from_one_client_delay_neither_another_nor_its_stream(sta
     for t in threads:
         t.join(timeout=120)
     stream.join(timeout=120)
-    assert small.choices[0].finish_reason == "length" and victim_s < 2.0, victim_s
+    # Starved, the victim waited 11.9 s behind the costly checks; fair, it answers in 0.05-0.16 s
+    # alone or beside two spinning processes, and in 2.4 s once on a loaded 2-core CI run (the
+    # other test worker and this stack's processes on the same cores): 5 s keeps the two apart.
+    assert small.choices[0].finish_reason == "length" and victim_s < 5.0, victim_s
     assert stream.tokens > 100 and max(stream.gaps) < 1.0, max(stream.gaps)
     for outcome in outcomes:
         if refused:
