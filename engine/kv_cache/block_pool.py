@@ -40,6 +40,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0] if null_block else None
+        self.null_id = 0 if null_block else -1
+        """The null block's id in a block table; -1 (no block's id) where the pool has none, so
+        `block_id != null_id` tells a held entry in any table."""
         first = 1 if null_block else 0
         order = range(first, num_blocks) if enable_prefix_caching else reversed(range(first, num_blocks))
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in order)

@@ -81,7 +81,7 @@ def size_tables(
     history = []
     window_bytes = 0
     for i, t in enumerate(spec.tables):
-        if t.manager != "sliding_window":
+        if not t.windowed:
             history.append(i)
             continue
         chunk = min(max_num_batched_tokens, max_model_len) + lookahead
@@ -103,7 +103,7 @@ def history_blocks(spec: KVCacheSpec, counts: Sequence[int]) -> int | None:
     """How many engine blocks of history a request can hold: the count of the tables that keep
     it all (full attention, compressed); None when every table is a window (no bound: a window
     table holds a window, whatever the length)."""
-    history = [n for t, n in zip(spec.tables, counts, strict=True) if t.manager != "sliding_window"]
+    history = [n for t, n in zip(spec.tables, counts, strict=True) if not t.windowed]
     return min(history) if history else None
 
 
@@ -130,7 +130,7 @@ class KVCacheManager:
         self.block_size = spec.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = tuple(
-            BlockPool(n, enable_prefix_caching, on_evict, null_block=t.manager == "sliding_window")
+            BlockPool(n, enable_prefix_caching, on_evict, null_block=t.windowed)
             for t, n in zip(spec.tables, counts, strict=True)
         )
         self.managers: tuple[SingleTypeManager, ...] = tuple(
@@ -146,7 +146,7 @@ class KVCacheManager:
             self.states = StatePool(
                 spec.states, num_state_slots, num_state_snapshots, num_draft_positions, device
             )
-        self._windowed = [i for i, t in enumerate(spec.tables) if t.manager == "sliding_window"]
+        self._windowed = [i for i, t in enumerate(spec.tables) if t.windowed]
         """Tables whose blocks fall behind a window as the request runs."""
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
@@ -167,11 +167,11 @@ class KVCacheManager:
 
     def num_held(self, req: Request) -> list[int]:
         """Blocks the request holds per table (null entries not counted)."""
-        out = []
-        for m, table in zip(self.managers, req.block_ids or [[] for _ in self.managers], strict=True):
-            null = m.pool.null_block
-            out.append(sum(1 for b in table if null is None or b != null.block_id))
-        return out
+        tables = req.block_ids or [[] for _ in self.managers]
+        return [
+            sum(1 for b in table if b != m.pool.null_id)
+            for m, table in zip(self.managers, tables, strict=True)
+        ]
 
     def stats(self) -> KVStats:
         return KVStats(
@@ -263,8 +263,7 @@ class KVCacheManager:
             self.prefix_hits += num_hits * self.block_size
         for m, table, table_hits in zip(self.managers, tables, hits, strict=True):
             m.pool.touch([b for b in table_hits if b is not None])
-            null = m.pool.null_block
-            table.extend(b.block_id if b is not None else null.block_id for b in table_hits)
+            table.extend(b.block_id if b is not None else m.pool.null_id for b in table_hits)
             table.extend(b.block_id for b in m.pool.allocate(max(0, want - len(table))))
         req.block_ids = tables
         if wants_state and num_hits:
@@ -299,9 +298,8 @@ class KVCacheManager:
         self._update_hashes(req, num_tokens)
         bs = self.block_size
         for m, table in zip(self.managers, req.block_ids, strict=True):
-            null = m.pool.null_block
             for i in range(start // bs, num_tokens // bs):
-                if null is None or table[i] != null.block_id:
+                if table[i] != m.pool.null_id:
                     m.pool.cache_full_block(m.pool.blocks[table[i]], req.block_hashes[i])
 
     def snapshot_state(self, req: Request) -> None:

@@ -51,10 +51,8 @@ class SingleTypeManager(ABC):
     def free(self, blocks: list[int], keep: int = 0) -> None:
         """Release the table's blocks after its first `keep`, last first (its prefix is evicted
         last), skipping null entries; the caller truncates the table."""
-        null = self.pool.null_block
-        self.pool.free(
-            [self.pool.blocks[b] for b in reversed(blocks[keep:]) if null is None or b != null.block_id]
-        )
+        null = self.pool.null_id
+        self.pool.free([self.pool.blocks[b] for b in reversed(blocks[keep:]) if b != null])
 
     def _cached_prefix(self, block_hashes: list[bytes], max_blocks: int) -> list[Block | None]:
         hits: list[Block | None] = []
@@ -88,7 +86,7 @@ class SlidingWindowManager(SingleTypeManager):
         """Blocks a token at a block boundary reads before it: the ones holding its window - 1 predecessors."""
 
     def free_behind(self, blocks: list[int], num_computed: int) -> None:
-        null = self.pool.null_block.block_id
+        null = self.pool.null_id
         first_needed = max(0, num_computed - (self.window - 1)) // self.block_size
         behind = [self.pool.blocks[b] for b in blocks[:first_needed] if b != null]
         if behind:

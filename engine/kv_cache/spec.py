@@ -62,6 +62,11 @@ class TableSpec:
     groups: tuple[CacheGroupSpec, ...]
 
     @property
+    def windowed(self) -> bool:
+        """Its blocks fall behind a sliding window as a request runs (the others keep its history)."""
+        return self.manager == "sliding_window"
+
+    @property
     def window(self) -> int:
         """sliding_window: the tokens a query sees (0 otherwise)."""
         return self.groups[0].window
