@@ -277,7 +277,7 @@ def raw(args, lengths: list[int]) -> list[dict]:
             ids = list(range(blocks))
             reads, digests = [], []
             for i in range(args.rounds + 1):
-                sink = port.sink(f"raw-{tokens}-{i}", ids)
+                sink = port.sink(f"raw-{tokens}-{i}", [ids])
                 start = time.perf_counter()
                 nbytes = agent.read(peer, sink, 0, ids, 600.0, threading.Event())
                 reads.append(time.perf_counter() - start)

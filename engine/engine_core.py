@@ -135,8 +135,6 @@ class EngineCore:
         make_connector = connector or (lambda spec, caches: make_offloader(cfg, spec, caches))
         self.connector = make_connector(self.kv_spec, self.runner.kv_caches)
         """The KV connector (the offload tiers) when one is configured."""
-        self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches)
-        """The services' only access to the cache (transfer.py says which thread may do what)."""
         self.kv = KVCacheManager(
             self.kv_spec,
             self.kv_blocks,
@@ -144,6 +142,8 @@ class EngineCore:
             on_evict=self.connector.on_evict if self.connector is not None else None,
         )
         """Owns the KV blocks: the scheduler and this class ask it; nothing else allocates or frees."""
+        self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches, self.kv.states)
+        """The services' only access to the cache (transfer.py says which thread may do what)."""
         self.spec = cfg.spec
         self.scheduler = Scheduler(
             self.kv,

@@ -86,7 +86,9 @@ class KVHandover:
         if len(hashes) < n // bs:  # prefix caching off: not kept on the way
             hashes = hash_blocks(req.prompt_token_ids, bs)
         state = req.generator.get_state() if req.generator is not None else None
-        return self.exports.add(req, hashes, state, req.kv_export)
+        nulls = tuple(pool.null_id for pool in self.scheduler.kv.pools)
+        states = self.kv_port.request_states(req.request_id)
+        return self.exports.add(req, hashes, state, req.kv_export, nulls, states)
 
     def release_export(self, request_id: str) -> bool:
         """Abort an exported request's export and free its blocks now (they stay in the prefix
@@ -119,7 +121,7 @@ class KVHandover:
         imp = self.importing[request_id]
         req = imp.request
         num_prompt = req.num_prompt_tokens
-        admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False)
+        admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False, external=True)
         if isinstance(admitted, Admission):
             return None
         cached, _, load = admitted
@@ -127,8 +129,8 @@ class KVHandover:
             cached -= run_load(self.scheduler.connector, request_id, load) * self.block_size
         req.status = RequestStatus.LOADING_REMOTE_KV
         req.metrics.num_cached_tokens = cached
-        # The full-attention table: moving several tables is not built yet (Export.block_ids).
-        imp.sink = self.kv_port.sink(request_id, req.block_ids[0][: -(-num_prompt // self.block_size)])
+        prompt_blocks = -(-num_prompt // self.block_size)
+        imp.sink = self.kv_port.sink(request_id, [t[:prompt_blocks] for t in req.block_ids], num_prompt)
         return cached // self.block_size
 
     def import_sink(self, request_id: str) -> ImportSink:

@@ -131,13 +131,15 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     def admit(
-        self, req: Request, upto: int, budget: int, cache_blocks: bool = True
+        self, req: Request, upto: int, budget: int, cache_blocks: bool = True, external: bool = False
     ) -> tuple[int, int, KVLoad | None] | Admission:
         """Admission, written once (waiting requests here, KV imports in KVHandover): give a request
         that holds no blocks the blocks for its first `upto` tokens, computing at most `budget` of
         them now: its device prefix hit, then the blocks the connector can load after it, then new
         blocks (with room for speculation when the chunk samples). With cache_blocks=False the new
-        blocks are not prefix-cached (an import's: their contents arrive later).
+        blocks are not prefix-cached (an import's: their contents arrive later); external: their
+        KV is written from outside, not computed (an import's: a window table then gets only the
+        blocks the token after the prompt reads).
         -> (tokens in its blocks once the load is written, tokens to compute now, the connector's
         load for the worker side to write -- connector.run_load -- or None), or why it was not
         admitted: NO_ROOM (nothing changed) or LOOKING_UP (the connector is finding its prefix off
@@ -145,21 +147,23 @@ class Scheduler:
         decoding, checking and copying blocks is the worker side's."""
         kv = self.kv
         computed = kv.get_computed_blocks(req, upto)
-        external = 0
+        loadable = 0
         if self.connector is not None and req.params.prompt_logprobs is None:
             limit = min(upto, req.num_tokens - 1) // kv.block_size  # the last token is always computed
             candidates = req.block_hashes[computed.num_blocks : limit]
-            external = self.connector.lookup(req.request_id, candidates) if candidates else 0
-            if external is None:
+            loadable = self.connector.lookup(req.request_id, candidates) if candidates else 0
+            if loadable is None:
                 return Admission.LOOKING_UP
         cached = computed.num_tokens
         num_new = min(upto - cached, budget)
         samples = req.spec_enabled and cached + num_new == req.num_tokens
         lookahead = 2 * self.num_speculative if samples else 0
-        if not kv.allocate_slots(req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead):
+        if not kv.allocate_slots(
+            req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead, external=external
+        ):
             return Admission.NO_ROOM
         bs, start = kv.block_size, computed.num_blocks
-        num_load = min(external, num_new // bs)
+        num_load = min(loadable, num_new // bs)
         if not num_load:
             if self.connector is not None:
                 self.connector.release(req.request_id)

@@ -116,13 +116,13 @@ def test_transferred_together(max_bytes):
     export = Export("t", _request("p", list(range(3 * BS))), [], 3 * BS, None, lease_expiry=0.0)
     export.request.block_ids = [[6, 1, 4]]
     producer, consumer = KVPort(SPEC, src), KVPort(SPEC, dst)
-    sink = consumer.sink("c", [2, 7, 3])
-    first = 1
-    for slab in plan(SPEC, first, 3, max_bytes):
+    sink = consumer.sink("c", [[2, 7, 3]])
+    ranges = SPEC.transfer_ranges(3 * BS, first_block=1)
+    for slab in plan(SPEC, ranges, max_bytes):
         chunk = kv_pb.KvChunk.FromString(
             make_chunk(SPEC, slab, producer.read_exported(export, slab)).SerializeToString()
         )
-        sink.write(check_chunk(SPEC, chunk, first, 3), chunk.data)
+        sink.write(check_chunk(SPEC, chunk, ranges), chunk.data)
     assert _same(_rows(dst, [7, 3]), _rows(src, [1, 4]))
     untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 3)]
     for layer, (d, b) in enumerate(zip(dst, before, strict=True)):

@@ -40,7 +40,7 @@ def pair():
 
 def test_exactly_the_missing_blocks_arrive_in_every_group(pair):
     producer_caches, consumer_caches, port, consumer, peer = pair
-    sink = port.sink("r", [6, 1, 4])  # the consumer's blocks for a 3-block prompt
+    sink = port.sink("r", [[6, 1, 4]])  # the consumer's blocks for a 3-block prompt
     untouched = _rows(consumer_caches, [0, 2, 3, 5, 7, 6])  # 6: a prefix hit, not read
     before = _rows(consumer_caches, [6])
     expected = block_checksums(SPEC, producer_caches, [3, 7])
@@ -58,7 +58,7 @@ def test_a_block_changed_after_its_checksum_was_taken_is_caught(pair):
     flipped = producer_caches[4][5].view(torch.uint8)  # the indexer group's last layer, block 5
     flipped[0, 3] ^= 0x10
     try:
-        sink = port.sink("r", [0, 3])
+        sink = port.sink("r", [[0, 3]])
         with pytest.raises(
             nixl.ChecksumMismatch, match=r"KV block 1 read from test-producer fails its checksum"
         ):
@@ -69,7 +69,7 @@ def test_a_block_changed_after_its_checksum_was_taken_is_caught(pair):
 
 def test_a_closed_import_takes_no_read(pair):
     producer_caches, consumer_caches, port, consumer, peer = pair
-    sink = port.sink("r", [2])
+    sink = port.sink("r", [[2]])
     before = _rows(consumer_caches, [2])
     sink.close()
     with pytest.raises(ImportClosed):
@@ -81,7 +81,7 @@ def test_close_cancels_a_read_in_its_slot_and_waits_for_it(pair, monkeypatch):
     """The close comes while the transfer is (held) in flight: the read is cancelled and its
     handle released before close returns; the read raises ImportClosed; later reads are refused."""
     producer_caches, consumer_caches, port, consumer, peer = pair
-    sink = port.sink("r", [5])
+    sink = port.sink("r", [[5]])
     posted, events = threading.Event(), []
     real_status, real_release = consumer._status, consumer._release
 
@@ -123,7 +123,7 @@ def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_
     producer_caches, consumer_caches, port, consumer, peer = pair
     expected = block_checksums(SPEC, producer_caches, [6, 5, 4])
     timings = nixl.ReadTimings()
-    sink = port.sink("r", [7, 6, 5])
+    sink = port.sink("r", [[7, 6, 5]])
     n = consumer.read(peer, sink, 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected, timings)
     assert n == 3 * SPEC.bytes_per_block
     assert _same(_rows(consumer_caches, [7, 6, 5]), _rows(producer_caches, [6, 5, 4]))
@@ -133,7 +133,7 @@ def test_blocks_allocated_tail_first_move_as_one_run_per_layer_and_a_bad_one_is_
     try:
         with pytest.raises(nixl.ChecksumMismatch, match=r"KV block 2 read from test-producer fails"):
             consumer.read(
-                peer, port.sink("r", [7, 6, 5]), 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected
+                peer, port.sink("r", [[7, 6, 5]]), 0, [6, 5, 4], TIMEOUT_S, threading.Event(), expected
             )
     finally:
         flipped[0, 3] ^= 0x10
@@ -149,7 +149,7 @@ def test_a_read_held_at_the_gate_has_its_first_block_in_and_goes_on_once_it_open
     consumer.read_gate = gate
     try:
         expected = block_checksums(SPEC, producer_caches, [1, 3])
-        sink = port.sink("r", [5, 0])
+        sink = port.sink("r", [[5, 0]])
         untouched = _rows(consumer_caches, [0])
         result = {}
 
@@ -172,7 +172,7 @@ def test_a_read_held_at_the_gate_has_its_first_block_in_and_goes_on_once_it_open
         assert result == {"n": 2 * SPEC.bytes_per_block}
         assert _same(_rows(consumer_caches, [5, 0]), _rows(producer_caches, [1, 3]))
         gate.touch()
-        held = port.sink("r", [6, 7])
+        held = port.sink("r", [[6, 7]])
         t = threading.Thread(target=read, args=(held,))
         result.clear()
         t.start()
@@ -197,7 +197,7 @@ def test_a_read_held_at_the_gate_has_its_first_block_in_and_goes_on_once_it_open
 )
 def test_producer_block_ids_that_do_not_fit_are_refused_before_posting(pair, ids, message):
     producer_caches, consumer_caches, port, consumer, peer = pair
-    sink = port.sink("r", [3, 4])
+    sink = port.sink("r", [[3, 4]])
     before = _rows(consumer_caches, [3, 4])
     with pytest.raises(ValueError, match=message):
         consumer.read(peer, sink, 0, ids, TIMEOUT_S, threading.Event())
@@ -296,12 +296,12 @@ def test_a_producer_that_dies_mid_transfer_fails_the_read_with_a_status_and_free
         dying = consumer.add_peer(
             "dying-producer", metadata, [MemoryRegion(*r) for r in regions], num_blocks, "DRAM"
         )
-        ok = port.sink("warm", [7])
+        ok = port.sink("warm", [[7]])
         assert consumer.read(dying, ok, 0, [2], TIMEOUT_S, threading.Event()) == SPEC.bytes_per_block
     finally:
         proc.kill()
         proc.join()
-    sink = port.sink("r", [2, 6])
+    sink = port.sink("r", [[2, 6]])
     before = _rows(consumer_caches, [0, 1, 3, 4, 5])
     with pytest.raises(nixl.NixlError) as err:
         consumer.read(dying, sink, 0, [1, 5], TIMEOUT_S, threading.Event())

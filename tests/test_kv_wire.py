@@ -40,6 +40,11 @@ def _one_group(num_layers: int, block_size: int, width: int, dtype: torch.dtype)
     return KVCacheSpec((group,), "test-model")
 
 
+def _blocks(spec: KVCacheSpec, first: int, end: int) -> tuple[tuple[int, int], ...]:
+    """Blocks [first, end) of every block table."""
+    return ((first, end),) * len(spec.tables)
+
+
 def _per(spec: KVCacheSpec) -> int:
     """One engine block of one layer of the first group."""
     return spec.layer_bytes_per_block(spec.groups[0])
@@ -106,7 +111,7 @@ def _plan_id(case) -> str:
 @pytest.mark.parametrize("case", PLAN_CASES, ids=[_plan_id(c) for c in PLAN_CASES])
 def test_plan_covers_every_layer_block_once_within_the_cap(case):
     geo, max_bytes, (first, num) = case
-    slabs = plan(geo, first, num, max_bytes)
+    slabs = plan(geo, _blocks(geo, first, num), max_bytes)
     cells = Counter(
         (layer, b)
         for s in slabs
@@ -131,7 +136,7 @@ def test_plan_covers_every_layer_block_once_within_the_cap(case):
 
 @pytest.mark.parametrize("geo", GEOS, ids=_geo_id)
 def test_plan_of_an_empty_range_is_empty(geo):
-    assert plan(geo, 4, 4, 1 << 20) == []
+    assert plan(geo, _blocks(geo, 4, 4), 1 << 20) == []
 
 
 G3 = _one_group(3, 4, 80, torch.float32)  # per = 1280, one block of all layers = 3840
@@ -147,7 +152,7 @@ EXACT_PLANS = {
 @pytest.mark.parametrize("name", EXACT_PLANS)
 def test_plan_exact_slabs(name):
     max_bytes, first, num, expected = EXACT_PLANS[name]
-    got = plan(G3, first, num, max_bytes)
+    got = plan(G3, _blocks(G3, first, num), max_bytes)
     # The order within a plan does not matter to the consumer; the set of slabs does.
     assert sorted(got, key=lambda s: (s.block_start, s.layer_start)) == sorted(
         expected, key=lambda s: (s.block_start, s.layer_start)
@@ -157,7 +162,7 @@ def test_plan_exact_slabs(name):
 def test_plan_caps_slabs_at_the_grpc_message_limit():
     geo = GEOS[2]  # 61 layers of 73728 bytes: 56 block-layers fit under MAX_CHUNK_BYTES
     assert MAX_CHUNK_BYTES // _per(geo) == 56
-    assert plan(geo, 0, 2, 1 << 62) == [
+    assert plan(geo, _blocks(geo, 0, 2), 1 << 62) == [
         Slab(0, 56, 0, 1),
         Slab(56, 5, 0, 1),
         Slab(0, 56, 1, 1),
@@ -200,12 +205,12 @@ def test_chunks_round_trip_through_the_wire(geo, max_bytes):
     src, dst = _caches(geo, 10, seed=0), _caches(geo, 10, seed=1)
     dst_before = [c.clone() for c in dst]
     src_ids, dst_ids, first = [7, 2, 9, 4, 0], [1, 3, 5, 6, 8], 1
-    for slab in plan(geo, first, len(src_ids), max_bytes):
+    for slab in plan(geo, _blocks(geo, first, len(src_ids)), max_bytes):
         blocks = slice(slab.block_start, slab.block_start + slab.num_blocks)
         data = read_slab(geo, src, src_ids[blocks], slab.layer_start, slab.num_layers)
         wire = make_chunk(geo, slab, data).SerializeToString()
         chunk = kv_pb.KvChunk.FromString(wire)
-        assert check_chunk(geo, chunk, first, len(src_ids)) == slab
+        assert check_chunk(geo, chunk, _blocks(geo, first, len(src_ids))) == slab
         write_slab(geo, dst, dst_ids[blocks], slab.layer_start, chunk.data)
     for layer in range(geo.num_caches):
         rows = functools.partial(geo.group_block_ids, geo.group_at(layer))  # engine -> group blocks
@@ -267,7 +272,7 @@ REJECTED_CHUNKS = {
 
 def test_valid_chunk_passes():
     chunk, first, num = _valid_chunk()
-    assert check_chunk(G3, chunk, first, num) == Slab(1, 2, 2, 2)
+    assert check_chunk(G3, chunk, _blocks(G3, first, num)) == Slab(1, 2, 2, 2)
 
 
 @pytest.mark.parametrize("case", REJECTED_CHUNKS)
@@ -276,25 +281,25 @@ def test_check_chunk_rejects(case):
     chunk, first, num = _valid_chunk()
     mutate(chunk)
     with pytest.raises(DataLoss, match=message):
-        check_chunk(G3, chunk, first, num)
+        check_chunk(G3, chunk, _blocks(G3, first, num))
 
 
 def test_a_chunk_crossing_a_cache_group_is_rejected():
     data = bytes(2 * 1 * _per(TWO_GROUPS))
     chunk = make_chunk(_one_group(5, 4, 80, torch.float32), Slab(2, 2, 0, 1), data)
     with pytest.raises(DataLoss, match=r"layers \[2, \+2\) cross the end of their cache group \[0, 3\)"):
-        check_chunk(TWO_GROUPS, chunk, 0, 1)
+        check_chunk(TWO_GROUPS, chunk, _blocks(TWO_GROUPS, 0, 1))
 
 
 def test_a_chunk_of_the_second_group_is_checked_against_its_geometry():
     slab = Slab(3, 2, 0, 2)
     chunk = make_chunk(TWO_GROUPS, slab, bytes(2 * 2 * 8 * 12 * 2))
     assert list(chunk.shape) == [2, 2, 8, 12] and chunk.dtype == kv_pb.KV_DTYPE_BFLOAT16
-    assert check_chunk(TWO_GROUPS, chunk, 0, 2) == slab
+    assert check_chunk(TWO_GROUPS, chunk, _blocks(TWO_GROUPS, 0, 2)) == slab
     del chunk.shape[:]
     chunk.shape.extend([2, 2, 4, 80])  # the first group's geometry
     with pytest.raises(DataLoss, match=r"shape \[2, 2, 4, 80\] != expected \[2, 2, 8, 12\]"):
-        check_chunk(TWO_GROUPS, chunk, 0, 2)
+        check_chunk(TWO_GROUPS, chunk, _blocks(TWO_GROUPS, 0, 2))
 
 
 # ---- the KV cache spec on the wire ----------------------------------------------------------------

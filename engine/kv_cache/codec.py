@@ -9,6 +9,8 @@ carry slabs:
 
 - a KV transfer chunk (services/kv_transfer/wire.py) puts the slab's header fields in a protobuf
   message; `check_slab` verifies them against our spec before anything is written;
+- a KV transfer also sends each per-request state (DeepSeek-V4's compressor state) once, as the
+  raw bytes of the request's [layers, *shape] slot (`read_state`, checked by `check_state`);
 - an offload tier stores one block of every layer as `encode_block`'s blob: a fixed header (magic,
   version, the spec's compatibility hash, payload length, CRC32) then each group's slab in group
   order. `decode_block` writes it back only if every header field matches and the CRC holds.
@@ -117,11 +119,10 @@ def check_slab(
     shape: list[int],
     data: bytes,
     crc: int,
-    first_block: int,
-    end_block: int,
+    ranges: tuple[tuple[int, int], ...],
 ) -> None:
-    """A received slab's header and bytes against our spec and the requested block range
-    [first_block, end_block); KVCodecError naming what differs."""
+    """A received slab's header and bytes against our spec and the requested blocks, [start, end)
+    per block table (KVCacheSpec.transfer_ranges); KVCodecError naming what differs."""
     where = f"layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks}"
     if crc32(data) != crc:
         raise KVCodecError(f"KV chunk {where}: checksum mismatch")
@@ -146,16 +147,63 @@ def check_slab(
     expected = slab_shape(spec, slab)
     if list(shape) != expected:
         raise KVCodecError(f"KV chunk shape {list(shape)} != expected {expected}")
+    first_block, end_block = ranges[spec.table_index(g.kind)]
     if not (
         first_block <= slab.block_start
         and slab.num_blocks > 0
         and slab.block_start + slab.num_blocks <= end_block
     ):
         raise KVCodecError(
-            f"KV chunk blocks [{slab.block_start}, +{slab.num_blocks}) outside [{first_block}, {end_block})"
+            f"KV chunk blocks [{slab.block_start}, +{slab.num_blocks}) outside [{first_block}, {end_block}) "
+            f"(its {g.kind.value} group's)"
         )
     if len(data) != slab.num_layers * slab.num_blocks * spec.layer_bytes_per_block(g):
         raise KVCodecError(f"KV chunk has {len(data)} bytes, its header says {expected}")
+
+
+def state_shape(spec: KVCacheSpec, index: int) -> list[int]:
+    """Per-request state `index` of one request: [layers, *shape]."""
+    state = spec.states[index]
+    return [len(state.layers), *state.shape]
+
+
+def read_state(state: torch.Tensor) -> bytes:
+    """One request's state (a [layers, *shape] view of its slot) as bytes."""
+    return state.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def write_state(spec: KVCacheSpec, index: int, state: torch.Tensor, data: bytes | memoryview) -> None:
+    """Write read_state's bytes into a request's state `index`; KVCodecError (nothing written)
+    when they are not its size."""
+    if len(data) != spec.states[index].slot_bytes:
+        raise KVCodecError(
+            f"state {spec.states[index].name!r} has {len(data)} bytes, one request's is {spec.states[index].slot_bytes}"
+        )
+    values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(state.dtype).view(state.shape)
+    state.copy_(values.to(state.device))
+
+
+def check_state(
+    spec: KVCacheSpec, index: int, *, dtype_code: int, shape: list[int], data: bytes, crc: int
+) -> None:
+    """A received state's header and bytes against our spec; KVCodecError naming what differs."""
+    if crc32(data) != crc:
+        raise KVCodecError(f"KV state chunk {index}: checksum mismatch")
+    if not 0 <= index < len(spec.states):
+        raise KVCodecError(f"KV state chunk {index} outside the spec's {len(spec.states)} states")
+    state = spec.states[index]
+    if dtype_code != DTYPE_CODES[state.dtype]:
+        raise KVCodecError(
+            f"KV state {state.name!r} dtype {DTYPE_NAME_BY_CODE.get(dtype_code, dtype_code)} != {DTYPE_NAMES[state.dtype]}"
+        )
+    if list(shape) != state_shape(spec, index):
+        raise KVCodecError(
+            f"KV state {state.name!r} shape {list(shape)} != expected {state_shape(spec, index)}"
+        )
+    if len(data) != state.slot_bytes:
+        raise KVCodecError(
+            f"KV state {state.name!r} has {len(data)} bytes, its shape says {state.slot_bytes}"
+        )
 
 
 def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int) -> bytes:

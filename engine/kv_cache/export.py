@@ -110,6 +110,10 @@ class Export:
     created: float = field(default_factory=time.time)
     remote_read_until: float | None = None
     """time.time() at which a peer's remote read ends by itself; None: none in progress."""
+    states: tuple[torch.Tensor, ...] = ()
+    """Views of the request's state slot after the prompt, one per StateSpec (kept with the blocks)."""
+    null_ids: tuple[int, ...] = ()
+    """Per table, the id standing for no block (BlockPool.null_id); empty: none stands for none."""
     block_checksums: list[int] | None = None
     """CRC-32C per block, computed before the handle went out (checksum.block_checksums); None: not
     computed (checksums off, or the worker serves KV over gRPC only)."""
@@ -119,10 +123,27 @@ class Export:
         return self.request.request_id
 
     @property
+    def tables(self) -> list[list[int]]:
+        """The prompt's blocks, one list per block table (KVCacheSpec.tables), each num_blocks
+        long: a window table holds its pool's null block where the prompt's blocks fell behind
+        its window (KVCacheSpec.transfer_ranges says which blocks a transfer moves)."""
+        return self.request.block_ids
+
+    @property
+    def num_blocks(self) -> int:
+        """The prompt's blocks, in each table."""
+        return len(self.request.block_ids[0]) if self.request.block_ids else 0
+
+    @property
     def block_ids(self) -> list[int]:
-        """The prompt's blocks: the full-attention table, the one table of every spec the engine
-        runs (KVCacheSpec.check_runnable); moving several tables is not built yet."""
+        """The full-attention table's blocks (what a NIXL reader reads: engine/kv_cache/nixl.py
+        moves specs of one table)."""
         return self.request.block_ids[0] if self.request.block_ids else []
+
+    def pinned(self) -> set[tuple[int, int]]:
+        """(table, block id) of every block it pins, null entries left out."""
+        nulls = self.null_ids or (-1,) * len(self.tables)
+        return {(t, b) for t, table in enumerate(self.tables) for b in table if b != nulls[t]}
 
 
 class ExportTable:
@@ -171,8 +192,11 @@ class ExportTable:
         block_hashes: list[bytes],
         generator_state: torch.Tensor | None,
         options: ExportOptions,
+        null_ids: tuple[int, ...] = (),
+        states: tuple[torch.Tensor, ...] = (),
     ) -> Export:
-        """Pin a finished prefill-only request's blocks (request.block_ids, the prompt's)."""
+        """Pin a finished prefill-only request's blocks (request.block_ids, the prompt's; null_ids:
+        each table's id for no block) and its states (views of its kept state slot)."""
         now = time.time()
         lease_s = options.lease_s if options.lease_s is not None else self.default_lease_s
         lease_s = min(lease_s, self.max_lease_s, self.max_total_lease_s)
@@ -185,6 +209,8 @@ class ExportTable:
             now + lease_s,
             caller=options.caller,
             created=now,
+            null_ids=null_ids,
+            states=states,
         )
         with self._lock:
             assert request.request_id not in self._by_request, f"{request.request_id!r} is already exported"
@@ -364,9 +390,9 @@ class ExportTable:
     # ---- under the lock ---------------------------------------------------------------------------
 
     def _pinned(self, caller: str | None) -> int:
-        held = {
-            b for e in self._exports.values() if caller is None or e.caller == caller for b in e.block_ids
-        }
+        held = set().union(
+            *(e.pinned() for e in self._exports.values() if caller is None or e.caller == caller)
+        )
         reserved = self._reserved.get(caller, 0) if caller is not None else sum(self._reserved.values())
         return len(held) + reserved
 

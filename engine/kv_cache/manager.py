@@ -230,6 +230,7 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         cache_blocks: bool = True,
         lookahead: int = 0,
+        external: bool = False,
     ) -> bool:
         """Make room for num_new_tokens more tokens (after the prefix hit `computed`, for a request
         that holds nothing yet) in every table. False, and nothing changed, when a pool (or the
@@ -237,22 +238,29 @@ class KVCacheManager:
         token will read again, are back in their pool either way. With cache_blocks=False the new
         full blocks are not registered in the prefix cache (their contents arrive later: see
         cache_blocks). lookahead: room for that many more slots whose tokens are not known yet
-        (speculative drafts); they are never registered in the prefix cache."""
+        (speculative drafts); they are never registered in the prefix cache. external: the new
+        tokens' KV is written from outside (an import), none runs through the model here, so a
+        window table gets only the blocks the token after them reads."""
         if req.block_ids:  # a running request grows (every step: kept lean)
             assert computed is None, "prefix hits are for a request that holds no blocks"
             return self._grow(req, num_new_tokens, cache_blocks, lookahead)
-        tables = [[] for _ in self.managers]
         hits = computed.blocks if computed is not None else tuple([] for _ in self.managers)
         num_hits = computed.num_blocks if computed is not None else 0
         num_computed = req.num_computed_tokens + num_hits * self.block_size
         total = num_computed + num_new_tokens
         assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
         want = self.blocks_needed(total + lookahead)
-        for m, table_hits in zip(self.managers, hits, strict=True):
+        first_read = total if external else num_computed  # the first token computed here
+        # Per table: null entries up to the first block read (a window's), then blocks from there.
+        starts = [
+            max(len(h), m.table.first_needed(first_read, self.block_size))
+            for m, h in zip(self.managers, hits, strict=True)
+        ]
+        for m, table_hits, start in zip(self.managers, hits, starts, strict=True):
             reusable_free = sum(
                 1 for b in table_hits if b is not None and b.ref_count == 0
             )  # in the free queue
-            if want - len(table_hits) > m.pool.num_free_blocks - reusable_free:
+            if want - start > m.pool.num_free_blocks - reusable_free:
                 return False
         wants_state = self.states is not None and not self.states.holds(req.request_id)
         if wants_state and not self.states.allocate(req.request_id):
@@ -261,10 +269,15 @@ class KVCacheManager:
             # Admission (first allocation): count the lookup once, not on every retry.
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_hits * self.block_size
-        for m, table, table_hits in zip(self.managers, tables, hits, strict=True):
+        tables = []
+        for t, (m, table_hits, start) in enumerate(zip(self.managers, hits, starts, strict=True)):
             m.pool.touch([b for b in table_hits if b is not None])
-            table.extend(b.block_id if b is not None else m.pool.null_id for b in table_hits)
-            table.extend(b.block_id for b in m.pool.allocate(max(0, want - len(table))))
+            table = [b.block_id if b is not None else m.pool.null_id for b in table_hits]
+            table += [m.pool.null_id] * (start - len(table))
+            table += [b.block_id for b in m.pool.allocate(max(0, want - start))]
+            if t in self._windowed and first_read > num_computed:
+                m.free_behind(table, first_read)  # hit blocks the first token no longer reads
+            tables.append(table)
         req.block_ids = tables
         if wants_state and num_hits:
             self.states.restore(req.request_id, req.block_hashes[num_hits - 1])
@@ -312,11 +325,14 @@ class KVCacheManager:
 
     def free(self, req: Request, keep: int = 0) -> None:
         """Release a request's blocks after its first `keep` in every table, last first, so its
-        prefix blocks are evicted last; its state slot too unless it keeps blocks (an export).
-        Only the scheduler calls it (Scheduler.free_blocks)."""
+        prefix blocks are evicted last; its state slot too unless it keeps blocks (an export,
+        which keeps of a window only what the token after its computed ones reads). Only the
+        scheduler calls it (Scheduler.free_blocks)."""
         if req.block_ids:
             for m, table in zip(self.managers, req.block_ids, strict=True):
                 m.free(table, keep)
+                if keep:
+                    m.free_behind(table, req.num_computed_tokens)
                 del table[keep:]
             if not any(req.block_ids):
                 req.block_ids = []

@@ -257,6 +257,11 @@ class NixlAgent:
         """read_gate: a test hook (the reliability tests' PDSERVE_KV_READ_GATE): while that file
         exists, a read of more than one block lands its first block alone, then waits until
         the file is removed before it posts the rest (saying so in the log)."""
+        if len(port.spec.tables) > 1 or port.spec.states:
+            raise NotImplementedError(
+                f"NIXL reads move a KV cache spec of one block table without per-request state; this one has "
+                f"{len(port.spec.tables)} tables and {len(port.spec.states)} states (--kv-transport grpc moves it)"
+            )
         b = bindings()
         if b is None:
             raise RuntimeError(

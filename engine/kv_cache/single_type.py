@@ -87,7 +87,7 @@ class SlidingWindowManager(SingleTypeManager):
 
     def free_behind(self, blocks: list[int], num_computed: int) -> None:
         null = self.pool.null_id
-        first_needed = max(0, num_computed - (self.window - 1)) // self.block_size
+        first_needed = self.table.first_needed(num_computed, self.block_size)
         behind = [self.pool.blocks[b] for b in blocks[:first_needed] if b != null]
         if behind:
             self.pool.free(behind)  # oldest first: evicted first

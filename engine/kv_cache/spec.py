@@ -76,6 +76,11 @@ class TableSpec:
         """compressed: the tokens one entry summarises (1 otherwise)."""
         return self.groups[0].tokens_per_entry
 
+    def first_needed(self, num_tokens: int, block_size: int) -> int:
+        """The first block a request whose first num_tokens tokens are computed still reads: a
+        window's next token sees the window - 1 tokens before it; every other table all of them."""
+        return max(0, num_tokens - (self.window - 1)) // block_size if self.windowed else 0
+
     @property
     def kinds(self) -> tuple[CacheKind, ...]:
         return tuple(g.kind for g in self.groups)
@@ -125,6 +130,17 @@ class KVCacheSpec:
             if kind in t.kinds:
                 return i
         raise KeyError(f"the KV cache spec has no {kind.value!r} group")
+
+    def transfer_ranges(self, num_tokens: int, first_block: int = 0) -> tuple[tuple[int, int], ...]:
+        """The blocks a hand-over of a request's first num_tokens tokens moves, per table: [start,
+        end) in the request's block index, from first_block (what the receiver holds already) on,
+        and for a window table only from the first block its next token reads. Both sides derive
+        it from the same numbers: the producer to send, the consumer to check and expect."""
+        end = -(-num_tokens // self.block_size)
+        return tuple(
+            (min(end, max(first_block, t.first_needed(num_tokens, self.block_size))), end)
+            for t in self.tables
+        )
 
     def table_bytes_per_block(self, t: TableSpec) -> int:
         """One engine block of table t over every layer of its groups."""

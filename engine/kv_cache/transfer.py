@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache.checksum import block_checksums
-from engine.kv_cache.codec import Slab, read_slab, write_slab
+from engine.kv_cache.codec import Slab, read_slab, read_state, write_slab, write_state
 from engine.kv_cache.export import Export
 from engine.kv_cache.spec import KVCacheSpec
+from engine.kv_cache.state import StatePool
 
 
 class ImportClosed(RuntimeError):
@@ -54,15 +55,35 @@ class MemoryRegion:
 
 
 class ImportSink:
-    """Writes a transfer's slabs into one importing request's blocks; slab block indices count
-    from the start of the request's prompt blocks, as the producer's do."""
+    """Writes a transfer's slabs into one importing request's blocks, and its states into the
+    request's state slot; slab block indices count from the start of the request's prompt blocks,
+    as the producer's do, in every block table."""
 
-    def __init__(self, request_id: str, spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int]):
+    def __init__(
+        self,
+        request_id: str,
+        spec: KVCacheSpec,
+        caches: list[torch.Tensor],
+        tables: list[list[int]],
+        num_tokens: int,
+        states: tuple[torch.Tensor, ...] = (),
+    ):
+        """tables: the request's prompt blocks per block table (a window table's null entries
+        where nothing is written); num_tokens: the prompt's; states: views of the request's state
+        slot, one per StateSpec."""
+        if len(tables) != len(spec.tables) or len(states) != len(spec.states):
+            raise ValueError(
+                f"an import needs {len(spec.tables)} block tables and {len(spec.states)} states, "
+                f"got {len(tables)} and {len(states)}"
+            )
         self.request_id = request_id
         self.spec = spec
-        self.num_blocks = len(block_ids)
+        self.num_blocks = len(tables[0])
+        self.ranges = spec.transfer_ranges(num_tokens)
+        """Per table, the blocks a transfer may write (a window's last ones only)."""
         self._caches = caches
-        self._block_ids = list(block_ids)
+        self._tables = [list(t) for t in tables]
+        self._states = states
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._open = True
@@ -71,21 +92,32 @@ class ImportSink:
 
     @property
     def block_ids(self) -> tuple[int, ...]:
-        """The importing request's prompt blocks (engine block ids), in order."""
-        return tuple(self._block_ids)
+        """The importing request's prompt blocks of the first (full-attention) table, in order:
+        what a NIXL read writes (engine/kv_cache/nixl.py moves specs of one table)."""
+        return tuple(self._tables[0])
 
     def write(self, slab: Slab, data: bytes) -> None:
         """Any thread. ImportClosed once the import ended; KVCodecError (nothing written) for a
-        slab that does not fit the spec."""
-        if not 0 <= slab.block_start < slab.block_start + slab.num_blocks <= self.num_blocks:
+        slab that does not fit the spec; ValueError for blocks outside what its table takes."""
+        t = self.spec.table_index(self.spec.group_at(slab.layer_start).kind)
+        start, end = self.ranges[t]
+        if not start <= slab.block_start < slab.block_start + slab.num_blocks <= end:
             raise ValueError(
-                f"slab blocks [{slab.block_start}, +{slab.num_blocks}) outside [0, {self.num_blocks})"
+                f"slab blocks [{slab.block_start}, +{slab.num_blocks}) outside [{start}, {end}) of block table {t}"
             )
-        ids = self._block_ids[slab.block_start : slab.block_start + slab.num_blocks]
+        ids = self._tables[t][slab.block_start : slab.block_start + slab.num_blocks]
         with self._lock:
             if not self._open:
                 raise ImportClosed(f"the import of request {self.request_id!r} has ended")
             write_slab(self.spec, self._caches, ids, slab.layer_start, data)
+
+    def write_state(self, index: int, data: bytes) -> None:
+        """Any thread: the request's state `index` (codec.read_state's bytes). ImportClosed once the
+        import ended; KVCodecError (nothing written) when they are not its size."""
+        with self._lock:
+            if not self._open:
+                raise ImportClosed(f"the import of request {self.request_id!r} has ended")
+            write_state(self.spec, index, self._states[index], data)
 
     @contextmanager
     def remote_write(self) -> Iterator[threading.Event]:
@@ -106,8 +138,8 @@ class ImportSink:
 
     def checksums(self, first_block: int, end: int | None = None) -> list[int]:
         """Any thread, inside a remote_write slot: the checksums of blocks [first_block,
-        end or num_blocks) (engine/kv_cache/checksum.py)."""
-        return block_checksums(self.spec, self._caches, self._block_ids[first_block:end])
+        end or num_blocks) of the first table (engine/kv_cache/checksum.py; NIXL's, for specs of one)."""
+        return block_checksums(self.spec, self._caches, self._tables[0][first_block:end])
 
     def close(self, wait: bool = True) -> bool:
         """Engine thread: later writes raise ImportClosed; a write in progress is waited for and a
@@ -134,19 +166,38 @@ class ImportSink:
 class KVPort:
     """What the services get instead of the cache tensors."""
 
-    def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor]):
+    def __init__(self, spec: KVCacheSpec, caches: list[torch.Tensor], states: StatePool | None = None):
+        """states: the engine's per-request state pool (where the spec has states)."""
         spec.check_caches(caches)
+        if bool(spec.states) != (states is not None):
+            raise ValueError(
+                f"the spec has {len(spec.states)} per-request states: a state pool goes with them"
+            )
         self.spec = spec
         self._caches = caches
+        self._states = states
 
     def read_exported(self, export: Export, slab: Slab) -> bytes:
         """Any thread, inside a read of the export: layers of one cache group x some of its
-        pinned blocks (slab.block_start indexes the export's blocks)."""
-        ids = export.block_ids[slab.block_start : slab.block_start + slab.num_blocks]
+        pinned blocks (slab.block_start indexes the prompt's blocks, in the group's table)."""
+        t = self.spec.table_index(self.spec.group_at(slab.layer_start).kind)
+        ids = export.tables[t][slab.block_start : slab.block_start + slab.num_blocks]
         return read_slab(self.spec, self._caches, ids, slab.layer_start, slab.num_layers)
 
+    def read_exported_state(self, export: Export, index: int) -> bytes:
+        """Any thread, inside a read of the export: its request's state `index` after the prompt
+        (the slot stays the request's while the export holds its blocks)."""
+        return read_state(export.states[index])
+
+    def request_states(self, request_id: str) -> tuple[torch.Tensor, ...]:
+        """Engine thread: views of a request's state slot, one per StateSpec (none without states)."""
+        if self._states is None:
+            return ()
+        return tuple(self._states.state(request_id, s.name) for s in self.spec.states)
+
     def checksum_exported(self, export: Export, first_block: int = 0) -> list[int]:
-        """Any thread, inside a read of the export: the checksums of its blocks [first_block, end)."""
+        """Any thread, inside a read of the export: the checksums of its blocks [first_block, end)
+        (of the full-attention table: NIXL readers verify them, for specs of one table)."""
         return block_checksums(self.spec, self._caches, export.block_ids[first_block:])
 
     def memory_regions(self) -> list[MemoryRegion]:
@@ -163,9 +214,16 @@ class KVPort:
 
     @property
     def num_blocks(self) -> int:
-        """Engine blocks the caches hold."""
+        """Engine blocks the first table's caches hold."""
         g = self.spec.groups[0]
         return self._caches[self.spec.slot_start(g)].shape[0] // self.spec.sub_blocks(g)
 
-    def sink(self, request_id: str, block_ids: list[int]) -> ImportSink:
-        return ImportSink(request_id, self.spec, self._caches, block_ids)
+    def sink(self, request_id: str, tables: list[list[int]], num_tokens: int | None = None) -> ImportSink:
+        """Engine thread: where a transfer writes an importing request's prompt KV (tables: its
+        prompt blocks per table; num_tokens: the prompt's, default every block full) and its
+        states."""
+        if num_tokens is None:
+            num_tokens = len(tables[0]) * self.spec.block_size
+        return ImportSink(
+            request_id, self.spec, self._caches, tables, num_tokens, self.request_states(request_id)
+        )

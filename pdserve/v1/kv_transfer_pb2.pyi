@@ -128,7 +128,7 @@ class NixlAgentInfo(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., mem_type: _Optional[str] = ..., num_blocks: _Optional[int] = ..., checksums: _Optional[bool] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry", "rope_offset", "scale")
+    __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry", "rope_offset", "scale", "window")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class KvCacheGroup(_message.Message):
     TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
     ROPE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     kind: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -149,18 +150,33 @@ class KvCacheGroup(_message.Message):
     tokens_per_entry: int
     rope_offset: int
     scale: str
-    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., rope_width: _Optional[int] = ..., rotary_layout: _Optional[str] = ..., tokens_per_entry: _Optional[int] = ..., rope_offset: _Optional[int] = ..., scale: _Optional[str] = ...) -> None: ...
+    window: int
+    def __init__(self, kind: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., rope_width: _Optional[int] = ..., rotary_layout: _Optional[str] = ..., tokens_per_entry: _Optional[int] = ..., rope_offset: _Optional[int] = ..., scale: _Optional[str] = ..., window: _Optional[int] = ...) -> None: ...
+
+class KvState(_message.Message):
+    __slots__ = ("name", "layers", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: KvDtype
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ...) -> None: ...
 
 class KvCacheSpec(_message.Message):
-    __slots__ = ("groups", "model_fingerprint")
+    __slots__ = ("groups", "model_fingerprint", "states")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[KvCacheGroup]
     model_fingerprint: str
-    def __init__(self, groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[KvState]
+    def __init__(self, groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., model_fingerprint: _Optional[str] = ..., states: _Optional[_Iterable[_Union[KvState, _Mapping]]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("layer_start", "num_layers", "block_start", "num_blocks", "dtype", "shape", "data", "crc32")
+    __slots__ = ("layer_start", "num_layers", "block_start", "num_blocks", "dtype", "shape", "data", "crc32", "state")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +185,7 @@ class KvChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     num_layers: int
     block_start: int
@@ -177,7 +194,8 @@ class KvChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     crc32: int
-    def __init__(self, layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    state: int
+    def __init__(self, layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., state: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("transfer_id", "reason")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 
@@ -21,12 +22,20 @@ async def pull(
     max_chunk_bytes: int,
     timeout: float | None,
 ) -> int:
-    """Pull blocks [first_block, handle.num_blocks) through the import's sink (same indexing as
-    the handle's blocks); returns the bytes received. Every (layer, block) must arrive exactly once.
-    Raises ServiceError with the failing status (DATA_LOSS for a corrupt or incomplete stream)."""
-    num_blocks = handle.num_blocks
-    assert sink.num_blocks == num_blocks
-    missing = {(layer, b) for layer in range(sink.spec.num_caches) for b in range(first_block, num_blocks)}
+    """Pull what the import lacks through its sink: every layer's blocks from first_block on (a
+    window group's from the first block its next token reads: KVCacheSpec.transfer_ranges; same
+    indexing as the handle's blocks) and every per-request state; returns the bytes received.
+    Every (layer, block) and state must arrive exactly once. Raises ServiceError with the failing
+    status (DATA_LOSS for a corrupt or incomplete stream)."""
+    spec = sink.spec
+    assert sink.num_blocks == handle.num_blocks
+    ranges = spec.transfer_ranges(handle.num_tokens, first_block)
+    missing: set[tuple[int, int] | int] = {
+        (layer, b)
+        for layer in range(spec.num_caches)
+        for b in range(*ranges[spec.table_index(spec.group_at(layer).kind)])
+    }
+    missing.update(range(len(spec.states)))  # a state is its index
     received = 0
     request = kv_pb.PullRequest(
         transfer_id=handle.transfer_id,
@@ -37,18 +46,21 @@ async def pull(
     call = stub.Pull(request, timeout=timeout)
     try:
         async for chunk in call:
-            slab = check_chunk(sink.spec, chunk, first_block, num_blocks)
-            cells = {
-                (layer, b)
-                for layer in range(slab.layer_start, slab.layer_start + slab.num_layers)
-                for b in range(slab.block_start, slab.block_start + slab.num_blocks)
-            }
+            got = check_chunk(spec, chunk, ranges)
+            if isinstance(got, int):
+                cells, what, write = {got}, f"state {got}", functools.partial(sink.write_state, got)
+            else:
+                cells = {
+                    (layer, b)
+                    for layer in range(got.layer_start, got.layer_start + got.num_layers)
+                    for b in range(got.block_start, got.block_start + got.num_blocks)
+                }
+                what = f"layers {got.layer_start}+{got.num_layers} blocks {got.block_start}+{got.num_blocks}"
+                write = functools.partial(sink.write, got)
             if not cells <= missing:
-                raise DataLoss(
-                    f"KV chunk layers {slab.layer_start}+{slab.num_layers} blocks {slab.block_start}+{slab.num_blocks} was sent twice"
-                )
+                raise DataLoss(f"KV chunk {what} was sent twice")
             try:
-                await asyncio.to_thread(sink.write, slab, chunk.data)
+                await asyncio.to_thread(write, chunk.data)
             except ImportClosed as e:
                 raise ServiceError(str(e), grpc.StatusCode.CANCELLED) from None
             missing -= cells
@@ -60,5 +72,5 @@ async def pull(
     finally:
         call.cancel()  # a no-op when the stream completed; ends it on the producer when we stop early
     if missing:
-        raise DataLoss(f"KV stream ended with {len(missing)} (layer, block) slabs missing")
+        raise DataLoss(f"KV stream ended with {len(missing)} (layer, block) slabs or states missing")
     return received

@@ -18,7 +18,7 @@ from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.metrics import Metrics
-from services.kv_transfer.wire import make_chunk, plan
+from services.kv_transfer.wire import make_chunk, make_state_chunk, plan
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,23 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         with export_statuses():
             export = self.exports.begin_read(request.transfer_id)
         try:
-            num_blocks = len(export.block_ids)
+            spec, num_blocks = self.port.spec, export.num_blocks
             if not 0 <= request.first_block <= num_blocks:
                 raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
             max_bytes = request.max_chunk_bytes or 1 << 62
             sent = self.metrics.labels(self.metrics.kv_transfer_bytes, "sent")
-            for slab in plan(self.port.spec, request.first_block, num_blocks, max_bytes):
+            ranges = spec.transfer_ranges(export.num_tokens, request.first_block)
+            for slab in plan(spec, ranges, max_bytes):
                 # Inside a read the blocks stay pinned: reading them off the engine thread is safe.
                 data = await asyncio.to_thread(self.port.read_exported, export, slab)
                 export.bytes_sent += len(data)
                 sent.inc(len(data))
-                yield make_chunk(self.port.spec, slab, data)
+                yield make_chunk(spec, slab, data)
+            for index in range(len(spec.states)):  # the states after the prompt, whatever the consumer holds
+                data = self.port.read_exported_state(export, index)
+                export.bytes_sent += len(data)
+                sent.inc(len(data))
+                yield make_state_chunk(spec, index, data)
         finally:
             self.exports.end_read(export)
 
@@ -86,7 +92,7 @@ class KvTransferService(kv_grpc.KvTransferServicer):
         if request.read_timeout_ms <= 0:
             raise InvalidArgument(f"read_timeout_ms must be > 0, got {request.read_timeout_ms}")
         with export_statuses():
-            num_blocks = len(self.exports.get(request.transfer_id).block_ids)
+            num_blocks = self.exports.get(request.transfer_id).num_blocks
             if not 0 <= request.first_block <= num_blocks:
                 raise InvalidArgument(f"first_block {request.first_block} outside [0, {num_blocks}]")
             export = self.exports.begin_remote_read(

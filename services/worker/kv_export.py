@@ -80,7 +80,7 @@ class KvExporter:
                 producer=self.identity,
                 block_hashes=kv.block_hashes,
                 num_tokens=kv.num_tokens,
-                num_blocks=len(kv.block_ids),
+                num_blocks=kv.num_blocks,
                 block_size=self.kv_spec.block_size,
                 lease_expiry_unix_ms=int(kv.lease_expiry * 1000),
                 compat_hash=self.compat_hash,
