@@ -81,6 +81,22 @@ class PrefillSeq:
 
 
 @dataclass
+class TableInputs:
+    """The step seen through one more block table of a hybrid spec (a sliding-window or compressed
+    table beside the attention one, engine/kv_cache/spec.py `tables`): where each token's entry
+    goes there and each request's blocks there, in the batch's order."""
+
+    table: int
+    """Which of the spec's tables."""
+    slot_mapping: torch.Tensor
+    """[N] int64: each token's entry in the table's caches (single_type.table_slots); -1: none."""
+    decode_tables: list[torch.Tensor]
+    """Per decode group, [D, max_blocks] int32 (a window's null block where its blocks fell behind)."""
+    prefill_blocks: list[torch.Tensor]
+    """Per prefill chunk, [ceil(ctx_len / block_size)] int64."""
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
     """[N] int64 token ids; decode groups first, then prefill chunks."""
@@ -94,6 +110,8 @@ class ForwardBatch:
     """Prefill chunks after the decodes, each attending with the non-absorbed MLA form."""
     logits_indices: torch.Tensor
     """[M] int64 rows of the hidden states the LM head is applied to."""
+    tables: tuple[TableInputs, ...] = ()
+    """The spec's other block tables (none for DeepSeek-V2/V3/V3.2: one table)."""
 
     @cached_property
     def max_context(self) -> int:

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.forward_batch import DecodeGroup, ForwardBatch, PrefillSeq, token_tensors
+from engine.forward_batch import (
+    DecodeGroup,
+    ForwardBatch,
+    PrefillSeq,
+    TableInputs,
+    block_table,
+    token_tensors,
+)
 from engine.hugepages import WeightArena, place_parameters
 from engine.kv_cache.cache_group import CacheKind
+from engine.kv_cache.single_type import table_slots
 from engine.kv_cache.spec import KVCacheSpec, model_fingerprint
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
@@ -60,6 +68,31 @@ def kv_cache_spec(model_cfg: ModelConfig, cfg: EngineConfig) -> KVCacheSpec:
     return spec
 
 
+def table_inputs(spec: KVCacheSpec, t: int, items: list[ScheduledRequest], device) -> TableInputs:
+    """Block table t's view of a step whose items are in the batch's order (decodes of equal query
+    length together, as `ModelRunner._build_batch` groups them, then the prefills)."""
+    bs, table = spec.block_size, spec.tables[t]
+    slots: list[int] = []
+    groups: list[tuple[int, list[list[int]]]] = []  # (query length, each request's blocks)
+    prefills = []
+    for item in items:
+        start, n = item.num_computed_tokens, item.query_len
+        blocks = item.request.block_ids[t]
+        slots += table_slots(table, bs, blocks, range(start, start + n))
+        if item.is_decode:
+            if not groups or groups[-1][0] != n:
+                groups.append((n, []))
+            groups[-1][1].append(blocks)
+        else:
+            prefills.append(torch.tensor(blocks[: -(-(start + n) // bs)], dtype=torch.long))
+    return TableInputs(
+        t,
+        torch.tensor(slots, dtype=torch.long, device=device),
+        [block_table(tables, device) for _, tables in groups],
+        prefills,
+    )
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -93,6 +126,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = kv_spec.block_size
         self.kv_table = kv_spec.table_index(CacheKind.LATENT)
+        self.other_tables = [t for t in range(len(kv_spec.tables)) if t != self.kv_table]
+        """A hybrid spec's other block tables: the batch carries their slots and blocks too."""
         """The block table every cache the engine runs reads (spec.check_runnable: one, full attention)."""
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
@@ -208,6 +243,7 @@ class ModelRunner:
             decodes=[DecodeGroup.of(start, s_q, tables, lens, dev) for start, s_q, tables, lens in groups],
             prefills=prefills,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            tables=tuple(table_inputs(self.kv_spec, t, items, dev) for t in self.other_tables),
         )
         return batch, sample_rows, prompt_rows
 

@@ -20,6 +20,7 @@ from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind, StateSpec
 from engine.kv_cache.manager import KVCacheManager, size_tables
 from engine.kv_cache.spec import KVCacheSpec
 from engine.request import Request, RequestStatus
+from engine.runner import table_inputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.engine_testing import table
@@ -375,3 +376,51 @@ def test_a_prompt_chunk_ends_on_its_last_block_boundary_so_its_state_is_kept():
     sched = Scheduler(no_state, max_num_seqs=4, max_num_batched_tokens=64)
     sched.add(make_req("first", prompt, max_tokens=1))
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in sched.schedule().scheduled] == [(0, 26)]
+
+
+def test_the_runner_sees_every_table_of_a_step_in_the_batchs_order():
+    """runner.table_inputs: each table's slot mapping and each request's blocks there, decode
+    groups (by query length) then prefills, as the manager holds them -- a window's behind its
+    window are the null block, which no token's entry is ever written to."""
+    kv = manager()
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16)
+    for i, n in enumerate((30, 7, 19)):
+        sched.add(make_req(f"r{i}", [(i * 13 + j) % 97 + 1 for j in range(n)], max_tokens=6))
+    seen = []
+
+    def check(out) -> None:
+        # The batch's order: decodes first (one group here: every decode runs one token), then prefills.
+        items = [it for it in out.scheduled if it.is_decode] + [
+            it for it in out.scheduled if not it.is_decode
+        ]
+        for t in range(len(SPEC.tables)):
+            got = table_inputs(SPEC, t, items, "cpu")
+            want = []
+            for it in items:
+                positions = range(it.num_computed_tokens, it.num_computed_tokens + it.query_len)
+                want += kv.slot_mapping(it.request, t, positions)
+            assert got.slot_mapping.tolist() == want
+            decodes = [it.request.block_ids[t] for it in items if it.is_decode]
+            assert [
+                row[: len(b)] for g in got.decode_tables for row, b in zip(g.tolist(), decodes, strict=True)
+            ] == decodes
+            prefills = [it for it in items if not it.is_decode]
+            assert [b.tolist() for b in got.prefill_blocks] == [
+                it.request.block_ids[t][: -(-(it.num_computed_tokens + it.query_len) // BS)]
+                for it in prefills
+            ]
+            if SPEC.tables[t].windowed:  # nothing lands in the null block
+                assert all(s >= BS for s in want)
+            seen.append((t, len(decodes), len(prefills)))
+
+    # `check` sees each step's items as scheduled, before `run` computes them.
+    original = sched.schedule
+
+    def schedule():
+        out = original()
+        check(out)
+        return out
+
+    sched.schedule = schedule
+    run(sched)
+    assert any(d and p for _, d, p in seen)  # a step with decodes and prefills together was checked

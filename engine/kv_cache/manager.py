@@ -26,7 +26,7 @@ import torch
 
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.hashing import hash_block
-from engine.kv_cache.single_type import MANAGERS, SingleTypeManager
+from engine.kv_cache.single_type import MANAGERS, SingleTypeManager, table_slots
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.state import StatePool
 from engine.request import Request
@@ -341,4 +341,4 @@ class KVCacheManager:
 
     def slot_mapping(self, req: Request, table: int, positions: range) -> list[int]:
         """Where table `table`'s caches take each position's entry (-1: not written)."""
-        return self.managers[table].slot_mapping(req.block_ids[table], positions)
+        return table_slots(self.spec.tables[table], self.block_size, req.block_ids[table], positions)

@@ -9,8 +9,9 @@ a list of block ids in that table's own BlockPool, entry i for the engine block 
   table keeps the pool's null block in their place;
 - which cached blocks serve a prefix hit of n blocks (`find_hits`): the first n for full
   attention and compressed caches; only the last ceil((W - 1) / block_size) of them for a window;
-- where a token's entry is written (`slot_mapping`): every token for full attention and windows;
-  for a compressed cache of m tokens per entry only the token that completes an entry.
+- where a token's entry is written (`table_slots`, which the runner asks too): every token for
+  full attention and windows; for a compressed cache of m tokens per entry only the token that
+  completes an entry.
 
 KVCacheManager (manager.py) owns them and is their only caller, on the engine's step loop.
 """
@@ -41,12 +42,6 @@ class SingleTypeManager(ABC):
         """The cached blocks that serve the longest prefix hit of at most max_blocks blocks this
         table can give: one entry per block of the hit, None where the table needs none (behind a
         window). Touches nothing."""
-
-    def slot_mapping(self, blocks: list[int], positions: range) -> list[int]:
-        """Where each position's entry is written in this table's caches, in tokens of the engine
-        block (block id x block_size + offset); -1: not written."""
-        bs = self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in positions]
 
     def free(self, blocks: list[int], keep: int = 0) -> None:
         """Release the table's blocks after its first `keep`, last first (its prefix is evicted
@@ -121,18 +116,24 @@ class CompressedManager(SingleTypeManager):
     def find_hits(self, block_hashes: list[bytes], max_blocks: int) -> list[Block | None]:
         return self._cached_prefix(block_hashes, max_blocks)
 
-    def slot_mapping(self, blocks: list[int], positions: range) -> list[int]:
-        """In entries: block id x entries per block + entry offset, for the positions that complete one."""
-        m = self.table.tokens_per_entry
-        per_block = self.block_size // m
-        out = []
-        for p in positions:
-            if (p + 1) % m:
-                out.append(-1)
-            else:
-                e = p // m
-                out.append(blocks[e // per_block] * per_block + e % per_block)
-        return out
+
+def table_slots(table: TableSpec, block_size: int, blocks: list[int], positions: range) -> list[int]:
+    """Where each position's entry is written in a table's caches (blocks: a request's block table
+    there); -1: not written. In tokens of the engine block (block id x block_size + offset), or
+    for a compressed table in entries (block id x entries per block + entry offset) at the
+    positions that complete one. The KV cache manager and the runner both ask it."""
+    if table.manager != "compressed":
+        return [blocks[p // block_size] * block_size + p % block_size for p in positions]
+    m = table.tokens_per_entry
+    per_block = block_size // m
+    out = []
+    for p in positions:
+        if (p + 1) % m:
+            out.append(-1)
+        else:
+            e = p // m
+            out.append(blocks[e // per_block] * per_block + e % per_block)
+    return out
 
 
 MANAGERS: dict[str, type[SingleTypeManager]] = {
