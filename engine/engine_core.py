@@ -140,6 +140,7 @@ class EngineCore:
             self.kv_blocks,
             cfg.enable_prefix_caching,
             on_evict=self.connector.on_evict if self.connector is not None else None,
+            on_evict_state=self.connector.on_evict_state if self.connector is not None else None,
         )
         """Owns the KV blocks: the scheduler and this class ask it; nothing else allocates or frees."""
         self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches, self.kv.states)
@@ -369,10 +370,16 @@ class EngineCore:
     def _load_kv(self, item: ScheduledRequest, sched: SchedulerOutput) -> None:
         """The worker side of an admission's connector load (Scheduler.admit planned it): write the
         blocks; tokens of blocks it could not give are computed in this step instead (their blocks
-        are allocated, and registered for the computation)."""
+        are allocated, and registered for the computation). A load that is all or none (several
+        tables, states) and failed is taken back: the request waits to be admitted again (a
+        window table has no blocks where the loaded tokens would be computed)."""
         req = item.request
         missing = run_load(self.connector, req.request_id, item.kv_load) * self.kv.block_size
-        if missing:
+        if missing and item.kv_load.all_or_none:
+            self.scheduler.unadmit(req, item.kv_load)
+            sched.scheduled.remove(item)
+            sched.num_batched_tokens -= item.num_new_tokens
+        elif missing:
             item.num_computed_tokens -= missing
             item.num_new_tokens += missing
             req.num_computed_tokens -= missing

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache.connector import KVConnector, KVLoad
+from engine.kv_cache.connector import NO_BLOCK, KVConnector, KVLoad
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -149,29 +149,48 @@ class Scheduler:
         computed = kv.get_computed_blocks(req, upto)
         loadable = 0
         if self.connector is not None and req.params.prompt_logprobs is None:
-            limit = min(upto, req.num_tokens - 1) // kv.block_size  # the last token is always computed
+            # The last token is always computed; what loads is computed with the chunk's budget.
+            limit = min(
+                min(upto, req.num_tokens - 1) // kv.block_size, computed.num_blocks + budget // kv.block_size
+            )
             candidates = req.block_hashes[computed.num_blocks : limit]
-            loadable = self.connector.lookup(req.request_id, candidates) if candidates else 0
+            snapshots = kv.states.has_snapshot if kv.states is not None else None
+            loadable = (
+                self.connector.lookup(req.request_id, candidates, computed.num_blocks, snapshots)
+                if candidates
+                else 0
+            )
             if loadable is None:
                 return Admission.LOOKING_UP
         cached = computed.num_tokens
         num_new = min(upto - cached, budget)
         samples = req.spec_enabled and cached + num_new == req.num_tokens
         lookahead = 2 * self.num_speculative if samples else 0
-        if not kv.allocate_slots(
-            req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead, external=external
-        ):
-            return Admission.NO_ROOM
         bs, start = kv.block_size, computed.num_blocks
         num_load = min(loadable, num_new // bs)
+        num_external = num_new if external else num_load * bs
+        if not kv.allocate_slots(
+            req, num_new, computed, cache_blocks=cache_blocks, lookahead=lookahead, num_external=num_external
+        ):
+            return Admission.NO_ROOM
         if not num_load:
             if self.connector is not None:
                 self.connector.release(req.request_id)
             return cached, num_new, None
-        # What the connector holds goes into the blocks just allocated after the hits (one table:
-        # the connector is refused for specs of several, see KVCacheManager).
-        ids = req.block_ids[0][start : start + num_load]
-        load = KVLoad(req.block_hashes[start : start + num_load], ids)
+        # What the connector holds goes into the blocks just allocated after the hits, in every
+        # table (a window's only where the first token computed after them reads).
+        tables = tuple(
+            [b if b != pool.null_id else NO_BLOCK for b in table[start : start + num_load]]
+            for pool, table in zip(kv.pools, req.block_ids, strict=True)
+        )
+        hashes = req.block_hashes[start : start + num_load]
+        states = ()
+        if kv.states is not None:  # the state after the hit: the device's snapshot, else the connector's
+            if kv.states.has_snapshot(hashes[-1]):
+                kv.states.restore(req.request_id, hashes[-1])
+            else:
+                states = kv.states.views(req.request_id)
+        load = KVLoad(hashes, tables, states, all_or_none=len(tables) > 1 or kv.states is not None)
         return cached + num_load * bs, num_new - num_load * bs, load
 
     def _aligned(self, start: int, num_new: int) -> int:
@@ -265,6 +284,17 @@ class Scheduler:
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def unadmit(self, req: Request, load: KVLoad) -> None:
+        """Take back the admission of a request whose all-or-none load failed: the load's blocks
+        leave the prefix cache (their contents were never written), every block goes back, and
+        the request waits at the head of the queue; the connector no longer counts what failed."""
+        self.kv.uncache(load.tables)
+        self.running.remove(req)
+        self.free_blocks(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def recompute(self, req: Request) -> None:
         """Drop a request's blocks and queue it to compute its prompt here (a KV import failed)."""

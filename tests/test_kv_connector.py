@@ -59,7 +59,7 @@ class FakeConnector(KVConnector):
         self.loaded: list[int] = []
         """Blocks each load call was asked for."""
 
-    def lookup(self, request_id, block_hashes):
+    def lookup(self, request_id, block_hashes, first_block=0, device_states=None):
         if not self.gate.is_set():
             self.pending.add(request_id)
             return None
@@ -69,14 +69,15 @@ class FakeConnector(KVConnector):
             run += 1
         return run
 
-    def on_evict(self, block_hash, block_id):
+    def on_evict(self, block_hash, block_id, table=0):
         pass
 
     def release(self, request_id):
         self.pending.discard(request_id)
         self.released.append(request_id)
 
-    def load(self, request_id, block_hashes, block_ids):
+    def load(self, request_id, load):
+        block_hashes, block_ids = load.block_hashes, load.block_ids
         if self.fail:
             raise OSError("the connector's source went away")
         limit = len(block_hashes) if self.keep is None else min(self.keep, len(block_hashes))

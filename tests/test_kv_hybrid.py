@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind
+from engine.kv_cache.connector import KVLoad
 from engine.kv_cache.export import Export
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.offload import HostTier, KVOffloader
@@ -102,7 +103,7 @@ def test_allocated_prefix_cached_evicted_and_offloaded_together():
     assert bm.get_computed_blocks(c).num_tokens == 0
     assert offload.lookup("c", hashes) == 3
     assert bm.allocate_slots(c, len(prompt))
-    assert offload.load("c", hashes, c.block_ids[0][:3]) == 3
+    assert offload.load("c", KVLoad(hashes, (c.block_ids[0][:3],))) == 3
     assert _same(_rows(caches, c.block_ids[0][:3]), written)
     offload.close()
 

@@ -115,6 +115,12 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block.block_id
 
+    def uncache(self, block: Block) -> None:
+        """Drop a block's prefix-cache entry (its contents are not what its hash says)."""
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_count == 0 and block.block_hash is not None:

@@ -11,9 +11,11 @@ carry slabs:
   message; `check_slab` verifies them against our spec before anything is written;
 - a KV transfer also sends each per-request state (DeepSeek-V4's compressor state) once, as the
   raw bytes of the request's [layers, *shape] slot (`read_state`, checked by `check_state`);
-- an offload tier stores one block of every layer as `encode_block`'s blob: a fixed header (magic,
-  version, the spec's compatibility hash, payload length, CRC32) then each group's slab in group
-  order. `decode_block` writes it back only if every header field matches and the CRC holds.
+- an offload tier stores one block of one block table, every layer of its groups, as
+  `encode_block`'s blob: a fixed header (magic, version, the spec's compatibility hash, payload
+  length, CRC32) then each group's slab in group order; and a request's states at a block
+  boundary as `encode_states`' (the same header, then the states' bytes). `decode_block` and
+  `decode_states` write them back only if every header field matches and the CRC holds.
 
 Bytes only: nothing is pickled, so bytes from the network or Redis can at worst be wrong numbers,
 never code -- and wrong numbers are caught by the CRC32 before they reach the cache.
@@ -206,35 +208,69 @@ def check_state(
         )
 
 
-def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int) -> bytes:
-    """One engine block of every layer -> header + each group's [layers, sub_blocks, block_size,
-    width] slab."""
+def encode_block(spec: KVCacheSpec, caches: list[torch.Tensor], block_id: int, table: int = 0) -> bytes:
+    """One engine block of block table `table` (the only one of a V2/V3 spec) over every layer of
+    its groups -> header + each group's [layers, sub_blocks, block_size, width] slab."""
     payload = b"".join(
-        read_slab(spec, caches, [block_id], spec.slot_start(g), g.num_layers) for g in spec.groups
+        read_slab(spec, caches, [block_id], spec.slot_start(g), g.num_layers)
+        for g in spec.tables[table].groups
     )
+    return _framed(spec, payload)
+
+
+def decode_block(
+    spec: KVCacheSpec, blob: bytes, caches: list[torch.Tensor], block_id: int, table: int = 0
+) -> bool:
+    """Write a stored block of table `table` into block `block_id`; False (nothing written) if its
+    header is not this spec's and table's or its bytes fail the checksum."""
+    payload = _payload(spec, blob, spec.table_bytes_per_block(spec.tables[table]))
+    if payload is None:
+        return False
+    offset = 0
+    for g in spec.tables[table].groups:
+        n = g.num_layers * spec.layer_bytes_per_block(g)
+        write_slab(spec, caches, [block_id], spec.slot_start(g), payload[offset : offset + n])
+        offset += n
+    return True
+
+
+def encode_states(spec: KVCacheSpec, states: tuple[torch.Tensor, ...]) -> bytes:
+    """One request's per-request states (a slot or a snapshot: one [layers, *shape] view per
+    StateSpec) -> header + their bytes in the spec's order."""
+    return _framed(spec, b"".join(read_state(s) for s in states))
+
+
+def decode_states(spec: KVCacheSpec, blob: bytes, states: tuple[torch.Tensor, ...]) -> bool:
+    """Write encode_states' blob into a request's state views; False (nothing written) if its
+    header is not this spec's or its bytes fail the checksum."""
+    payload = _payload(spec, blob, sum(s.slot_bytes for s in spec.states))
+    if payload is None:
+        return False
+    offset = 0
+    for i, state in enumerate(spec.states):
+        write_state(spec, i, states[i], payload[offset : offset + state.slot_bytes])
+        offset += state.slot_bytes
+    return True
+
+
+def _framed(spec: KVCacheSpec, payload: bytes) -> bytes:
     header = _BLOCK_HEADER.pack(
         _MAGIC, _VERSION, bytes.fromhex(spec.compat_hash()), len(payload), crc32(payload)
     )
     return header + payload
 
 
-def decode_block(spec: KVCacheSpec, blob: bytes, caches: list[torch.Tensor], block_id: int) -> bool:
-    """Write a stored block into block `block_id`; False (nothing written) if its header is not
-    this spec's or its bytes fail the checksum."""
+def _payload(spec: KVCacheSpec, blob: bytes, size: int) -> memoryview | None:
+    """A stored blob's payload of `size` bytes, or None when its header or checksum is not ours."""
     if len(blob) < _BLOCK_HEADER.size:
-        return False
-    magic, version, compat, size, crc = _BLOCK_HEADER.unpack_from(blob)
+        return None
+    magic, version, compat, length, crc = _BLOCK_HEADER.unpack_from(blob)
     payload = memoryview(blob)[_BLOCK_HEADER.size :]
-    if (magic, version, compat.hex(), size) != (_MAGIC, _VERSION, spec.compat_hash(), spec.bytes_per_block):
-        return False
+    if (magic, version, compat.hex(), length) != (_MAGIC, _VERSION, spec.compat_hash(), size):
+        return None
     if len(payload) != size or crc32(payload) != crc:
-        return False
-    offset = 0
-    for g in spec.groups:
-        n = g.num_layers * spec.layer_bytes_per_block(g)
-        write_slab(spec, caches, [block_id], spec.slot_start(g), payload[offset : offset + n])
-        offset += n
-    return True
+        return None
+    return payload
 
 
 def _group_at(spec: KVCacheSpec, layer_start: int):

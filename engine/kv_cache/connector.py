@@ -48,14 +48,28 @@ class KVConnector(ABC):
     # ---- scheduler side -------------------------------------------------------------------
 
     @abstractmethod
-    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
-        """How many of these consecutive blocks, from the first, can be loaded now; None while an
-        off-thread lookup for this request is in flight (ask again once `poll` names it). At most
-        one off-thread lookup per admission: afterwards the answer comes from what it found."""
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: list[bytes],
+        first_block: int = 0,
+        device_states: Callable[[bytes], bool] | None = None,
+    ) -> int | None:
+        """How many of these consecutive blocks, from the first, can be loaded now -- in every
+        block table what a prefix hit ending there needs (a window's only its last blocks), and
+        the state after it where the spec has states, from the connector or, where
+        device_states(block hash) says so, the device's snapshots; first_block: the device prefix
+        hit before them. None while an off-thread lookup for this request is in flight (ask again once
+        `poll` names it). At most one off-thread lookup per admission: afterwards the answer
+        comes from what it found."""
 
     @abstractmethod
-    def on_evict(self, block_hash: bytes, block_id: int) -> None:
-        """A full cached block is about to be reused for other tokens."""
+    def on_evict(self, block_hash: bytes, block_id: int, table: int = 0) -> None:
+        """A full cached block of block table `table` is about to be reused for other tokens."""
+
+    def on_evict_state(self, block_hash: bytes, states: tuple) -> None:  # noqa: B027 - optional
+        """A request's states after block `block_hash` (a snapshot: one view per StateSpec) are
+        about to be dropped from the device."""
 
     @abstractmethod
     def release(self, request_id: str) -> None:
@@ -65,9 +79,10 @@ class KVConnector(ABC):
     # ---- worker side ------------------------------------------------------------------------
 
     @abstractmethod
-    def load(self, request_id: str, block_hashes: list[bytes], block_ids: list[int]) -> int:
-        """Write the blocks `lookup` counted for the request into these device blocks, in order;
-        stops at the first one that cannot be given intact. Returns how many were written."""
+    def load(self, request_id: str, load: KVLoad) -> int:
+        """Write the blocks `lookup` counted for the request where the load says, in order; stops
+        at the first one that cannot be given intact. Returns how many were written -- all or
+        none for a load of several tables or a state (a hit must serve every table)."""
 
     @abstractmethod
     def poll(self) -> set[str]:
@@ -81,19 +96,35 @@ class KVConnector(ABC):
         return []
 
 
+NO_BLOCK = -1
+"""In a KVLoad's table: nothing to load there (a window's blocks behind what the first computed token reads)."""
+
+
 @dataclass
 class KVLoad:
     """Blocks the connector supplies to a request just admitted, as the scheduler planned them:
     the worker side writes them before the forward (`run_load`); the scheduler never does."""
 
     block_hashes: list[bytes]
-    block_ids: list[int]
-    """Where they go: blocks allocated right after the request's device prefix hit."""
+    tables: tuple[list[int], ...]
+    """Per block table, where each block goes (NO_BLOCK: not loaded): blocks allocated right
+    after the request's device prefix hit."""
+    states: tuple = ()
+    """Views of the request's state slot, for the states after the last block; empty where the
+    spec has none or the device's snapshot was restored already."""
+    all_or_none: bool = False
+    """Loaded whole or not at all: a hit of several tables, or with states, is served by every
+    table (and the state) or by none."""
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first table's destinations."""
+        return self.tables[0]
 
 
 def run_load(connector: KVConnector, request_id: str, load: KVLoad) -> int:
     """Write a planned load, then forget what the connector kept for the request. -> blocks that
     could not be given intact (the run stops at the first): their tokens are computed instead."""
-    loaded = connector.load(request_id, load.block_hashes, load.block_ids)
+    loaded = connector.load(request_id, load)
     connector.release(request_id)
-    return len(load.block_ids) - loaded
+    return len(load.block_hashes) - loaded

@@ -18,6 +18,7 @@ engine's step loop may call it; other threads read `stats()` snapshots the loop 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -113,25 +114,29 @@ class KVCacheManager:
         spec: KVCacheSpec,
         num_blocks: int | Sequence[int],
         enable_prefix_caching: bool = True,
-        on_evict: Callable[[bytes, int], None] | None = None,
+        on_evict: Callable[[bytes, int, int], None] | None = None,
+        on_evict_state: Callable[[bytes, tuple], None] | None = None,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
         num_draft_positions: int = 0,
         device: torch.device | str = "cpu",
     ):
         """num_blocks: engine blocks per table (one count for all); a sliding window's pool spends
-        one on its null block. on_evict(block hash, block id): a cached block's contents are about
-        to be dropped (KV offloading; one table only). num_state_slots: requests that can hold a
+        one on its null block. on_evict(block hash, block id, table): a cached block's contents are
+        about to be dropped; on_evict_state(block hash, states): a state snapshot's (KV offloading). num_state_slots: requests that can hold a
         state at once (needed when the spec has states)."""
         counts = spec.table_blocks(num_blocks)
-        if on_evict is not None and len(spec.tables) > 1:
-            raise NotImplementedError("offloading the blocks of several block tables is not built yet")
         self.spec = spec
         self.block_size = spec.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = tuple(
-            BlockPool(n, enable_prefix_caching, on_evict, null_block=t.windowed)
-            for t, n in zip(spec.tables, counts, strict=True)
+            BlockPool(
+                n,
+                enable_prefix_caching,
+                functools.partial(on_evict, table=i) if on_evict is not None else None,
+                null_block=t.windowed,
+            )
+            for i, (t, n) in enumerate(zip(spec.tables, counts, strict=True))
         )
         self.managers: tuple[SingleTypeManager, ...] = tuple(
             MANAGERS[t.manager](t, pool, self.block_size)
@@ -144,7 +149,7 @@ class KVCacheManager:
                     f"the spec holds per-request state: num_state_slots must be >= 1, got {num_state_slots}"
                 )
             self.states = StatePool(
-                spec.states, num_state_slots, num_state_snapshots, num_draft_positions, device
+                spec.states, num_state_slots, num_state_snapshots, num_draft_positions, device, on_evict_state
             )
         self._windowed = [i for i, t in enumerate(spec.tables) if t.windowed]
         """Tables whose blocks fall behind a window as the request runs."""
@@ -230,7 +235,7 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         cache_blocks: bool = True,
         lookahead: int = 0,
-        external: bool = False,
+        num_external: int = 0,
     ) -> bool:
         """Make room for num_new_tokens more tokens (after the prefix hit `computed`, for a request
         that holds nothing yet) in every table. False, and nothing changed, when a pool (or the
@@ -238,9 +243,10 @@ class KVCacheManager:
         token will read again, are back in their pool either way. With cache_blocks=False the new
         full blocks are not registered in the prefix cache (their contents arrive later: see
         cache_blocks). lookahead: room for that many more slots whose tokens are not known yet
-        (speculative drafts); they are never registered in the prefix cache. external: the new
-        tokens' KV is written from outside (an import), none runs through the model here, so a
-        window table gets only the blocks the token after them reads."""
+        (speculative drafts); they are never registered in the prefix cache. num_external: the
+        first that many new tokens' KV is written from outside (a connector's load, an import),
+        not computed here, so a window table gets only the blocks from the first token computed
+        after them on reads."""
         if req.block_ids:  # a running request grows (every step: kept lean)
             assert computed is None, "prefix hits are for a request that holds no blocks"
             return self._grow(req, num_new_tokens, cache_blocks, lookahead)
@@ -250,7 +256,7 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         assert total <= req.num_tokens, "cannot compute tokens that are not known yet"
         want = self.blocks_needed(total + lookahead)
-        first_read = total if external else num_computed  # the first token computed here
+        first_read = num_computed + num_external  # the first token computed here
         # Per table: null entries up to the first block read (a window's), then blocks from there.
         starts = [
             max(len(h), m.table.first_needed(first_read, self.block_size))
@@ -314,6 +320,14 @@ class KVCacheManager:
             for i in range(start // bs, num_tokens // bs):
                 if table[i] != m.pool.null_id:
                     m.pool.cache_full_block(m.pool.blocks[table[i]], req.block_hashes[i])
+
+    def uncache(self, tables: Sequence[list[int]]) -> None:
+        """Take these blocks (per table; negative ids skipped) out of the prefix cache: what was
+        registered for them will not be written."""
+        for pool, ids in zip(self.pools, tables, strict=True):
+            for b in ids:
+                if b >= 0 and b != pool.null_id:
+                    pool.uncache(pool.blocks[b])
 
     def snapshot_state(self, req: Request) -> None:
         """The request's computed tokens end on a block boundary: keep its state there for prefix

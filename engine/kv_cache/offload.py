@@ -5,11 +5,18 @@ recomputing it.
 
 Every tier addresses a block by `<compat>:<chained block hash>` (hashing.py), where `compat` is
 the KV cache spec's compatibility hash (spec.py: model, every cache group's geometry, dtype and
-layout), so incompatible engines never read each other's blocks. A stored block is the codec's
-blob (codec.py: a typed header with the compat hash and a CRC32, then raw bytes) -- never pickle;
-a block whose header or checksum does not match is treated as missing (and its run ends there,
-the rest is recomputed). A tier that fails (Redis down) is skipped: offloading can only save work,
-never fail a request.
+layout), so incompatible engines never read each other's blocks. A hybrid spec's other block
+tables store theirs under `<key>/<table>`, and evicted state snapshots go under `<key>/state`. A
+stored block is the codec's blob (codec.py: a typed header with the compat hash and a CRC32, then
+raw bytes) -- never pickle; a block whose header or checksum does not match is treated as missing
+(and its run ends there, the rest is recomputed; a hybrid load is all or none, and a failed one
+is admitted again, without what failed). A tier that fails (Redis down) is skipped: offloading can
+only save work, never fail a request.
+
+A hit of n blocks after the device's needs, in every table, what the KV cache manager's
+coordinator asks of the device cache: all n blocks of the tables that keep the history, of a
+window only those the first token computed after the hit reads, and the states after the hit
+(stored, or a device snapshot still held).
 
 The tiers are the engine's KV connector (connector.py): the scheduler asks `lookup` how many of
 a request's prefix blocks they hold; a request whose blocks may be in Redis waits (in
@@ -28,17 +35,21 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache.codec import decode_block, encode_block
-from engine.kv_cache.connector import Gauge, KVConnector
+from engine.kv_cache.codec import decode_block, decode_states, encode_block, encode_states
+from engine.kv_cache.connector import NO_BLOCK, Gauge, KVConnector, KVLoad
 from engine.kv_cache.hashing import REDIS_KEY_PREFIX, tier_key
 from engine.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
+
+_BAD_KEPT = 4096
+"""Failed keys remembered (KVOffloader._bad)."""
 
 
 class HostTier:
@@ -206,9 +217,15 @@ class KVOffloader(KVConnector):
         """request_id -> what its finished remote lookup brought: key -> (tier name, blob). Kept
         until the request is admitted or ends (release), so a request waiting for free blocks
         does not look up again."""
+        self._bad: OrderedDict[str, None] = OrderedDict()
+        """Keys whose every copy failed its header or checksum: lookups no longer count them
+        (until stored again), so a request is not planned onto them twice."""
 
-    def key(self, block_hash: bytes) -> str:
-        return tier_key(self.compat, block_hash)
+    def key(self, block_hash: bytes, table: int | str = 0) -> str:
+        """A block of block table `table` (the first table's key is the block's own: what the
+        router looks for in Redis), or with table="state" the states after it."""
+        key = tier_key(self.compat, block_hash)
+        return key if table == 0 else f"{key}/{table}"
 
     def gauges(self) -> list[Gauge]:
         stats = self.stats
@@ -248,7 +265,13 @@ class KVOffloader(KVConnector):
 
     # ---- scheduler side -------------------------------------------------------------------
 
-    def lookup(self, request_id: str, block_hashes: list[bytes]) -> int | None:
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: list[bytes],
+        first_block: int = 0,
+        device_states: Callable[[bytes], bool] | None = None,
+    ) -> int | None:
         fut = self._fetches.get(request_id)
         if fut is not None:
             if not fut.done():
@@ -259,24 +282,70 @@ class KVOffloader(KVConnector):
             except Exception as e:  # noqa: BLE001 - the request just recomputes
                 logger.debug("KV offload fetch failed: %s", e)
                 self._found[request_id] = {}
-        keys = [self.key(h) for h in block_hashes]
-        found = self._found.get(request_id)
-        held = [k in found for k in keys] if found else [False] * len(keys)
+        keys = self._keys(block_hashes)
+        found = self._found.get(request_id) or {}
+        held = {k for k in keys if k in found and k not in self._bad}
         for tier in self.local:
-            for i, hit in enumerate(tier.contains(keys)):
-                held[i] = held[i] or hit
-        run = held.index(False) if False in held else len(held)
+            held.update(
+                k for k, hit in zip(keys, tier.contains(keys), strict=True) if hit and k not in self._bad
+            )
+        run = self._longest(held, block_hashes, first_block, device_states)
         remote = [t for t in self.remote if t.available]
-        if found is None and run < len(keys) and remote:
-            self._fetches[request_id] = self._fetcher.submit(self._fetch, remote, keys[run:])
+        if request_id not in self._found and run < len(block_hashes) and remote:
+            self._fetches[request_id] = self._fetcher.submit(
+                self._fetch, remote, [k for k in keys if k not in held]
+            )
             return None
         self.stats.lookups += 1
         return run
 
-    def on_evict(self, block_hash: bytes, block_id: int) -> None:
+    def _keys(self, block_hashes: list[bytes]) -> list[str]:
+        """Every key a hit over these blocks may need: each table's blocks, and the states."""
+        keys = [self.key(h, t) for t in range(len(self.spec.tables)) for h in block_hashes]
+        if self.spec.states:
+            keys += [self.key(h, "state") for h in block_hashes]
+        return keys
+
+    def _longest(
+        self,
+        held: set[str],
+        block_hashes: list[bytes],
+        first_block: int,
+        device_states: Callable[[bytes], bool] | None = None,
+    ) -> int:
+        """The most blocks n a hit after first_block device blocks can load from `held`: the
+        tables that keep the history need all n, a window table only the blocks the token after
+        them reads, and the states after block n - 1 must be held (or be a device snapshot)."""
+        spec, bs = self.spec, self.spec.block_size
+        n = len(block_hashes)
+        for t, table in enumerate(spec.tables):
+            if not table.windowed:
+                n = next((i for i, h in enumerate(block_hashes[:n]) if self.key(h, t) not in held), n)
+        windows = [t for t, table in enumerate(spec.tables) if table.windowed]
+        for m in range(n, 0, -1):
+            if spec.states and self.key(block_hashes[m - 1], "state") not in held:
+                if device_states is None or not device_states(block_hashes[m - 1]):
+                    continue
+            if all(
+                self.key(block_hashes[i], t) in held
+                for t in windows
+                for i in range(
+                    max(0, spec.tables[t].first_needed((first_block + m) * bs, bs) - first_block), m
+                )
+            ):
+                return m
+        return 0
+
+    def on_evict(self, block_hash: bytes, block_id: int, table: int = 0) -> None:
         """A cached full block is about to be reused: keep its bytes in the tiers."""
-        blob = encode_block(self.spec, self.caches, block_id)
-        key = self.key(block_hash)
+        self._store(self.key(block_hash, table), encode_block(self.spec, self.caches, block_id, table))
+
+    def on_evict_state(self, block_hash: bytes, states: tuple) -> None:
+        """A state snapshot is about to be dropped: keep it in the tiers, for the hits it serves."""
+        self._store(self.key(block_hash, "state"), encode_states(self.spec, states))
+
+    def _store(self, key: str, blob: bytes) -> None:
+        self._bad.pop(key, None)  # written again: intact
         for tier in self.tiers:
             tier.put(key, blob)
         self.stats.stored_blocks += 1
@@ -290,33 +359,49 @@ class KVOffloader(KVConnector):
 
     # ---- worker side ------------------------------------------------------------------------
 
-    def load(self, request_id: str, block_hashes: list[bytes], block_ids: list[int]) -> int:
+    def load(self, request_id: str, load: KVLoad) -> int:
         start = time.perf_counter()
-        found = self._found.get(request_id, {})
-        host = self.local[0] if self.local else None
-        loaded = 0
-        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
-            key = self.key(block_hash)
-            sources = [(t.name, t.get(key)) for t in self.local]
-            if key in found:
-                sources.append(found[key])
-            if not self._write_first_intact(sources, key, block_id, host):
-                break
-            loaded += 1
-        self.stats.load_seconds += time.perf_counter() - start
-        return loaded
+        try:
+            loaded = 0
+            for i, block_hash in enumerate(load.block_hashes):
+                for t, ids in enumerate(load.tables):
+                    if ids[i] != NO_BLOCK and not self._write(request_id, self.key(block_hash, t), ids[i], t):
+                        return 0 if load.all_or_none else loaded
+                loaded += 1
+            if load.states and not self._write(
+                request_id, self.key(load.block_hashes[-1], "state"), load.states
+            ):
+                return 0
+            return loaded
+        finally:
+            self.stats.load_seconds += time.perf_counter() - start
 
-    def _write_first_intact(self, sources: list, key: str, block_id: int, host) -> bool:
+    def _write(self, request_id: str, key: str, where: int | tuple, table: int = 0) -> bool:
+        """Write the first intact copy of `key` (a block into block `where` of `table`, or states
+        into the views `where`), promoting it to the host tier; a key with no intact copy is not
+        counted by lookups any more."""
+        sources = [(t.name, t.get(key)) for t in self.local]
+        found = self._found.get(request_id, {})
+        if key in found:
+            sources.append(found[key])
+        host = self.local[0] if self.local else None
         for name, blob in sources:
             if blob is None:
                 continue
-            if decode_block(self.spec, blob, self.caches, block_id):
+            if isinstance(where, tuple):
+                ok = decode_states(self.spec, blob, where)
+            else:
+                ok = decode_block(self.spec, blob, self.caches, where, table)
+            if ok:
                 self.stats.loaded_blocks[name] = self.stats.loaded_blocks.get(name, 0) + 1
                 self.stats.loaded_bytes += len(blob)
                 if host is not None and name != host.name:
                     host.put(key, blob)  # promote to the host tier
                 return True
             self.stats.checksum_failures += 1
+        self._bad[key] = None
+        while len(self._bad) > _BAD_KEPT:
+            self._bad.popitem(last=False)
         return False
 
     def poll(self) -> set[str]:

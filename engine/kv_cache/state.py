@@ -25,6 +25,7 @@ Not thread-safe: KVCacheManager (the engine's step loop) is its only caller.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -39,15 +40,18 @@ class StatePool:
         num_snapshots: int,
         num_draft_positions: int = 0,
         device: torch.device | str = "cpu",
+        on_evict: Callable[[bytes, tuple[torch.Tensor, ...]], None] | None = None,
     ):
         """num_slots: requests that can run at once; num_snapshots: prefix snapshots kept;
-        num_draft_positions: k + 1 for k speculative drafts (0: no speculation)."""
+        num_draft_positions: k + 1 for k speculative drafts (0: no speculation); on_evict(block
+        hash, its states): a snapshot is about to be dropped (KV offloading keeps it)."""
         if num_slots < 1 or num_snapshots < 0 or num_draft_positions < 0:
             raise ValueError(
                 f"state pool: num_slots {num_slots} must be >= 1, num_snapshots {num_snapshots} and "
                 f"num_draft_positions {num_draft_positions} >= 0"
             )
         self.specs = specs
+        self.on_evict = on_evict
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots
         self.tensors = {
@@ -101,6 +105,11 @@ class StatePool:
         """The request's state `name`: [layers, *shape], a view to read and write in place."""
         return self.tensors[name][self._slot[request_id]]
 
+    def views(self, request_id: str) -> tuple[torch.Tensor, ...]:
+        """Every state of the request, in the spec's order (what transfers and loads write)."""
+        slot = self._slot[request_id]
+        return tuple(self.tensors[s.name][slot] for s in self.specs)
+
     def draft_states(self, request_id: str, name: str) -> torch.Tensor:
         """[k + 1, layers, *shape]: row i is the state after position i of a verify step's query."""
         return self.drafts[name][self._slot[request_id]]
@@ -122,11 +131,16 @@ class StatePool:
         if self._free_snapshots:
             row = self._free_snapshots.pop()
         else:
-            _, row = self._snapshots.popitem(last=False)  # the least recently used
+            evicted, row = self._snapshots.popitem(last=False)  # the least recently used
+            if self.on_evict is not None:
+                self.on_evict(evicted, tuple(self.tensors[s.name][row] for s in self.specs))
         slot = self._slot[request_id]
         for t in self.tensors.values():
             t[row].copy_(t[slot])
         self._snapshots[block_hash] = row
+
+    def has_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self._snapshots
 
     def longest_snapshot(self, block_hashes: list[bytes], max_blocks: int) -> int:
         """The largest n <= max_blocks with a snapshot after block n - 1 (0 always qualifies)."""

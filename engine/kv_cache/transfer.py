@@ -191,9 +191,7 @@ class KVPort:
 
     def request_states(self, request_id: str) -> tuple[torch.Tensor, ...]:
         """Engine thread: views of a request's state slot, one per StateSpec (none without states)."""
-        if self._states is None:
-            return ()
-        return tuple(self._states.state(request_id, s.name) for s in self.spec.states)
+        return self._states.views(request_id) if self._states is not None else ()
 
     def checksum_exported(self, export: Export, first_block: int = 0) -> list[int]:
         """Any thread, inside a read of the export: the checksums of its blocks [first_block, end)
