@@ -1,7 +1,8 @@
 """A hybrid request's KV crossing engines, exact: two engines' KV halves (each its own KV cache
 manager, scheduler, caches, state pool and KVHandover) on the full + sliding-window + compressed +
 state spec of tests/test_kv_manager_hybrid.py, the producer's export served by the real
-KvTransferService over gRPC, the consumer's import pulled by services/kv_transfer/consumer.py.
+KvTransferService over gRPC, the consumer's import pulled by services/kv_transfer/consumer.py, or
+read by a real NIXL agent (the state then pulled alone).
 
 No model runs: a "step" writes, at every table's slot mapping, entries that are a function of the
 token, its position and the cache, and the state as a function of the history, so every byte the
@@ -16,11 +17,13 @@ consumer ends with can be checked against what the producer computed. What must 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
 import torch
 
+from engine.kv_cache import nixl
 from engine.kv_cache.codec import Slab, crc32
 from engine.kv_cache.export import ExportOptions, ExportTable
 from engine.kv_cache.transfer import KVPort
@@ -296,3 +299,68 @@ def test_a_window_slab_before_what_the_next_token_reads_is_refused():
         )
         chunk.crc32 = crc32(chunk.data)
         check_chunk(SPEC, chunk, SPEC.transfer_ranges(len(PROMPT)))
+
+
+@pytest.fixture(scope="module")
+def nixl_sides():
+    """A producer and a receiver with NIXL agents over their caches (the hybrid spec's tables of
+    different block counts), the receiver knowing the producer's agent."""
+    producer, receiver = Side(), Side(window=8)
+    agents = (
+        nixl.NixlAgent("hybrid-producer", producer.port),
+        nixl.NixlAgent("hybrid-receiver", receiver.port),
+    )
+    peer = agents[1].add_peer(
+        agents[0].name,
+        agents[0].metadata,
+        list(agents[0].regions),
+        agents[0].table_blocks,
+        agents[0].mem_type,
+    )
+    assert peer.table_blocks == (64, 16, 64)
+    yield producer, receiver, agents[1], peer
+    for agent in agents:
+        agent.close()
+
+
+def test_a_nixl_read_moves_every_table_in_read_order_and_the_state_is_pulled(nixl_sides):
+    producer, receiver, agent, peer = nixl_sides
+    export, state = prefill_and_export(producer)
+    req, first_block = begin_import(receiver, "n")
+    sink = receiver.handover.import_sink("n")
+    remote = producer.port.exported_blocks(export, first_block)
+    digests = producer.port.checksum_exported(export, first_block)
+    ranges = SPEC.transfer_ranges(len(PROMPT), first_block)
+    assert len(remote) == len(digests) == sum(end - start for start, end in ranges) == 12 + 3 + 12
+    n = agent.read(peer, sink, first_block, remote, 30.0, threading.Event(), digests)
+    per_block = [SPEC.table_bytes_per_block(t) for t in SPEC.tables]
+    assert n == 12 * per_block[0] + 3 * per_block[1] + 12 * per_block[2]
+    for t, (start, end) in enumerate(ranges):
+        got = receiver.entries(req.block_ids, t, range(start, end))
+        want = producer.entries(export.tables, t, range(start, end))
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), t
+    # The state is not in the registered caches: a pull from block num_blocks on brings it alone.
+    assert asyncio.run(pull_into(producer, sink, export, export.num_blocks, 1 << 30)) == STATE_BYTES
+    receiver.handover.finish_import("n")
+    assert torch.equal(receiver.kv.states.state("n", "compressor"), state)
+    receiver.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    producer.handover.exports.release(export.export_id, done=True)
+    producer.handover.free_ended_exports()
+    assert receiver.all_free() and producer.all_free()
+
+
+def test_a_nixl_read_names_the_table_of_a_block_that_fails_its_checksum(nixl_sides):
+    producer, receiver, agent, peer = nixl_sides
+    export, _ = prefill_and_export(producer)
+    digests = producer.port.checksum_exported(export)
+    window = SPEC.tables[1].groups[0]
+    producer.caches.layer(window.kind, window.layers[0])[export.tables[1][10]] += 1  # after the checksums
+    req, _ = begin_import(receiver, "bad")
+    sink = receiver.handover.import_sink("bad")
+    with pytest.raises(nixl.ChecksumMismatch, match="KV block 10 of table 1"):
+        agent.read(peer, sink, 0, producer.port.exported_blocks(export), 30.0, threading.Event(), digests)
+    assert receiver.handover.abort_import("bad") is False
+    receiver.sched.free_blocks(req)
+    producer.handover.exports.release(export.export_id, done=False)
+    producer.handover.free_ended_exports()
+    assert receiver.all_free() and producer.all_free()

@@ -229,7 +229,7 @@ def test_a_peer_whose_geometry_is_not_our_specs_is_refused(pair):
 def test_descriptors_follow_each_groups_block_table():
     regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
     theirs = tuple(MemoryRegion((i + 11) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
-    local, remote = nixl.descriptors(SPEC, regions, theirs, [5, 2], [7, 3])
+    local, remote = nixl.descriptors(SPEC, regions, theirs, [[5, 2]], [[7, 3]])
     latent, indexer = SPEC.groups
     lat, idx = SPEC.layer_bytes_per_block(latent), SPEC.layer_bytes_per_block(indexer)
     # pairs sorted by our block: (2, 3) then (5, 7), in every layer of every group
@@ -267,7 +267,7 @@ def test_cut_runs_caps_each_run_and_descriptors_cover_every_byte_once():
     assert nixl.cut_runs(runs, 2).tolist() == [[3, 7, 1], [8, 18, 2], [10, 20, 2], [12, 22, 1]]
     regions = tuple(MemoryRegion((i + 1) << 20, 1 << 20, 0) for i in range(SPEC.num_caches))
     lat = SPEC.layer_bytes_per_block(SPEC.groups[0])
-    local, remote = nixl.descriptors(SPEC, regions, regions, [12, 11, 10, 9, 8], [2, 1, 0, 7, 6], 2 * lat)
+    local, remote = nixl.descriptors(SPEC, regions, regions, [[12, 11, 10, 9, 8]], [[2, 1, 0, 7, 6]], 2 * lat)
     assert (local[:, 1] == remote[:, 1]).all()
     assert int(local[:, 1].sum()) == 5 * SPEC.bytes_per_block
     assert int(local[:, 1].max()) <= 2 * lat

@@ -136,6 +136,8 @@ def test_a_producer_whose_agent_does_not_fit_our_spec_is_read_over_grpc(agents, 
 class HeldRead:
     """An agent whose read holds until cancelled (as a READ in flight does), recording when it ends."""
 
+    spec = SPEC
+
     def __init__(self):
         self.started, self.events, self.timeouts = threading.Event(), [], []
 
@@ -160,7 +162,7 @@ def test_a_cancelled_pull_waits_for_its_read_before_the_cancellation_goes_on():
     released its handle before the cancellation reaches the code that releases the producer;
     closing the transports cancels what is still in flight."""
     agent = HeldRead()
-    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2)
+    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2, num_tokens=2 * SPEC.block_size)
 
     class Peers:
         def kv(self, endpoint):
@@ -208,7 +210,7 @@ def test_a_read_ends_before_the_producers_hold_on_the_blocks(hold_ms, posted):
             return 123
 
     agent = Ends()
-    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2)
+    handle = kv_pb.KvHandle(transfer_id="t", producer=PRODUCER, num_blocks=2, num_tokens=2 * SPEC.block_size)
 
     class Peers:
         def kv(self, endpoint):
@@ -261,7 +263,12 @@ class Reads(HeldRead):
 
 
 NAMED = kv_pb.KvHandle(
-    transfer_id="t", producer=PRODUCER, num_blocks=3, block_ids=[4, 5, 6], block_checksums=[10, 11, 12]
+    transfer_id="t",
+    producer=PRODUCER,
+    num_blocks=3,
+    num_tokens=3 * SPEC.block_size,
+    block_ids=[4, 5, 6],
+    block_checksums=[10, 11, 12],
 )
 
 

@@ -79,15 +79,18 @@ def crc32c(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
     return lib.pdserve_crc32c(value, buf.ctypes.data, buf.nbytes)
 
 
-def block_checksums(spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int]) -> list[int]:
-    """The checksum of each engine block in block_ids (see the module docstring). Host caches are
-    read in place; a GPU cache's rows are gathered to the host first, one copy per layer."""
+def block_checksums(
+    spec: KVCacheSpec, caches: list[torch.Tensor], block_ids: list[int], table: int = 0
+) -> list[int]:
+    """The checksum of each engine block in block_ids of block table `table` (the only one of a
+    V2/V3 spec), over every layer of its groups (see the module docstring). Host caches are read
+    in place; a GPU cache's rows are gathered to the host first, one copy per layer."""
     if not block_ids:
         return []
     bases, lens, keep = [], [], []
     ids = np.asarray(block_ids, dtype=np.int64)
     on_gpu = caches[0].is_cuda
-    for g in spec.groups:
+    for g in spec.tables[table].groups:
         k = spec.sub_blocks(g)
         for layer in range(spec.slot_start(g), spec.slot_start(g) + g.num_layers):
             cache = caches[layer]  # [rows, block_size, width]; an engine block is k rows in a run

@@ -17,9 +17,15 @@ together: the (local, remote) block pairs, sorted by local block, are cut into r
 block after block on both sides (`descriptors`, runs of <= MAX_DESC_BYTES per layer). Sorting
 matters: a request's blocks are freed tail first, so the next one often gets them in descending
 order, which merges only once sorted.
+A hybrid spec's block tables (engine/kv_cache/spec.py `tables`) are paired table by table: the
+handle and BeginRead name the blocks in read order (transfer.py `read_order`: each table's blocks
+a transfer moves, a sliding window's only those the next token reads, table after table), and
+each group's descriptors come from its own table's pairs. Per-request states live outside the
+registered caches: the reader pulls them over gRPC afterwards (services/kv_transfer/nixl_pull.py).
 The consumer builds both sides itself: its own addresses from its import sink's blocks, the
-producer's from the producer's regions (checked against the spec when the peer is added) and
-the block ids the producer handed out (checked against the producer's block count). Nothing is
+producer's from the producer's regions (checked against the spec and each table's block count
+when the peer is added) and the block ids the producer handed out (checked against its table's
+count). Nothing is
 pickled: metadata is NIXL's own byte string, everything else protobuf integers.
 
 Threads. The worker owns its agent (the engine thread owns nothing new). `read` blocks: run it
@@ -60,6 +66,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -68,7 +75,7 @@ import numpy as np
 
 from engine.kv_cache import checksum
 from engine.kv_cache.spec import KVCacheSpec
-from engine.kv_cache.transfer import ImportClosed, ImportSink, KVPort, MemoryRegion
+from engine.kv_cache.transfer import ImportClosed, ImportSink, KVPort, MemoryRegion, read_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +137,13 @@ class PeerAgent:
 
     name: str
     regions: tuple[MemoryRegion, ...]
-    num_blocks: int
+    table_blocks: tuple[int, ...]
+    """Engine blocks of each of its block tables."""
     mem_type: str
+
+    @property
+    def num_blocks(self) -> int:
+        return self.table_blocks[0]
 
 
 def check_peer(
@@ -139,32 +151,41 @@ def check_peer(
     name: str,
     metadata: bytes,
     regions: list[MemoryRegion],
-    num_blocks: int,
+    num_blocks: int | Sequence[int],
     mem_type: str,
 ) -> PeerAgent:
     """A peer's advertised agent against our spec (the peer's compat hash equals ours, so its
-    geometry must too): ValueError naming the field and the limit."""
+    geometry must too): ValueError naming the field and the limit. num_blocks: per block table
+    (one count for a spec of one)."""
     if not name or len(name) > MAX_AGENT_NAME_CHARS:
         raise ValueError(f"nixl.agent_name must be 1 to {MAX_AGENT_NAME_CHARS} characters, got {len(name)}")
     if not 0 < len(metadata) <= MAX_METADATA_BYTES:
         raise ValueError(f"nixl.metadata must be 1 to {MAX_METADATA_BYTES} bytes, got {len(metadata)}")
     if mem_type not in MEM_TYPES:
         raise ValueError(f"nixl.mem_type must be one of {MEM_TYPES}, got {mem_type!r}")
-    if not 0 < num_blocks < 2**31:
-        raise ValueError(f"nixl.num_blocks must be in (0, 2^31), got {num_blocks}")
+    counts = (num_blocks,) * len(spec.tables) if isinstance(num_blocks, int) else tuple(num_blocks)
+    if len(counts) != len(spec.tables):
+        raise ValueError(
+            f"nixl.table_blocks has {len(counts)} counts, the KV cache spec has {len(spec.tables)} tables"
+        )
+    for n in counts:
+        if not 0 < n < 2**31:
+            raise ValueError(f"nixl.num_blocks must be in (0, 2^31), got {n}")
     if len(regions) != spec.num_caches:
         raise ValueError(
             f"nixl.regions has {len(regions)} entries, the KV cache spec has {spec.num_caches} caches"
         )
     for layer, r in enumerate(regions):
-        want = num_blocks * spec.layer_bytes_per_block(spec.group_at(layer))
+        g = spec.group_at(layer)
+        n = counts[spec.table_index(g.kind)]
+        want = n * spec.layer_bytes_per_block(g)
         if r.length != want:
             raise ValueError(
-                f"nixl.regions[{layer}].length is {r.length}, {num_blocks} blocks of this spec are {want} bytes"
+                f"nixl.regions[{layer}].length is {r.length}, {n} blocks of this spec are {want} bytes"
             )
         if not 0 < r.addr < 2**64 - r.length:
             raise ValueError(f"nixl.regions[{layer}].addr {r.addr:#x} leaves no room for {r.length} bytes")
-    return PeerAgent(name, tuple(regions), num_blocks, mem_type)
+    return PeerAgent(name, tuple(regions), counts, mem_type)
 
 
 def block_runs(local_ids: list[int], remote_ids: list[int]) -> np.ndarray:
@@ -201,20 +222,22 @@ def descriptors(
     spec: KVCacheSpec,
     local_regions: tuple[MemoryRegion, ...],
     remote_regions: tuple[MemoryRegion, ...],
-    local_ids: list[int],
-    remote_ids: list[int],
+    local_ids: Sequence[Sequence[int]],
+    remote_ids: Sequence[Sequence[int]],
     max_bytes: int = MAX_DESC_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """READ remote block remote_ids[i] into local block local_ids[i], every layer: one
-    (addr, length, device) row per (layer, run of blocks contiguous on both sides), runs cut to
-    at most max_bytes (or one block) -> uint64 [M, 3] x 2, row m of one side paired with row m of
-    the other. Engine block b of group g is bytes [b, b + 1) x layer_bytes_per_block(g) of each of
-    g's layer regions: its sub_blocks(g) rows lie back to back."""
-    runs = block_runs(local_ids, remote_ids)
+    """READ remote block remote_ids[t][i] into local block local_ids[t][i] of each block table t,
+    every layer of its groups: one (addr, length, device) row per (layer, run of blocks contiguous
+    on both sides), runs cut to at most max_bytes (or one block) -> uint64 [M, 3] x 2, row m of
+    one side paired with row m of the other. Engine block b of group g is bytes [b, b + 1) x
+    layer_bytes_per_block(g) of each of g's layer regions: its sub_blocks(g) rows lie back to back."""
+    runs = [block_runs(mine, theirs) for mine, theirs in zip(local_ids, remote_ids, strict=True)]
     local, remote = [], []
     for g in spec.groups:
         per = np.uint64(spec.layer_bytes_per_block(g))
-        cut = cut_runs(runs, max(1, max_bytes // int(per))).astype(np.uint64)  # [R', 3]
+        cut = cut_runs(runs[spec.table_index(g.kind)], max(1, max_bytes // int(per))).astype(
+            np.uint64
+        )  # [R', 3]
         for out, regions, column in ((local, local_regions, 0), (remote, remote_regions, 1)):
             slots = range(spec.slot_start(g), spec.slot_start(g) + g.num_layers)  # g's layers' regions
             addr = np.array([regions[slot].addr for slot in slots], dtype=np.uint64)  # [L]
@@ -257,11 +280,6 @@ class NixlAgent:
         """read_gate: a test hook (the reliability tests' PDSERVE_KV_READ_GATE): while that file
         exists, a read of more than one block lands its first block alone, then waits until
         the file is removed before it posts the rest (saying so in the log)."""
-        if len(port.spec.tables) > 1 or port.spec.states:
-            raise NotImplementedError(
-                f"NIXL reads move a KV cache spec of one block table without per-request state; this one has "
-                f"{len(port.spec.tables)} tables and {len(port.spec.states)} states (--kv-transport grpc moves it)"
-            )
         b = bindings()
         if b is None:
             raise RuntimeError(
@@ -270,7 +288,8 @@ class NixlAgent:
         self._b = b
         self.name = name
         self.spec = port.spec
-        self.num_blocks = port.num_blocks
+        self.table_blocks = port.table_blocks
+        self.num_blocks = self.table_blocks[0]
         self.regions = tuple(port.memory_regions())
         self.mem_type = "VRAM" if port.on_gpu else "DRAM"
         self.read_gate = read_gate
@@ -308,7 +327,12 @@ class NixlAgent:
     # ---- peers ---------------------------------------------------------------------------------
 
     def add_peer(
-        self, name: str, metadata: bytes, regions: list[MemoryRegion], num_blocks: int, mem_type: str
+        self,
+        name: str,
+        metadata: bytes,
+        regions: list[MemoryRegion],
+        num_blocks: int | Sequence[int],
+        mem_type: str,
     ) -> PeerAgent:
         """Load a producer's agent (once per name; ValueError naming the field if its metadata or
         geometry is not what our spec expects, or if the name is known with other metadata)."""
@@ -367,39 +391,51 @@ class NixlAgent:
         timings: ReadTimings | None = None,
     ) -> int:
         """Blocking (never on the engine thread). READ the producer's blocks `remote_block_ids`
-        into the sink's blocks [first_block, num_blocks) and, with expected_digests, check every
-        block read against them. Returns the bytes read; fills timings in when given. Raises
-        ImportClosed (the import ended), NixlCancelled, NixlTimeout, NixlError, ChecksumMismatch,
-        or ValueError when the producer's block ids do not fit (nothing is posted then)."""
-        want = sink.num_blocks - first_block
-        if not 0 <= first_block <= sink.num_blocks or len(remote_block_ids) != want:
+        (in read order: engine/kv_cache/transfer.py `read_order`) into the sink's blocks a
+        transfer from first_block on writes and, with expected_digests, check every block read
+        against them. Returns the bytes read; fills timings in when given. Raises ImportClosed
+        (the import ended), NixlCancelled, NixlTimeout, NixlError, ChecksumMismatch, or
+        ValueError when the producer's block ids do not fit (nothing is posted then). The
+        per-request states are not read here: the caller pulls them (they are not in the caches)."""
+        if not 0 <= first_block <= sink.num_blocks:
+            raise ValueError(f"first_block {first_block} outside [0, {sink.num_blocks}]")
+        ranges = sink.ranges_from(first_block)
+        want = sum(end - start for start, end in ranges)
+        if len(remote_block_ids) != want:
             raise ValueError(
                 f"block_ids: {len(remote_block_ids)} from the producer, the handle leaves {want} to read"
             )
-        for i, b in enumerate(remote_block_ids):
-            if not 0 <= b < peer.num_blocks:
-                raise ValueError(f"block_ids[{i}] = {b} outside the producer's [0, {peer.num_blocks})")
+        tables, i = [], 0
+        for t, (start, end) in enumerate(ranges):
+            tables.append(list(remote_block_ids[i : i + end - start]))
+            for j, b in enumerate(tables[-1]):
+                if not 0 <= b < peer.table_blocks[t]:
+                    raise ValueError(
+                        f"block_ids[{i + j}] = {b} outside the producer's [0, {peer.table_blocks[t]}) of table {t}"
+                    )
+            i += end - start
         if expected_digests is not None and len(expected_digests) != want:
             raise ValueError(f"block_checksums: {len(expected_digests)} for {want} blocks")
         if want == 0:
             return 0
-        local_ids = list(sink.block_ids[first_block:])
+        local = [list(sink.tables[t][start:end]) for t, (start, end) in enumerate(ranges)]
         with sink.remote_write() as closing:
             t = timings if timings is not None else ReadTimings()
             read = _Read(self, peer, sink, closing, cancel, timeout_s, t)
             try:
                 if self.read_gate is not None and want > 1 and self.read_gate.exists():
-                    read.post(local_ids[:1], remote_block_ids[:1])  # the first block alone, then the gate
+                    first = [ids[:1] for ids in local]  # each table's first block alone, then the gate
+                    read.post(first, [ids[:1] for ids in tables])
                     read.wait()
                     read.wait_at_gate(self.read_gate, want)
-                    local_ids, remote_block_ids = local_ids[1:], remote_block_ids[1:]
-                read.post(local_ids, remote_block_ids)
+                    local, tables = [ids[1:] for ids in local], [ids[1:] for ids in tables]
+                read.post(local, tables)
                 read.wait()
                 if expected_digests is not None:
                     read.verify(first_block, expected_digests)
             finally:
                 read.release()
-        return want * self.spec.bytes_per_block
+        return read_bytes(self.spec, ranges)
 
     def _status(self, call, *args):
         try:
@@ -464,7 +500,8 @@ class _Read:
         self.handles: list = []
         self.status = None
 
-    def post(self, local_ids: list[int], remote_ids: list[int]) -> None:
+    def post(self, local_ids: list[list[int]], remote_ids: list[list[int]]) -> None:
+        """READ each table's remote blocks into its local ones (lists per table, paired in order)."""
         start = time.monotonic()
         a, b = self.agent, self.agent._b
         local, remote = descriptors(a.spec, a.regions, self.peer.regions, local_ids, remote_ids)
@@ -507,13 +544,18 @@ class _Read:
         self.t.transfer += time.monotonic() - start
 
     def verify(self, first: int, expected: list[int]) -> None:
-        """The sink's blocks [first, first + len(expected)) against the producer's checksums."""
+        """The sink's blocks a transfer from `first` on writes against the producer's checksums
+        (both in read order)."""
         start = time.monotonic()
-        got = self.sink.checksums(first, first + len(expected))
-        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        got = self.sink.checksums(first)
+        where = [
+            (t, b) for t, (start, end) in enumerate(self.sink.ranges_from(first)) for b in range(start, end)
+        ]
+        for (t, b), g, e in zip(where, got, expected, strict=True):
             if g != e:
+                table = f" of table {t}" if len(self.sink.ranges) > 1 else ""
                 raise ChecksumMismatch(
-                    f"KV block {first + i} read from {self.peer.name} fails its checksum "
+                    f"KV block {b}{table} read from {self.peer.name} fails its checksum "
                     f"(CRC-32C {g:08x}, the producer's {e:08x})"
                 )
         self.t.verify += time.monotonic() - start

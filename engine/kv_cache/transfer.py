@@ -26,7 +26,7 @@ Who may touch the cache, stated once:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,6 +37,32 @@ from engine.kv_cache.codec import Slab, read_slab, read_state, write_slab, write
 from engine.kv_cache.export import Export
 from engine.kv_cache.spec import KVCacheSpec
 from engine.kv_cache.state import StatePool
+
+
+def read_order(tables: Sequence[Sequence[int]], ranges: tuple[tuple[int, int], ...]) -> list[int]:
+    """The blocks of each table's range (KVCacheSpec.transfer_ranges), table after table: the
+    order in which a NIXL read, its handle and BeginRead name a transfer's blocks and checksums
+    (for a spec of one table, its blocks from the first one read)."""
+    return [b for table, (start, end) in zip(tables, ranges, strict=True) for b in table[start:end]]
+
+
+def from_block(spec: KVCacheSpec, num_tokens: int, listed: Sequence, first_block: int) -> list:
+    """What a list in read order from block 0 (a handle's block ids or checksums) names from
+    first_block on, in read order."""
+    out, offset = [], 0
+    whole, rest = spec.transfer_ranges(num_tokens), spec.transfer_ranges(num_tokens, first_block)
+    for (start, end), (first, _) in zip(whole, rest, strict=True):
+        out += listed[offset + first - start : offset + end - start]
+        offset += end - start
+    return out
+
+
+def read_bytes(spec: KVCacheSpec, ranges: tuple[tuple[int, int], ...]) -> int:
+    """The bytes a transfer of these ranges moves (states not counted)."""
+    return sum(
+        (end - start) * spec.table_bytes_per_block(t)
+        for t, (start, end) in zip(spec.tables, ranges, strict=True)
+    )
 
 
 class ImportClosed(RuntimeError):
@@ -91,10 +117,17 @@ class ImportSink:
         self._cancel = threading.Event()
 
     @property
-    def block_ids(self) -> tuple[int, ...]:
-        """The importing request's prompt blocks of the first (full-attention) table, in order:
-        what a NIXL read writes (engine/kv_cache/nixl.py moves specs of one table)."""
-        return tuple(self._tables[0])
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """The importing request's prompt blocks per table (a window's null where none is written)."""
+        return tuple(tuple(t) for t in self._tables)
+
+    def read_order(self, first_block: int) -> list[int]:
+        """Its blocks a transfer from first_block on writes, in read order (`read_order`)."""
+        return read_order(self._tables, self.ranges_from(first_block))
+
+    def ranges_from(self, first_block: int) -> tuple[tuple[int, int], ...]:
+        """Per table, the blocks a transfer from first_block on writes."""
+        return tuple((max(start, first_block), end) for start, end in self.ranges)
 
     def write(self, slab: Slab, data: bytes) -> None:
         """Any thread. ImportClosed once the import ended; KVCodecError (nothing written) for a
@@ -136,10 +169,10 @@ class ImportSink:
                 self._remote_writers -= 1
                 self._idle.notify_all()
 
-    def checksums(self, first_block: int, end: int | None = None) -> list[int]:
-        """Any thread, inside a remote_write slot: the checksums of blocks [first_block,
-        end or num_blocks) of the first table (engine/kv_cache/checksum.py; NIXL's, for specs of one)."""
-        return block_checksums(self.spec, self._caches, self._tables[0][first_block:end])
+    def checksums(self, first_block: int) -> list[int]:
+        """Any thread, inside a remote_write slot: the checksums of the blocks a transfer from
+        first_block on writes, in read order (engine/kv_cache/checksum.py)."""
+        return table_checksums(self.spec, self._caches, self._tables, self.ranges_from(first_block))
 
     def close(self, wait: bool = True) -> bool:
         """Engine thread: later writes raise ImportClosed; a write in progress is waited for and a
@@ -161,6 +194,20 @@ class ImportSink:
     @property
     def is_open(self) -> bool:
         return self._open
+
+
+def table_checksums(
+    spec: KVCacheSpec,
+    caches: list[torch.Tensor],
+    tables: Sequence[Sequence[int]],
+    ranges: tuple[tuple[int, int], ...],
+) -> list[int]:
+    """The checksums of each table's blocks in its range, in read order."""
+    return [
+        c
+        for t, (table, (start, end)) in enumerate(zip(tables, ranges, strict=True))
+        for c in block_checksums(spec, caches, list(table[start:end]), t)
+    ]
 
 
 class KVPort:
@@ -193,10 +240,14 @@ class KVPort:
         """Engine thread: views of a request's state slot, one per StateSpec (none without states)."""
         return self._states.views(request_id) if self._states is not None else ()
 
+    def exported_blocks(self, export: Export, first_block: int = 0) -> list[int]:
+        """The export's blocks a transfer from first_block on reads, in read order (`read_order`)."""
+        return read_order(export.tables, self.spec.transfer_ranges(export.num_tokens, first_block))
+
     def checksum_exported(self, export: Export, first_block: int = 0) -> list[int]:
-        """Any thread, inside a read of the export: the checksums of its blocks [first_block, end)
-        (of the full-attention table: NIXL readers verify them, for specs of one table)."""
-        return block_checksums(self.spec, self._caches, export.block_ids[first_block:])
+        """Any thread, inside a read of the export: the checksums of `exported_blocks`, in their order."""
+        ranges = self.spec.transfer_ranges(export.num_tokens, first_block)
+        return table_checksums(self.spec, self._caches, export.tables, ranges)
 
     def memory_regions(self) -> list[MemoryRegion]:
         """Every layer cache's memory, in layer order (registered once with a NIXL agent; the
@@ -213,8 +264,16 @@ class KVPort:
     @property
     def num_blocks(self) -> int:
         """Engine blocks the first table's caches hold."""
-        g = self.spec.groups[0]
-        return self._caches[self.spec.slot_start(g)].shape[0] // self.spec.sub_blocks(g)
+        return self.table_blocks[0]
+
+    @property
+    def table_blocks(self) -> tuple[int, ...]:
+        """Engine blocks each table's caches hold."""
+        out = []
+        for t in self.spec.tables:
+            g = t.groups[0]
+            out.append(self._caches[self.spec.slot_start(g)].shape[0] // self.spec.sub_blocks(g))
+        return tuple(out)
 
     def sink(self, request_id: str, tables: list[list[int]], num_tokens: int | None = None) -> ImportSink:
         """Engine thread: where a transfer writes an importing request's prompt KV (tables: its

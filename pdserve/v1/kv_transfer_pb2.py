@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"Q\n\nKvProducer\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\"\xfa\x01\n\x08KvHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x08producer\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.KvProducer\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1c\n\x14lease_expiry_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\x12\x11\n\tblock_ids\x18\t \x03(\x03\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\"_\n\x0bPullRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\"d\n\x10\x42\x65ginReadRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x17\n\x0fread_timeout_ms\x18\x04 \x01(\x03\"t\n\x11\x42\x65ginReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x03\x12\x17\n\x0f\x62lock_checksums\x18\x02 \x03(\x06\x12\x1d\n\x15read_deadline_unix_ms\x18\x03 \x01(\x03\x12\x14\n\x0cread_hold_ms\x18\x04 \x01(\x03\"=\n\nNixlRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x97\x01\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\'\n\x07regions\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.NixlRegion\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x11\n\tchecksums\x18\x06 \x01(\x08\"\xec\x01\n\x0cKvCacheGroup\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\x12\n\nrope_width\x18\x06 \x01(\x05\x12\x15\n\rrotary_layout\x18\x07 \x01(\t\x12\x18\n\x10tokens_per_entry\x18\x08 \x01(\x05\x12\x13\n\x0brope_offset\x18\t \x01(\x05\x12\r\n\x05scale\x18\n \x01(\t\x12\x0e\n\x06window\x18\x0b \x01(\x05\"Z\n\x07KvState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\"w\n\x0bKvCacheSpec\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.KvCacheGroup\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12#\n\x06states\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.KvState\"\xc9\x01\n\x07KvChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\x05\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x12\n\x05state\x18\t \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_state\"P\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.ReleaseReason\"\x11\n\x0fReleaseResponse\":\n\x11RenewLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x03\"2\n\x12RenewLeaseResponse\x12\x1c\n\x14lease_expiry_unix_ms\x18\x01 \x01(\x03*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*b\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13RELEASE_REASON_DONE\x10\x01\x12\x18\n\x14RELEASE_REASON_ABORT\x10\x02\x32\x9f\x02\n\nKvTransfer\x12\x36\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x13.pdserve.v1.KvChunk0\x01\x12H\n\tBeginRead\x12\x1c.pdserve.v1.BeginReadRequest\x1a\x1d.pdserve.v1.BeginReadResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"Q\n\nKvProducer\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\"\xfa\x01\n\x08KvHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x08producer\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.KvProducer\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1c\n\x14lease_expiry_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x63ompat_hash\x18\x08 \x01(\t\x12\x11\n\tblock_ids\x18\t \x03(\x03\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\x06\"_\n\x0bPullRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\"d\n\x10\x42\x65ginReadRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x17\n\x0fread_timeout_ms\x18\x04 \x01(\x03\"t\n\x11\x42\x65ginReadResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x03\x12\x17\n\x0f\x62lock_checksums\x18\x02 \x03(\x06\x12\x1d\n\x15read_deadline_unix_ms\x18\x03 \x01(\x03\x12\x14\n\x0cread_hold_ms\x18\x04 \x01(\x03\"=\n\nNixlRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xad\x01\n\rNixlAgentInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12\'\n\x07regions\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.NixlRegion\x12\x10\n\x08mem_type\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x11\n\tchecksums\x18\x06 \x01(\x08\x12\x14\n\x0ctable_blocks\x18\x07 \x03(\x05\"\xec\x01\n\x0cKvCacheGroup\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\x12\n\nrope_width\x18\x06 \x01(\x05\x12\x15\n\rrotary_layout\x18\x07 \x01(\t\x12\x18\n\x10tokens_per_entry\x18\x08 \x01(\x05\x12\x13\n\x0brope_offset\x18\t \x01(\x05\x12\r\n\x05scale\x18\n \x01(\t\x12\x0e\n\x06window\x18\x0b \x01(\x05\"Z\n\x07KvState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\r\n\x05shape\x18\x03 \x03(\x05\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\"w\n\x0bKvCacheSpec\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.KvCacheGroup\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12#\n\x06states\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.KvState\"\xc9\x01\n\x07KvChunk\x12\x13\n\x0blayer_start\x18\x01 \x01(\x05\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12\x12\n\x05state\x18\t \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_state\"P\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.ReleaseReason\"\x11\n\x0fReleaseResponse\":\n\x11RenewLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x03\"2\n\x12RenewLeaseResponse\x12\x1c\n\x14lease_expiry_unix_ms\x18\x01 \x01(\x03*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*b\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13RELEASE_REASON_DONE\x10\x01\x12\x18\n\x14RELEASE_REASON_ABORT\x10\x02\x32\x9f\x02\n\nKvTransfer\x12\x36\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x13.pdserve.v1.KvChunk0\x01\x12H\n\tBeginRead\x12\x1c.pdserve.v1.BeginReadRequest\x1a\x1d.pdserve.v1.BeginReadResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=1784
-  _globals['_KVDTYPE']._serialized_end=1912
-  _globals['_RELEASEREASON']._serialized_start=1914
-  _globals['_RELEASEREASON']._serialized_end=2012
+  _globals['_KVDTYPE']._serialized_start=1806
+  _globals['_KVDTYPE']._serialized_end=1934
+  _globals['_RELEASEREASON']._serialized_start=1936
+  _globals['_RELEASEREASON']._serialized_end=2034
   _globals['_KVPRODUCER']._serialized_start=44
   _globals['_KVPRODUCER']._serialized_end=125
   _globals['_KVHANDLE']._serialized_start=128
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NIXLREGION']._serialized_start=697
   _globals['_NIXLREGION']._serialized_end=758
   _globals['_NIXLAGENTINFO']._serialized_start=761
-  _globals['_NIXLAGENTINFO']._serialized_end=912
-  _globals['_KVCACHEGROUP']._serialized_start=915
-  _globals['_KVCACHEGROUP']._serialized_end=1151
-  _globals['_KVSTATE']._serialized_start=1153
-  _globals['_KVSTATE']._serialized_end=1243
-  _globals['_KVCACHESPEC']._serialized_start=1245
-  _globals['_KVCACHESPEC']._serialized_end=1364
-  _globals['_KVCHUNK']._serialized_start=1367
-  _globals['_KVCHUNK']._serialized_end=1568
-  _globals['_RELEASEREQUEST']._serialized_start=1570
-  _globals['_RELEASEREQUEST']._serialized_end=1650
-  _globals['_RELEASERESPONSE']._serialized_start=1652
-  _globals['_RELEASERESPONSE']._serialized_end=1669
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1671
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1729
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1731
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1781
-  _globals['_KVTRANSFER']._serialized_start=2015
-  _globals['_KVTRANSFER']._serialized_end=2302
+  _globals['_NIXLAGENTINFO']._serialized_end=934
+  _globals['_KVCACHEGROUP']._serialized_start=937
+  _globals['_KVCACHEGROUP']._serialized_end=1173
+  _globals['_KVSTATE']._serialized_start=1175
+  _globals['_KVSTATE']._serialized_end=1265
+  _globals['_KVCACHESPEC']._serialized_start=1267
+  _globals['_KVCACHESPEC']._serialized_end=1386
+  _globals['_KVCHUNK']._serialized_start=1389
+  _globals['_KVCHUNK']._serialized_end=1590
+  _globals['_RELEASEREQUEST']._serialized_start=1592
+  _globals['_RELEASEREQUEST']._serialized_end=1672
+  _globals['_RELEASERESPONSE']._serialized_start=1674
+  _globals['_RELEASERESPONSE']._serialized_end=1691
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1693
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1751
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1753
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1803
+  _globals['_KVTRANSFER']._serialized_start=2037
+  _globals['_KVTRANSFER']._serialized_end=2324
 # @@protoc_insertion_point(module_scope)

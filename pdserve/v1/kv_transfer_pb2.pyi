@@ -112,20 +112,22 @@ class NixlRegion(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class NixlAgentInfo(_message.Message):
-    __slots__ = ("agent_name", "metadata", "regions", "mem_type", "num_blocks", "checksums")
+    __slots__ = ("agent_name", "metadata", "regions", "mem_type", "num_blocks", "checksums", "table_blocks")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[NixlRegion]
     mem_type: str
     num_blocks: int
     checksums: bool
-    def __init__(self, agent_name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., mem_type: _Optional[str] = ..., num_blocks: _Optional[int] = ..., checksums: _Optional[bool] = ...) -> None: ...
+    table_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., mem_type: _Optional[str] = ..., num_blocks: _Optional[int] = ..., checksums: _Optional[bool] = ..., table_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
     __slots__ = ("kind", "layers", "block_size", "width", "dtype", "rope_width", "rotary_layout", "tokens_per_entry", "rope_offset", "scale", "window")

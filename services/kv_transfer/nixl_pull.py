@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.kv_cache import nixl
-from engine.kv_cache.transfer import ImportClosed, ImportSink, MemoryRegion
+from engine.kv_cache.transfer import ImportClosed, ImportSink, MemoryRegion, from_block
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.common.errors import DataLoss, FailedPrecondition, ServiceError
 from services.common.threads import named_pool
+from services.kv_transfer import consumer
 from services.kv_transfer.peers import PeerStubs
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def agent_info(agent: nixl.NixlAgent, checksums: bool) -> kv_pb.NixlAgentInfo:
         mem_type=agent.mem_type,
         num_blocks=agent.num_blocks,
         checksums=checksums,
+        table_blocks=agent.table_blocks if len(agent.table_blocks) > 1 else (),
     )
 
 
@@ -147,7 +149,7 @@ class Transports:
                     n.agent_name,
                     n.metadata,
                     [MemoryRegion(r.addr, r.length, r.device_id) for r in n.regions],
-                    n.num_blocks,
+                    list(n.table_blocks) or n.num_blocks,
                     n.mem_type,
                 )
             except ValueError as e:
@@ -209,7 +211,9 @@ async def pull(
     waits for BeginRead's answer."""
     t = timings if timings is not None else PullTimings()
     stub = transports.peers.kv(handle.producer.endpoint)
-    want = handle.num_blocks - first_block
+    spec = transports.agent.spec
+    want = sum(end - start for start, end in spec.transfer_ranges(handle.num_tokens, first_block))
+    whole = sum(end - start for start, end in spec.transfer_ranges(handle.num_tokens))
     loop = asyncio.get_running_loop()
     sent = time.monotonic()
     begin = asyncio.ensure_future(
@@ -223,9 +227,7 @@ async def pull(
             timeout=min(timeout, INFO_TIMEOUT_S),
         )
     )
-    early = len(handle.block_ids) == handle.num_blocks and (
-        not verify or len(handle.block_checksums) == handle.num_blocks
-    )
+    early = len(handle.block_ids) == whole and (not verify or len(handle.block_checksums) == whole)
     cancel = threading.Event()
     expired = threading.Event()  # the hold ran out under our READ
     read: asyncio.Future | None = None
@@ -251,8 +253,10 @@ async def pull(
 
     try:
         if early:
-            block_ids = list(handle.block_ids[first_block:])
-            digests = list(handle.block_checksums[first_block:]) if verify else None
+            block_ids = from_block(spec, handle.num_tokens, handle.block_ids, first_block)
+            digests = (
+                from_block(spec, handle.num_tokens, handle.block_checksums, first_block) if verify else None
+            )
             read = start_read(block_ids, digests, timeout)
         begun = await _answer(begin, handle)
         t.begin_read = time.monotonic() - sent
@@ -287,6 +291,8 @@ async def pull(
         received = await asyncio.shield(read)
         r = t.read
         t.handoff = max(0.0, time.monotonic() - posted - (r.prepare + r.transfer + r.verify + r.release))
+        if spec.states:  # not in the registered caches: pulled, and nothing else with them
+            received += await consumer.pull(stub, handle, sink, handle.num_blocks, 0, timeout)
         return received
     except BaseException as e:
         cancel.set()

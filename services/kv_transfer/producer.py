@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from engine.kv_cache.export import ExportNotFound, ExportReleasing, ExportTable
-from engine.kv_cache.transfer import KVPort
+from engine.kv_cache.transfer import KVPort, from_block, read_bytes
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
 from pdserve.v1 import kv_transfer_pb2_grpc as kv_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -98,14 +98,18 @@ class KvTransferService(kv_grpc.KvTransferServicer):
             export = self.exports.begin_remote_read(
                 request.transfer_id, request.read_timeout_ms / 1000 + READ_MARGIN_S
             )
-        first = request.first_block
-        digests = export.block_checksums[first:] if export.block_checksums is not None else []
-        nbytes = (num_blocks - first) * self.port.spec.bytes_per_block
+        spec, first = self.port.spec, request.first_block
+        digests = (
+            from_block(spec, export.num_tokens, export.block_checksums, first)
+            if export.block_checksums is not None
+            else []
+        )
+        nbytes = read_bytes(spec, spec.transfer_ranges(export.num_tokens, first))
         export.bytes_sent += nbytes
         self.metrics.labels(self.metrics.kv_transfer_bytes, "sent").inc(nbytes)
         until = export.remote_read_until
         return kv_pb.BeginReadResponse(
-            block_ids=export.block_ids[first:],
+            block_ids=self.port.exported_blocks(export, first),
             block_checksums=digests,
             read_deadline_unix_ms=int(until * 1000),
             read_hold_ms=max(0, int((until - time.time()) * 1000)),

@@ -84,7 +84,7 @@ class KvExporter:
                 block_size=self.kv_spec.block_size,
                 lease_expiry_unix_ms=int(kv.lease_expiry * 1000),
                 compat_hash=self.compat_hash,
-                block_ids=kv.block_ids if self.nixl else (),
+                block_ids=self.port.exported_blocks(kv) if self.nixl else (),
                 block_checksums=(kv.block_checksums or ()) if self.nixl else (),
             )
         )
