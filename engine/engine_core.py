@@ -321,12 +321,7 @@ class EngineCore:
     def publish_stats(self) -> None:
         """Snapshot the queues and the KV memory into `stats` (engine thread only)."""
         sched = self.scheduler
-        waiting = (
-            len(sched.waiting)
-            + len(sched.waiting_for_kv)
-            + len(self.handover.importing)
-            + self.structured.num_held
-        )
+        waiting = sched.num_waiting + self.structured.num_held
         self.stats = EngineStats(len(sched.running), waiting, self.kv.stats())
 
     def _abort_unconstrainable(self, req: Request, error: str) -> RequestOutput:

@@ -5,13 +5,18 @@ export (export.py's ExportTable, under a lease) instead of freed; the services h
 to a decode worker, and the blocks of every export that ended (released, aborted, expired) are
 freed here, at the start of every step.
 
-Consumer: an import is a request continued here whose prompt KV is written from outside:
+Consumer: an import is a request continued here whose prompt KV is written from outside. The
+scheduler holds it (Scheduler.importing: its state, counted among the waiting, admitted by the
+admission every request goes through); this class holds the worker side, the sink its bytes
+come through:
 
     EngineCore.begin_import      the request, WAITING_FOR_REMOTE_KV, holding no blocks
-        -> allocate_import       Scheduler.admit, the admission every request goes through: the
-                                 prefix hit, what the connector holds, new blocks (None: no room
-                                 or a lookup in flight -- retry after a step); LOADING_REMOTE_KV
-        -> import_sink           where the transfer writes the blocks it must send
+        -> allocate_import       Scheduler.admit_import: the prefix hit, what the connector holds
+                                 (written now), new blocks -- a window table's only where the next
+                                 token reads (None: no room or a lookup in flight -- retry after
+                                 a step); LOADING_REMOTE_KV; the sink opens
+        -> import_sink           where the transfer writes every table's blocks it must send, and
+                                 the states
         -> finish_import         the blocks are prefix-cached; the request joins the running batch
         or recompute_import      the transfer failed: the prompt is computed here instead
         or EngineCore.abort_request   (abort: the sink is closed first, then the blocks freed)
@@ -22,7 +27,6 @@ engine thread calls all of it (the services through AsyncEngine.call).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from engine.kv_cache.connector import run_load
@@ -30,7 +34,7 @@ from engine.kv_cache.export import Export, ExportTable
 from engine.kv_cache.hashing import hash_blocks
 from engine.kv_cache.transfer import ImportSink, KVPort
 from engine.request import Request, RequestStatus
-from engine.scheduler import Admission, Scheduler
+from engine.scheduler import Scheduler
 from engine.structured.manager import StructuredOutputManager
 
 
@@ -61,8 +65,9 @@ class KVHandover:
         self.structured = structured
         self.exports = exports
         """Prefill-only requests' prompt blocks, pinned under leases."""
-        self.importing: dict[str, KVImport] = {}
-        """Requests whose prompt KV is written from outside, until it is in."""
+        self.sinks: dict[str, KVImport] = {}
+        """Importing requests (the scheduler holds them: Scheduler.importing) with blocks, and the
+        sinks their transfers write through, until the import ends."""
         self.closing: list[KVImport] = []
         """Aborted imports whose sink a remote write (a NIXL READ being cancelled) still holds:
         their blocks are freed once it has left (reap_closed), not while it may land."""
@@ -70,7 +75,7 @@ class KVHandover:
     def holds(self, request_id: str) -> bool:
         """The id still names KV here: a live export's, an import's or a closing import's."""
         return (
-            request_id in self.importing
+            request_id in self.scheduler.importing
             or self.exports.holds(request_id)
             or any(imp.request.request_id == request_id for imp in self.closing)
         )
@@ -109,59 +114,61 @@ class KVHandover:
 
     def begin_import(self, req: Request) -> None:
         """Hold a new request (EngineCore.begin_import made it) until its prompt KV is in."""
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.importing[req.request_id] = KVImport(req)
+        self.scheduler.begin_import(req)
 
     def allocate_import(self, request_id: str) -> int | None:
-        """Give an importing request blocks for its prompt, through the scheduler's admission
-        (prefix hits and what the connector holds need no transfer; new blocks are not
-        prefix-cached until their contents are in). Returns how many leading prompt blocks need
+        """Give an importing request blocks for its prompt (Scheduler.admit_import) and open the
+        sink the transfer writes them through; what the connector holds is written now, so the
+        transfer sends only what is still missing. Returns how many leading prompt blocks need
         no transfer, or None when the cache has no room yet or the connector is looking its
         prefix up: retry after a step."""
-        imp = self.importing[request_id]
-        req = imp.request
-        num_prompt = req.num_prompt_tokens
-        admitted = self.scheduler.admit(req, num_prompt, num_prompt, cache_blocks=False, external=True)
-        if isinstance(admitted, Admission):
+        req = self.scheduler.importing[request_id]
+        admitted = self.scheduler.admit_import(req)
+        if admitted is None:
             return None
-        cached, _, load = admitted
-        if load is not None:  # written now: the transfer then sends only what is still missing
+        cached, load = admitted
+        if load is not None:
             cached -= run_load(self.scheduler.connector, request_id, load) * self.block_size
-        req.status = RequestStatus.LOADING_REMOTE_KV
-        req.metrics.num_cached_tokens = cached
+            req.metrics.num_cached_tokens = cached
+        num_prompt = req.num_prompt_tokens
         prompt_blocks = -(-num_prompt // self.block_size)
-        imp.sink = self.kv_port.sink(request_id, [t[:prompt_blocks] for t in req.block_ids], num_prompt)
+        sink = self.kv_port.sink(request_id, [t[:prompt_blocks] for t in req.block_ids], num_prompt)
+        self.sinks[request_id] = KVImport(req, sink)
         return cached // self.block_size
 
     def import_sink(self, request_id: str) -> ImportSink:
         """Where the transfer writes an importing request's prompt KV (after allocate_import)."""
-        sink = self.importing[request_id].sink
-        if sink is None:
+        if request_id not in self.scheduler.importing:
+            raise KeyError(f"request {request_id!r} is not importing")
+        imp = self.sinks.get(request_id)
+        if imp is None:
             raise RuntimeError(f"request {request_id!r} has no blocks yet: call allocate_import first")
-        return sink
+        return imp.sink
 
     def finish_import(self, request_id: str) -> None:
         """The prompt KV is in the request's blocks: cache them and join the running batch."""
-        imp = self.importing.pop(request_id)
-        imp.close()
-        req = imp.request
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.scheduler.kv.cache_blocks(req, req.num_computed_tokens)
-        req.metrics.first_scheduled_time = time.monotonic()
+        req = self._end(request_id, done=True)
         self.structured.admit(req, self.scheduler.add_running)
 
     def recompute_import(self, request_id: str) -> None:
         """The transfer failed: drop the blocks and compute the prompt here instead."""
-        imp = self.importing.pop(request_id)
-        imp.close()
-        self.structured.admit(imp.request, self.scheduler.recompute)
+        req = self._end(request_id, done=False)
+        self.structured.admit(req, self.scheduler.recompute)
+
+    def _end(self, request_id: str, done: bool) -> Request:
+        imp = self.sinks.pop(request_id, None)
+        if imp is not None:
+            imp.close()
+        req = self.scheduler.importing[request_id]
+        self.scheduler.end_import(req, done)
+        return req
 
     def abort_import(self, request_id: str) -> bool:
         """Stop writes into an aborted request's blocks without waiting on a peer. True when a
         remote write is still being cancelled: the caller must then keep the blocks, which
         reap_closed frees once it has left; False (not importing, or nothing in flight): the caller
         frees them."""
-        imp = self.importing.pop(request_id, None)
+        imp = self.sinks.pop(request_id, None)
         if imp is None or imp.close(wait=False):
             return False
         self.closing.append(imp)

@@ -98,6 +98,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: list[Request] = []
         """Requests (WAITING_FOR_REMOTE_KV) whose prefix blocks the connector is looking up."""
+        self.importing: dict[str, Request] = {}
+        """Requests whose prompt KV comes from another engine: WAITING_FOR_REMOTE_KV until admitted
+        (`admit_import`), LOADING_REMOTE_KV while a transfer writes it, then running
+        (`end_import`). Not stepped: the transfer, not a step, moves them on."""
         self._virtual_time = 0.0
         """The start tag of the request admitted last (start-time fair queuing)."""
         self._client_finish: dict[str, float] = {}
@@ -128,7 +132,47 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests a step may move on (imports wait for their transfer, not a step)."""
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, looking their prefix up, or importing."""
+        return len(self.waiting) + len(self.waiting_for_kv) + len(self.importing)
+
+    # ---- imports (engine/kv_handover.py writes their KV) ------------------------------------
+
+    def begin_import(self, req: Request) -> None:
+        """Hold a new request until its prompt KV is in: WAITING_FOR_REMOTE_KV, holding no blocks."""
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.importing[req.request_id] = req
+
+    def admit_import(self, req: Request) -> tuple[int, KVLoad | None] | None:
+        """Blocks for an importing request's prompt, through the admission every request goes
+        through (prefix hits and what the connector holds need no transfer; the new blocks are not
+        prefix-cached until their contents are in; a window table gets only what the token after
+        the prompt reads) -> (prompt tokens in its blocks once the load is written, the load), or
+        None when there is no room or the connector is looking its prefix up: ask again after a
+        step. LOADING_REMOTE_KV once admitted."""
+        n = req.num_prompt_tokens
+        admitted = self.admit(req, n, n, cache_blocks=False, external=True)
+        if isinstance(admitted, Admission):
+            return None
+        cached, _, load = admitted
+        req.status = RequestStatus.LOADING_REMOTE_KV
+        req.metrics.num_cached_tokens = cached
+        return cached, load
+
+    def end_import(self, req: Request, done: bool = True) -> None:
+        """The import ends: done, its prompt KV is in (registered in the prefix cache here; the
+        caller then joins it to the running batch, `add_running`); else the transfer failed (the
+        caller queues it to compute the prompt here, `recompute`)."""
+        del self.importing[req.request_id]
+        if not done:
+            return
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.metrics.first_scheduled_time = time.monotonic()
 
     def admit(
         self, req: Request, upto: int, budget: int, cache_blocks: bool = True, external: bool = False
@@ -322,6 +366,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.waiting_for_kv:
             self.waiting_for_kv.remove(req)
+        else:
+            self.importing.pop(req.request_id, None)
         if self.connector is not None:
             self.connector.release(req.request_id)
         self.free_blocks(req, keep_blocks)

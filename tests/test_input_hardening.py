@@ -296,6 +296,6 @@ def test_importing_request_id_cannot_be_reused(core):
     free_while_importing = pool.num_free_blocks
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("i", prompt, params, kv_export=True)
-    assert pool.num_free_blocks == free_while_importing and "i" in core.handover.importing
+    assert pool.num_free_blocks == free_while_importing and "i" in core.scheduler.importing
     core.abort_request("i")
     assert pool.num_free_blocks == free_at_start

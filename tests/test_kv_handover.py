@@ -66,7 +66,7 @@ def _reset(core: EngineCore, noise_seed: int) -> None:
         core.abort_request(rid)
     core.handover.exports.abort_all()
     core.handover.free_ended_exports()
-    assert not core.handover.importing and not core.has_unfinished_requests()
+    assert not core.scheduler.importing and not core.has_unfinished_requests()
     pool = core.kv.pools[0]
     assert pool.num_free_blocks == pool.num_blocks, "a test leaked blocks"
     pool.reset_prefix_cache()
@@ -455,7 +455,7 @@ def test_abort_of_an_importing_request_frees_blocks_and_caches_nothing(pd, warm)
     _transfer(pd.producer, c, first.exported_kv, "r", hits, end=3)  # the stream broke after block 2
     out = c.abort_request("r")
     assert out.finish_reason == "abort"
-    assert "r" not in c.requests and "r" not in c.handover.importing
+    assert "r" not in c.requests and "r" not in c.scheduler.importing
     assert bm.num_free_blocks == NUM_BLOCKS
     # Only blocks that were cached before are findable: none of the import's own.
     assert bm.pools[0].cached == cached_before
@@ -569,7 +569,7 @@ def test_abort_before_allocate_import_leaves_no_trace(pd):
     c = pd.consumer
     c.begin_import("r", _prompt(13), [7], GREEDY)
     assert c.abort_request("r").finish_reason == "abort"
-    assert (c.requests, c.handover.importing, c.detokenizers) == ({}, {}, {})
+    assert (c.requests, c.scheduler.importing, c.detokenizers) == ({}, {}, {})
     assert c.kv.num_free_blocks == NUM_BLOCKS
 
 
@@ -585,7 +585,7 @@ def test_recompute_import_after_a_failed_transfer(pd, mode):
     _transfer(pd.producer, c, kv, "r", 0, end=2)  # half the blocks arrived, then the pull failed
     assert pd.producer.handover.release_export("r")
     c.handover.recompute_import("r")
-    assert "r" not in c.handover.importing
+    assert "r" not in c.scheduler.importing
     assert c.kv.num_free_blocks == NUM_BLOCKS  # the blocks wait for the scheduler
     assert c.kv.pools[0].cached == {}  # the half-written blocks were never registered
     final = run_finished(c)["r"]
@@ -602,7 +602,7 @@ def test_allocate_import_waits_for_room(pd):
     assert bm.num_free_blocks == 14
     c.begin_import("b", _prompt(57), [7], GREEDY)  # needs 15 blocks
     assert c.handover.allocate_import("b") is None
-    assert c.requests["b"].block_ids == [] and "b" in c.handover.importing
+    assert c.requests["b"].block_ids == [] and "b" in c.scheduler.importing
     assert bm.num_free_blocks == 14
     c.begin_import("c", _prompt(56), [7], GREEDY)  # needs exactly the 14 left
     assert c.handover.allocate_import("c") == 0
@@ -657,7 +657,7 @@ def test_begin_import_rejects_and_leaves_no_trace(pd, case):
     c.begin_import("other", _prompt(5), [7], GREEDY)
     with pytest.raises(ValueError, match=message):
         c.begin_import("r", _prompt(13), outputs, params, state)
-    assert (list(c.requests), list(c.handover.importing), list(c.detokenizers)) == (
+    assert (list(c.requests), list(c.scheduler.importing), list(c.detokenizers)) == (
         ["other"],
         ["other"],
         ["other"],
@@ -677,7 +677,7 @@ def test_begin_import_validates_the_prompt_like_add_request(pd, prompt, message)
     c = pd.consumer
     with pytest.raises(ValueError, match=message):
         c.begin_import("r", prompt, [7], GREEDY)
-    assert (c.requests, c.handover.importing, c.detokenizers) == ({}, {}, {})
+    assert (c.requests, c.scheduler.importing, c.detokenizers) == ({}, {}, {})
 
 
 def test_begin_import_rejects_an_id_in_use(pd):

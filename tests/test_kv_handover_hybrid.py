@@ -250,10 +250,13 @@ def test_after_a_prefix_hit_only_the_rest_moves():
 def test_an_import_aborted_or_recomputed_frees_every_table_once():
     receiver = Side()
     req, _ = begin_import(receiver, "a")
+    # The scheduler holds it, counted among the waiting; no step moves it (its transfer does).
+    assert receiver.sched.importing == {"a": req} and req.status is RequestStatus.LOADING_REMOTE_KV
+    assert receiver.sched.num_waiting == 1 and receiver.sched.num_unfinished == 0
     assert receiver.kv.num_free_blocks < receiver.kv.num_blocks
     assert receiver.handover.abort_import("a") is False  # nothing in flight: the caller frees
-    receiver.sched.free_blocks(req)
-    assert receiver.all_free()
+    receiver.sched.finish(req, RequestStatus.FINISHED_ABORTED)  # what EngineCore.abort_request does
+    assert receiver.all_free() and not receiver.sched.importing and receiver.sched.num_waiting == 0
 
     req, _ = begin_import(receiver, "b")
     receiver.handover.recompute_import("b")  # computed here instead, through the scheduler
@@ -360,7 +363,7 @@ def test_a_nixl_read_names_the_table_of_a_block_that_fails_its_checksum(nixl_sid
     with pytest.raises(nixl.ChecksumMismatch, match="KV block 10 of table 1"):
         agent.read(peer, sink, 0, producer.port.exported_blocks(export), 30.0, threading.Event(), digests)
     assert receiver.handover.abort_import("bad") is False
-    receiver.sched.free_blocks(req)
+    receiver.sched.finish(req, RequestStatus.FINISHED_ABORTED)
     producer.handover.exports.release(export.export_id, done=False)
     producer.handover.free_ended_exports()
     assert receiver.all_free() and producer.all_free()
