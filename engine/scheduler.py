@@ -177,13 +177,13 @@ class Scheduler:
     def admit(
         self, req: Request, upto: int, budget: int, cache_blocks: bool = True, external: bool = False
     ) -> tuple[int, int, KVLoad | None] | Admission:
-        """Admission, written once (waiting requests here, KV imports in KVHandover): give a request
-        that holds no blocks the blocks for its first `upto` tokens, computing at most `budget` of
-        them now: its device prefix hit, then the blocks the connector can load after it, then new
-        blocks (with room for speculation when the chunk samples). With cache_blocks=False the new
-        blocks are not prefix-cached (an import's: their contents arrive later); external: their
-        KV is written from outside, not computed (an import's: a window table then gets only the
-        blocks the token after the prompt reads).
+        """Admission, written once (waiting requests in `schedule`, KV imports in `admit_import`):
+        give a request that holds no blocks the blocks for its first `upto` tokens, computing at
+        most `budget` of them now: its device prefix hit, then the blocks the connector can load
+        after it, then new blocks (with room for speculation when the chunk samples). With
+        cache_blocks=False the new blocks are not prefix-cached (an import's: their contents
+        arrive later); external: their KV is written from outside, not computed (an import's: a
+        window table then gets only the blocks the token after the prompt reads).
         -> (tokens in its blocks once the load is written, tokens to compute now, the connector's
         load for the worker side to write -- connector.run_load -- or None), or why it was not
         admitted: NO_ROOM (nothing changed) or LOOKING_UP (the connector is finding its prefix off

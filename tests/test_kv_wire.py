@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind
+from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind, StateSpec
 from engine.kv_cache.codec import DTYPE_CODES, read_slab, write_slab
 from engine.kv_cache.spec import KVCacheSpec
 from pdserve.v1 import kv_transfer_pb2 as kv_pb
@@ -314,8 +314,20 @@ def test_dtype_codes_are_the_proto_enum():
     }
 
 
-@pytest.mark.parametrize("spec", [GEOS[0], TWO_GROUPS, FP8_GROUPS], ids=_geo_id)
+HYBRID = KVCacheSpec(
+    (
+        CacheGroupSpec(CacheKind.LATENT, (0, 1), 4, 8, torch.float32),
+        CacheGroupSpec(CacheKind.SLIDING_WINDOW, (0, 1), 4, 8, torch.bfloat16, window=10),
+        CacheGroupSpec(CacheKind.COMPRESSED, (0,), 1, 8, torch.float32, tokens_per_entry=4),
+    ),
+    "hybrid",
+    (StateSpec("compressor", (0,), (2, 3), torch.float32),),
+)
+
+
+@pytest.mark.parametrize("spec", [GEOS[0], TWO_GROUPS, FP8_GROUPS, HYBRID], ids=_geo_id)
 def test_spec_round_trips_through_the_wire(spec):
+    """Every group (a window's width included) and every state: a hybrid spec too."""
     wire = spec_to_proto(spec).SerializeToString()
     back = spec_from_proto(kv_pb.KvCacheSpec.FromString(wire))
     assert back == spec

@@ -123,8 +123,9 @@ class KVCacheManager:
     ):
         """num_blocks: engine blocks per table (one count for all); a sliding window's pool spends
         one on its null block. on_evict(block hash, block id, table): a cached block's contents are
-        about to be dropped; on_evict_state(block hash, states): a state snapshot's (KV offloading). num_state_slots: requests that can hold a
-        state at once (needed when the spec has states)."""
+        about to be dropped; on_evict_state(block hash, states): a state snapshot's (KV
+        offloading keeps both). num_state_slots: requests that can hold a state at once (needed
+        when the spec has states)."""
         counts = spec.table_blocks(num_blocks)
         self.spec = spec
         self.block_size = spec.block_size

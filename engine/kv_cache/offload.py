@@ -13,8 +13,8 @@ raw bytes) -- never pickle; a block whose header or checksum does not match is t
 is admitted again, without what failed). A tier that fails (Redis down) is skipped: offloading can
 only save work, never fail a request.
 
-A hit of n blocks after the device's needs, in every table, what the KV cache manager's
-coordinator asks of the device cache: all n blocks of the tables that keep the history, of a
+A hit of n blocks after the device's asks of the tiers what the KV cache manager's coordinator
+asks of the device cache, in every table: all n blocks of the tables that keep the history, of a
 window only those the first token computed after the hit reads, and the states after the hit
 (stored, or a device snapshot still held).
 

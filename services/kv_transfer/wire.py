@@ -125,35 +125,35 @@ def spec_to_proto(spec: KVCacheSpec) -> kv_pb.KvCacheSpec:
 
 def spec_from_proto(msg: kv_pb.KvCacheSpec) -> KVCacheSpec:
     """ValueError naming the field when the message does not describe a valid spec."""
-    groups = []
-    for i, g in enumerate(msg.groups):
-        if g.dtype not in DTYPE_NAME_BY_CODE:
-            raise ValueError(f"kv_cache_spec.groups[{i}].dtype {g.dtype} is not a known KvDtype")
-        groups.append(
-            {
-                "kind": g.kind,
-                "layers": list(g.layers),
-                "block_size": g.block_size,
-                "width": g.width,
-                "dtype": DTYPE_NAME_BY_CODE[g.dtype],
-                "rope_width": g.rope_width,
-                "rotary_layout": g.rotary_layout,
-                "tokens_per_entry": g.tokens_per_entry,
-                "rope_offset": g.rope_offset,
-                "scale": g.scale,
-                "window": g.window,
-            }
-        )
-    states = []
-    for i, st in enumerate(msg.states):
-        if st.dtype not in DTYPE_NAME_BY_CODE:
-            raise ValueError(f"kv_cache_spec.states[{i}].dtype {st.dtype} is not a known KvDtype")
-        states.append(
-            {
-                "name": st.name,
-                "layers": list(st.layers),
-                "shape": list(st.shape),
-                "dtype": DTYPE_NAME_BY_CODE[st.dtype],
-            }
-        )
+    groups = [
+        {
+            "kind": g.kind,
+            "layers": list(g.layers),
+            "block_size": g.block_size,
+            "width": g.width,
+            "dtype": _dtype_name(g.dtype, f"groups[{i}]"),
+            "rope_width": g.rope_width,
+            "rotary_layout": g.rotary_layout,
+            "tokens_per_entry": g.tokens_per_entry,
+            "rope_offset": g.rope_offset,
+            "scale": g.scale,
+            "window": g.window,
+        }
+        for i, g in enumerate(msg.groups)
+    ]
+    states = [
+        {
+            "name": st.name,
+            "layers": list(st.layers),
+            "shape": list(st.shape),
+            "dtype": _dtype_name(st.dtype, f"states[{i}]"),
+        }
+        for i, st in enumerate(msg.states)
+    ]
     return KVCacheSpec.from_description({"model": msg.model_fingerprint, "groups": groups, "states": states})
+
+
+def _dtype_name(code: int, where: str) -> str:
+    if code not in DTYPE_NAME_BY_CODE:
+        raise ValueError(f"kv_cache_spec.{where}.dtype {code} is not a known KvDtype")
+    return DTYPE_NAME_BY_CODE[code]
