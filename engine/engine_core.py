@@ -335,9 +335,8 @@ class EngineCore:
         self.handover.free_ended_exports()
         self.handover.reap_closed()
         sched = self.scheduler.schedule()
-        for item in sched.scheduled:
-            if item.kv_load is not None:
-                self._load_kv(item, sched)
+        for item in [it for it in sched.scheduled if it.kv_load is not None]:  # _load_kv may drop one
+            self._load_kv(item, sched)
         if self.group is not None:
             busy, self.stop_requested = self.group.sync(not sched.empty, stop)
             if not busy or self.stop_requested:

@@ -43,12 +43,12 @@ class KVImport:
     """A request continued here whose prompt KV comes from another engine."""
 
     request: Request
-    sink: ImportSink | None = None
+    sink: ImportSink
     """Writes into its blocks, from allocate_import until the import ends."""
 
     def close(self, wait: bool = True) -> bool:
         """Close the sink (see ImportSink.close) -> whether no remote write can land any more."""
-        return self.sink.close(wait) if self.sink is not None else True
+        return self.sink.close(wait)
 
 
 class KVHandover:
@@ -129,7 +129,7 @@ class KVHandover:
         cached, load = admitted
         if load is not None:
             cached -= run_load(self.scheduler.connector, request_id, load) * self.block_size
-            req.metrics.num_cached_tokens = cached
+        req.metrics.num_cached_tokens = cached
         num_prompt = req.num_prompt_tokens
         prompt_blocks = -(-num_prompt // self.block_size)
         sink = self.kv_port.sink(request_id, [t[:prompt_blocks] for t in req.block_ids], num_prompt)

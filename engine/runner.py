@@ -126,9 +126,9 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.block_size = kv_spec.block_size
         self.kv_table = kv_spec.table_index(CacheKind.LATENT)
+        """The block table the latent caches read (the one table of every spec the engine runs)."""
         self.other_tables = [t for t in range(len(kv_spec.tables)) if t != self.kv_table]
         """A hybrid spec's other block tables: the batch carries their slots and blocks too."""
-        """The block table every cache the engine runs reads (spec.check_runnable: one, full attention)."""
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
         self.native_kernels = use_native_kernels(self.dtype, self.device)
         """Decode's one-row products run in kernels/native (bf16 on a CPU with AVX512F: engine/platform.py)."""

@@ -160,7 +160,6 @@ class Scheduler:
             return None
         cached, _, load = admitted
         req.status = RequestStatus.LOADING_REMOTE_KV
-        req.metrics.num_cached_tokens = cached
         return cached, load
 
     def end_import(self, req: Request, done: bool = True) -> None:
@@ -194,9 +193,8 @@ class Scheduler:
         loadable = 0
         if self.connector is not None and req.params.prompt_logprobs is None:
             # The last token is always computed; what loads is computed with the chunk's budget.
-            limit = min(
-                min(upto, req.num_tokens - 1) // kv.block_size, computed.num_blocks + budget // kv.block_size
-            )
+            bs = kv.block_size
+            limit = min(upto // bs, (req.num_tokens - 1) // bs, computed.num_blocks + budget // bs)
             candidates = req.block_hashes[computed.num_blocks : limit]
             snapshots = kv.states.has_snapshot if kv.states is not None else None
             loadable = (

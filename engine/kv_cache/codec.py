@@ -80,7 +80,7 @@ def read_slab(
     slab = torch.stack(
         [caches[layer].index_select(0, index) for layer in range(layer_start, layer_start + num_layers)]
     )
-    return slab.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return _bytes(slab)
 
 
 def write_slab(
@@ -171,7 +171,7 @@ def state_shape(spec: KVCacheSpec, index: int) -> list[int]:
 
 def read_state(state: torch.Tensor) -> bytes:
     """One request's state (a [layers, *shape] view of its slot) as bytes."""
-    return state.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return _bytes(state)
 
 
 def write_state(spec: KVCacheSpec, index: int, state: torch.Tensor, data: bytes | memoryview) -> None:
@@ -271,6 +271,11 @@ def _payload(spec: KVCacheSpec, blob: bytes, size: int) -> memoryview | None:
     if len(payload) != size or crc32(payload) != crc:
         return None
     return payload
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A tensor's elements as little-endian bytes, in row-major order."""
+    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _group_at(spec: KVCacheSpec, layer_start: int):

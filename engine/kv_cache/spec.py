@@ -210,7 +210,7 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """One engine block's bytes over every layer of every group."""
-        return sum(g.num_layers * self.layer_bytes_per_block(g) for g in self.groups)
+        return sum(self.table_bytes_per_block(t) for t in self.tables)
 
     def describe(self) -> dict:
         d = {"model": self.model_fingerprint, "groups": [g.describe() for g in self.groups]}

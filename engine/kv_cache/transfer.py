@@ -105,6 +105,7 @@ class ImportSink:
         self.request_id = request_id
         self.spec = spec
         self.num_blocks = len(tables[0])
+        self.num_tokens = num_tokens
         self.ranges = spec.transfer_ranges(num_tokens)
         """Per table, the blocks a transfer may write (a window's last ones only)."""
         self._caches = caches
@@ -121,13 +122,9 @@ class ImportSink:
         """The importing request's prompt blocks per table (a window's null where none is written)."""
         return tuple(tuple(t) for t in self._tables)
 
-    def read_order(self, first_block: int) -> list[int]:
-        """Its blocks a transfer from first_block on writes, in read order (`read_order`)."""
-        return read_order(self._tables, self.ranges_from(first_block))
-
     def ranges_from(self, first_block: int) -> tuple[tuple[int, int], ...]:
         """Per table, the blocks a transfer from first_block on writes."""
-        return tuple((max(start, first_block), end) for start, end in self.ranges)
+        return self.spec.transfer_ranges(self.num_tokens, first_block)
 
     def write(self, slab: Slab, data: bytes) -> None:
         """Any thread. ImportClosed once the import ended; KVCodecError (nothing written) for a
