@@ -17,11 +17,12 @@ from engine.quant import QuantConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kernels.rotary import yarn_mscale
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4")
 _ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 
@@ -97,6 +98,143 @@ class IndexerConfig:
         return IndexerConfig(values["index_n_heads"], values["index_head_dim"], values["index_topk"])
 
 
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_V4_RATIO_TYPES = {
+    0: "sliding_attention",
+    4: "compressed_sparse_attention",
+    128: "heavily_compressed_attention",
+}
+
+
+def _positive(raw: dict, key: str, default):
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json {key} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """What DeepSeek-V4 adds to the config: its attention layout, compression, hyper-connections
+    and routing. Read from transformers' spelling (`layer_types`, `mlp_layer_types`,
+    `compress_rates`, `rope_parameters` nested as main / compress, `partial_rotary_factor`) or the
+    released checkpoints' (`compress_ratios`, `num_hash_layers`, `rope_scaling`,
+    `qk_rope_head_dim`)."""
+
+    head_dim: int
+    """The one K = V head's width (512)."""
+    rope_dim: int
+    """Its trailing rotary elements (64)."""
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    """Tokens a query sees in the window, itself included."""
+    layer_types: tuple[str, ...]
+    """Per layer one of V4_LAYER_TYPES."""
+    hash_layers: tuple[bool, ...]
+    """Per layer: its experts picked by the token id (`hash_moe`), not by score."""
+    csa_rate: int
+    hca_rate: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope: RopeConfig
+    """The sliding layers' table."""
+    compress_rope: RopeConfig
+    """The CSA and HCA layers' table (every rope of the layer: queries, window, entries)."""
+
+    @staticmethod
+    def from_hf(raw: dict, num_layers: int, max_pos: int) -> V4Config:
+        head_dim = _positive(raw, "head_dim", 512)
+        if raw.get("partial_rotary_factor") is not None:
+            rope_dim = int(head_dim * float(raw["partial_rotary_factor"]))
+        else:
+            rope_dim = _positive(raw, "qk_rope_head_dim", 64)
+        layer_types = raw.get("layer_types")
+        if layer_types is None and raw.get("compress_ratios") is not None:
+            ratios = raw["compress_ratios"]
+            bad = [r for r in ratios if r not in _V4_RATIO_TYPES]
+            if bad:
+                raise ValueError(f"config.json compress_ratios entries must be 0, 4 or 128, got {bad}")
+            layer_types = [_V4_RATIO_TYPES[r] for r in ratios]
+        if layer_types is None:  # transformers' default: the V4-Pro pattern
+            layer_types = ["heavily_compressed_attention"] * min(num_layers, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                for i in range(max(num_layers - 2, 0))
+            ]
+        layer_types = tuple(layer_types[:num_layers])
+        mlp_types = raw.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = int(raw.get("num_hash_layers", 3))
+            mlp_types = ["hash_moe"] * min(num_layers, n_hash) + ["moe"] * max(0, num_layers - n_hash)
+        mlp_types = tuple(mlp_types[:num_layers])
+        for name, types, allowed in (
+            ("layer_types", layer_types, V4_LAYER_TYPES),
+            ("mlp_layer_types", mlp_types, ("hash_moe", "moe")),
+        ):
+            if len(types) != num_layers or any(t not in allowed for t in types):
+                raise ValueError(
+                    f"config.json {name} must name one of {allowed} for each of the {num_layers} layers, got {list(types)}"
+                )
+        rates = dict(raw.get("compress_rates") or {})
+        csa_rate = int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4)))
+        hca_rate = int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128)))
+        main, compress = _v4_ropes(raw, max_pos)
+        cfg = V4Config(
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            o_groups=_positive(raw, "o_groups", 8),
+            o_lora_rank=_positive(raw, "o_lora_rank", 1024),
+            sliding_window=_positive(raw, "sliding_window", 128),
+            layer_types=layer_types,
+            hash_layers=tuple(t == "hash_moe" for t in mlp_types),
+            csa_rate=csa_rate,
+            hca_rate=hca_rate,
+            hc_mult=_positive(raw, "hc_mult", 4),
+            hc_sinkhorn_iters=_positive(raw, "hc_sinkhorn_iters", 20),
+            hc_eps=float(raw.get("hc_eps", 1e-6)),
+            swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+            index_n_heads=_positive(raw, "index_n_heads", 64),
+            index_head_dim=_positive(raw, "index_head_dim", 128),
+            index_topk=_positive(raw, "index_topk", 512),
+            rope=main,
+            compress_rope=compress,
+        )
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= min(self.head_dim, self.index_head_dim):
+            raise ValueError(
+                f"DeepSeek-V4 rope dims ({self.rope_dim}) must be even and at most head_dim ({self.head_dim}) "
+                f"and index_head_dim ({self.index_head_dim})"
+            )
+        if self.csa_rate < 1 or self.hca_rate < 1:
+            raise ValueError(f"config.json compress_rates must be >= 1, got {self.csa_rate}, {self.hca_rate}")
+
+
+def _v4_ropes(raw: dict, max_pos: int) -> tuple[RopeConfig, RopeConfig]:
+    """(main, compress) tables: transformers' nested `rope_parameters` {main, compress}, or the
+    flat form -- the main table plain at rope_theta, the compress table with the YaRN settings at
+    compress_rope_theta (attention factor 1 unless given)."""
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = (
+            RopeConfig.from_hf({"rope_parameters": params[k]}, max_pos) for k in ("main", "compress")
+        )
+        return main, compress
+    flat = dict(params or raw.get("rope_scaling") or {})
+    main = RopeConfig(theta=float(raw.get("rope_theta", 10000.0)))
+    flat["rope_theta"] = float(raw.get("compress_rope_theta", 160000.0))
+    if flat.get("rope_type", flat.get("type", "default")) == "yarn":
+        flat.setdefault("attention_factor", 1.0)
+    return main, RopeConfig.from_hf({"rope_parameters": flat}, max_pos)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a DeepSeek-V2/V3/V3.2 checkpoint, as its config.json describes it."""
@@ -149,6 +287,8 @@ class ModelConfig:
     """How the checkpoint's linears are quantized (engine/quant.py); None: kept as stored, bf16 or wider."""
     indexer: IndexerConfig | None = None
     """DeepSeek-V3.2's sparse-attention indexer; None: dense MLA (V2/V3)."""
+    v4: V4Config | None = None
+    """DeepSeek-V4's own settings (the MLA fields then describe its one K = V head)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -177,6 +317,8 @@ class ModelConfig:
             raise ValueError(
                 f"config.json model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        if model_type == "deepseek_v4":
+            return ModelConfig._from_v4(raw)
         archs = raw.get("architectures") or [_ARCHITECTURES[model_type]]
         v3 = model_type in ("deepseek_v3", "deepseek_v32")  # V3.2 is V3 plus the indexer
         eos = raw.get("eos_token_id")
@@ -225,6 +367,71 @@ class ModelConfig:
             indexer=IndexerConfig.from_hf(raw) if model_type == "deepseek_v32" else None,
         )
         cfg.check()
+        return cfg
+
+    @staticmethod
+    def _from_v4(raw: dict) -> ModelConfig:
+        """DeepSeek-V4: every layer MoE (sqrt-softplus scores, the first layers hash-routed), one
+        K = V head of head_dim per layer, the rest in `v4`."""
+        num_layers = int(raw["num_hidden_layers"])
+        max_pos = int(raw.get("max_position_embeddings", 1048576))
+        v4 = V4Config.from_hf(raw, num_layers, max_pos)
+        eos = raw.get("eos_token_id", 1)
+        scoring = raw.get("scoring_func", "sqrtsoftplus")
+        if scoring != "sqrtsoftplus":
+            raise ValueError(
+                f"config.json scoring_func {scoring!r} is not supported for deepseek_v4 (supported: 'sqrtsoftplus')"
+            )
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"config.json hidden_act {hidden_act!r} is not supported (supported: 'silu')")
+        inter = int(raw.get("moe_intermediate_size", raw.get("intermediate_size", 2048)))
+        cfg = ModelConfig(
+            model_type="deepseek_v4",
+            architecture=(raw.get("architectures") or ["DeepseekV4ForCausalLM"])[0],
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=inter,
+            num_hidden_layers=num_layers,
+            num_attention_heads=int(raw.get("num_attention_heads", 64)),
+            kv_lora_rank=v4.head_dim - v4.rope_dim,
+            q_lora_rank=int(raw.get("q_lora_rank", 1024)),
+            qk_nope_head_dim=v4.head_dim - v4.rope_dim,
+            qk_rope_head_dim=v4.rope_dim,
+            v_head_dim=v4.head_dim,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=v4.rope,
+            rope_interleave=True,
+            n_routed_experts=int(raw.get("n_routed_experts", 256)),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 6)),
+            moe_intermediate_size=inter,
+            n_shared_experts=int(raw.get("n_shared_experts", 1)),
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            topk_method="noaux_tc",
+            scoring_func=scoring,
+            norm_topk_prob=True,
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+            attention_bias=False,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id", 0),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
+            hidden_act=hidden_act,
+            quant=QuantConfig.from_hf(raw),
+            v4=v4,
+        )
+        if cfg.n_shared_experts != 1:
+            raise ValueError(
+                f"config.json n_shared_experts must be 1 for deepseek_v4, got {cfg.n_shared_experts}"
+            )
+        if cfg.num_attention_heads * v4.head_dim % v4.o_groups:
+            raise ValueError(
+                f"config.json o_groups ({v4.o_groups}) must divide num_attention_heads x head_dim "
+                f"({cfg.num_attention_heads * v4.head_dim})"
+            )
         return cfg
 
     def check(self) -> None:

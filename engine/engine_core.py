@@ -141,8 +141,17 @@ class EngineCore:
             cfg.enable_prefix_caching,
             on_evict=self.connector.on_evict if self.connector is not None else None,
             on_evict_state=self.connector.on_evict_state if self.connector is not None else None,
+            # Per-request states (DeepSeek-V4's compressors): a slot per running request, and
+            # prefix snapshots (one per block boundary a step crosses) for up to 64 (or 4 per
+            # running request) of the blocks that can be cached.
+            num_state_slots=cfg.max_num_seqs if self.kv_spec.states else 0,
+            num_state_snapshots=min(self.num_kv_blocks or 0, max(64, 4 * cfg.max_num_seqs))
+            if self.kv_spec.states
+            else 0,
+            device=cfg.device,
         )
         """Owns the KV blocks: the scheduler and this class ask it; nothing else allocates or frees."""
+        self.runner.states = self.kv.states
         self.kv_port = KVPort(self.kv_spec, self.runner.kv_caches, self.kv.states)
         """The services' only access to the cache (transfer.py says which thread may do what)."""
         self.spec = cfg.spec

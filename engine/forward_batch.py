@@ -112,6 +112,15 @@ class ForwardBatch:
     """[M] int64 rows of the hidden states the LM head is applied to."""
     tables: tuple[TableInputs, ...] = ()
     """The spec's other block tables (none for DeepSeek-V2/V3/V3.2: one table)."""
+    state_rows: torch.Tensor | None = None
+    """[R] int64: each request's row in the state tensors, in the batch's order (decode groups'
+    requests, then the prefills); None where the spec has no per-request state."""
+    states: dict[str, torch.Tensor] | None = None
+    """The state pool's tensors by name, [rows, layers, *shape] (engine/kv_cache/state.py)."""
+    snapshots: list[list[tuple[int, int]]] | None = None
+    """Per request, in the batch's order: (b, row) for each block boundary b its chunk crosses
+    (start < b <= end): the model writes the state after token b - 1 into row (a prefix
+    snapshot the state pool reserved, StatePool.reserve_snapshot)."""
 
     @cached_property
     def max_context(self) -> int:

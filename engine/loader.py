@@ -144,6 +144,52 @@ def deepseek_to_hf(name: str) -> str:
     return "model." + ".".join([*_renamed(path, _HF_NAMES), leaf])
 
 
+# DeepSeek-V4's names (its release, and what transformers writes back) -> HF's module names, in
+# order: the indexer's modules move under the compressor first, then the blocks, then the leaves.
+_V4_RENAMES = [
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"^embed\.weight$", "embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.w1\.", ".gate_proj."),
+    (r"\.w2\.", ".down_proj."),
+    (r"\.w3\.", ".up_proj."),
+    (r"(?<!_hc)\.scale$", "." + SCALE),  # a quantized weight's, not the hyper-connections'
+]
+_V4_RENAMES = [(re.compile(a), b) for a, b in _V4_RENAMES]
+
+
+def v4_to_hf(name: str) -> str:
+    """A DeepSeek-V4 checkpoint's tensor name in HF's form ("layers.0.attn.wkv.weight" or
+    "model.layers.0.attn.wkv.weight" -> "model.layers.0.self_attn.kv_proj.weight"); HF's names kept."""
+    bare = name.removeprefix("model.")
+    for pattern, repl in _V4_RENAMES:
+        bare = pattern.sub(repl, bare)
+    return bare if bare == "lm_head.weight" else "model." + bare
+
+
+def checkpoint_to_hf(name: str, cfg: ModelConfig) -> str:
+    return v4_to_hf(name) if cfg.v4 is not None else deepseek_to_hf(name)
+
+
 def _renamed(path: list[str], names: dict[str, str]) -> list[str]:
     """A name's modules translated, up to DeepSeek-V3.2's `indexer`, whose own modules (wq_b, wk,
     k_norm, weights_proj) both spell alike."""
@@ -163,7 +209,7 @@ def expected_tensors(
     not_local: set[str] = set()
 
     for name, tensor in params.items():
-        scales = name.endswith("_scale")
+        scales = name.endswith("_scale") and name.removesuffix("_scale") in params  # not V4's hc_scale
         block_rows = 0
         if scales:
             quantized = params[name.removesuffix("_scale")]
@@ -309,7 +355,10 @@ def _plan(
     for file in checkpoint_files(folder):
         with SafetensorsFile(file) as handle:
             for name in handle.keys():
-                hf = deepseek_to_hf(name)
+                if cfg.v4 is not None and name.removeprefix("model.").startswith("mtp."):
+                    mtp_skipped += 1  # DeepSeek-V4's MTP layer: not run yet
+                    continue
+                hf = checkpoint_to_hf(name, cfg)
                 if hf in stored:
                     raise ValueError(f"checkpoint tensor {name!r} appears twice (second time in {file.name})")
                 stored[hf] = name
@@ -334,14 +383,14 @@ def _plan(
                     _check(name, info.dtype, list(info.shape), params, target, cfg)
                     filled[target.param] += _region(params, target).numel()
                 entries.append(_Entry(name, file, targets))
-    quantized_unexpected = [n for n in unexpected if deepseek_to_hf(n).endswith(SCALE)]
+    quantized_unexpected = [n for n in unexpected if checkpoint_to_hf(n, cfg).endswith(SCALE)]
     for name in quantized_unexpected:
         weight = _weight_name(name)
         raise ValueError(
             f"checkpoint tensor {name!r} is the scales of {weight!r}, "
             + (
                 "which is missing"
-                if deepseek_to_hf(weight) not in stored
+                if checkpoint_to_hf(weight, cfg) not in stored
                 else "which the model keeps unquantized"
             )
         )
@@ -398,6 +447,7 @@ def _region(params: dict[str, torch.Tensor], target: Target) -> torch.Tensor:
 _SOURCE_DTYPES = {
     torch.float8_e4m3fn: ("F8_E4M3",),
     torch.uint8: ("U8", "I8"),
+    torch.int64: ("I64", "I32"),  # DeepSeek-V4's hash-routing table, tid2eid
 }
 
 

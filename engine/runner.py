@@ -24,9 +24,9 @@ from engine.forward_batch import (
     token_tensors,
 )
 from engine.hugepages import WeightArena, place_parameters
-from engine.kv_cache.cache_group import CacheKind
 from engine.kv_cache.single_type import table_slots
 from engine.kv_cache.spec import KVCacheSpec, model_fingerprint
+from engine.kv_cache.state import StatePool
 from engine.loader import load_weights
 from engine.models.registry import get_model_class
 from engine.platform import compute_dtype, pick_decode_attention, use_native_kernels
@@ -125,8 +125,9 @@ class ModelRunner:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.block_size = kv_spec.block_size
-        self.kv_table = kv_spec.table_index(CacheKind.LATENT)
-        """The block table the latent caches read (the one table of every spec the engine runs)."""
+        self.kv_table = kv_spec.table_index(kv_spec.groups[0].kind)
+        """The block table of the spec's first group (the latent caches', DeepSeek-V4's window):
+        the batch's slot mapping and block tables are in it."""
         self.other_tables = [t for t in range(len(kv_spec.tables)) if t != self.kv_table]
         """A hybrid spec's other block tables: the batch carries their slots and blocks too."""
         self.dtype = compute_dtype(cfg.torch_dtype, self.device)
@@ -166,7 +167,10 @@ class ModelRunner:
         if draft_vocab is not None:
             self.model.use_draft_vocab(draft_vocab)
         self.model.eval()
-        if self.native_kernels:  # on the AMX tiles or through VDPBF16PS, where the CPU has the unit
+        self.states: StatePool | None = None
+        """The per-request state pool, where the spec has states (the engine sets it with its KV
+        cache manager's)."""
+        if self.native_kernels and model_cfg.v4 is None:  # on the AMX tiles or through VDPBF16PS
             pick_decode_attention(
                 model_cfg.num_attention_heads,
                 model_cfg.kv_lora_rank,
@@ -245,7 +249,25 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             tables=tuple(table_inputs(self.kv_spec, t, items, dev) for t in self.other_tables),
         )
+        if self.states is not None:
+            batch.states = self.states.tensors
+            batch.state_rows = torch.tensor(
+                [self.states.row(item.request.request_id) for item in items], dtype=torch.long, device=dev
+            )
+            batch.snapshots = [self._snapshot_rows(item) for item in items]
         return batch, sample_rows, prompt_rows
+
+    def _snapshot_rows(self, item: ScheduledRequest) -> list[tuple[int, int]]:
+        """Prefix snapshots of the state at the block boundaries the item's chunk crosses, where
+        the block is hashed (prefix caching) and none is kept yet: [(boundary, pool row)]."""
+        bs, req = self.block_size, item.request
+        start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+        rows = []
+        for b in range((start // bs + 1) * bs, min(end, len(req.block_hashes) * bs) + 1, bs):
+            row = self.states.reserve_snapshot(req.block_hashes[b // bs - 1])
+            if row is not None:
+                rows.append((b, row))
+        return rows
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:

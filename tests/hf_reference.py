@@ -574,3 +574,92 @@ def decisive_references(
                 f"no {n}-token prompt in {max_tries} draws has a greedy margin >= {min_margin}"
             )
     return refs
+
+
+# ---- DeepSeek-V4 ---------------------------------------------------------------------------------
+
+V4_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    q_lora_rank=32,
+    partial_rotary_factor=0.25,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=16,  # >= 16 heads: the indexer's ReLU scores almost never tie at 0
+    index_head_dim=32,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    max_position_embeddings=1024,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
+
+
+@torch.no_grad()
+def _reinit_v4_(model, generator: torch.Generator) -> None:
+    """_reinit_ for DeepSeek-V4, and the parameters transformers starts at zero (sinks, position
+    biases, hyper-connection bases, correction biases, the hash table) made to matter."""
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if name.endswith("embed_tokens.weight"):
+            new = torch.randn(shape, generator=generator)
+        elif name == "lm_head.weight":
+            new = torch.randn(shape, generator=generator) * (LOGIT_STD / math.sqrt(shape[1]))
+        elif name.endswith(("sinks", "position_bias", "base", "hc_base")):
+            new = 0.5 * torch.randn(shape, generator=generator)
+        elif name.endswith(("scale", "hc_scale")):  # the hyper-connections' logit scales
+            new = 1.0 + 0.3 * torch.randn(shape, generator=generator)
+        elif name.endswith(("fn", "hc_fn")):
+            new = torch.randn(shape, generator=generator) / math.sqrt(shape[1])
+        elif p.ndim == 1:  # norm weights
+            new = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        elif p.ndim == 3 or p.ndim == 2:  # experts [E, out, in] and linears [out, in]
+            new = torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+        else:
+            raise AssertionError(f"no re-initialisation rule for parameter {name} of shape {tuple(shape)}")
+        p.copy_(new)
+    experts = model.config.n_routed_experts
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        if hasattr(gate, "tid2eid"):  # distinct experts per token
+            rows = torch.rand(gate.tid2eid.shape[0], experts, generator=generator).argsort(dim=-1)
+            gate.tid2eid.copy_(rows[:, : gate.tid2eid.shape[1]])
+        else:
+            gate.e_score_correction_bias.copy_(0.3 * torch.randn(experts, generator=generator))
+
+
+def build_hf_v4_checkpoint(config: dict, out_dir: Path, seed: int) -> Path:
+    """A random DeepSeek-V4 checkpoint (DeepseekV4Config keywords over V4_COMMON) in out_dir, float32,
+    with the tokenizer files; checked to reload to the same logits."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config(**copy.deepcopy({**V4_COMMON, **config}))
+    generator = torch.Generator().manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).to(torch.float32).eval()
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    _reinit_v4_(model, generator)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _write_tokenizer(out_dir, cfg.vocab_size, cfg.max_position_embeddings)
+    reloaded = load_hf_model(out_dir)
+    ids = torch.randint(0, cfg.vocab_size, (1, 19), generator=generator)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits), (
+            f"{out_dir} does not reload to the same logits"
+        )
+    return out_dir

@@ -97,10 +97,10 @@ def test_logits_parity(case: tuple[Path, list[Reference]], block_size: int) -> N
     assert_parity(model_dir, refs, block_size)
 
 
-def assert_parity(model_dir: Path, refs: list[Reference], block_size: int) -> None:
-    """The engine in float32 on model_dir against the references: greedy tokens exactly, every logprob
-    it returns (generated and prompt) within ATOL, the reference's top-N."""
-    llm = LLM(model=str(model_dir), dtype="float32", block_size=block_size, num_threads=1)
+def assert_parity(model_dir: Path, refs: list[Reference], block_size: int, **engine_args) -> None:
+    """The engine in float32 on model_dir (with engine_args) against the references: greedy tokens
+    exactly, every logprob it returns (generated and prompt) within ATOL, the reference's top-N."""
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=block_size, num_threads=1, **engine_args)
     params = SamplingParams(
         temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=TOP_N, prompt_logprobs=TOP_N
     )

@@ -10,11 +10,11 @@ an indexer-key cache); a spec has one group of each kind.
 For DeepSeek-V2/V3 an entry is one token's MLA latent row, `c_kv` (kv_lora_rank) then the rotary
 key `k_pe` (qk_rope_head_dim), and there are at most two groups: the model's layers 0 .. L - 1,
 and the MTP layer's, numbered after them as the checkpoint numbers it (layer L). The kinds
-reserved for the next models (DeepSeek-V3.2's indexer keys, DeepSeek-V4's sliding-window and
-compressed caches, and its compressor state, a StateSpec) are named here so their specs can be
-written down, with where an entry's rotary part sits (`rope_offset`) and, for FP8 entries, their
-per-entry float32 scale (`scale`: V3.2's 132-byte indexer key); the engine refuses a spec it
-cannot run yet (`KVCacheSpec.check_runnable`).
+for the later models are DeepSeek-V3.2's indexer keys, DeepSeek-V4's sliding-window and compressed
+caches (CSA entries and their indexer keys, HCA entries), and its compressor states (StateSpec),
+with where an entry's rotary part sits (`rope_offset`) and, for FP8 entries, their per-entry
+float32 scale (`scale`: V3.2's 132-byte indexer key); the engine refuses a spec it cannot run yet
+(`KVCacheSpec.check_runnable`).
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ class CacheKind(StrEnum):
     INDEXER_KEYS = "indexer_keys"
     """DeepSeek-V3.2: the lightning indexer's key per token, on the latent cache's layers."""
     SLIDING_WINDOW = "sliding_window"
-    """DeepSeek-V4: latent rows kept only for the last window of tokens (not run yet)."""
+    """DeepSeek-V4: K = V rows kept only for the last window of tokens."""
     COMPRESSED = "compressed"
-    """DeepSeek-V4: one entry summarises `tokens_per_entry` tokens (not run yet)."""
+    """DeepSeek-V4's CSA layers: one entry summarises `tokens_per_entry` (4) tokens."""
+    COMPRESSED_INDEXER_KEYS = "compressed_indexer_keys"
+    """DeepSeek-V4's CSA layers: the lightning indexer's key per compressed entry."""
+    HEAVILY_COMPRESSED = "heavily_compressed"
+    """DeepSeek-V4's HCA layers: one entry per `tokens_per_entry` (128) tokens."""
 
-
-RUNNABLE_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT, CacheKind.INDEXER_KEYS})
 
 FULL_KINDS = frozenset({CacheKind.LATENT, CacheKind.MTP_LATENT, CacheKind.INDEXER_KEYS})
 """Kinds attended over a request's whole history: they live alike and share one block table."""

@@ -8,7 +8,8 @@ transfers, offload and the wire address caches (`KVCacheSpec.slot_start`, `group
 both sides of equal specs.
 
 Groups that live alike share a block table (`tables`): the full-attention kinds (latent, MTP,
-indexer keys) one, a sliding-window or compressed group one each; a request holds a block table
+indexer keys) one, the compressed groups of one rate one (DeepSeek-V4's CSA entries and their
+indexer keys), a sliding-window group its own; a request holds a block table
 per table, in engine blocks of `block_size` tokens (the spec's: the largest group block in
 tokens). Every group's block, in tokens (block_size x tokens_per_entry), divides it, so one engine
 block is `sub_blocks(g)` consecutive blocks of group g, and a group's rows follow from its table's
@@ -38,7 +39,6 @@ import torch
 from engine.hugepages import huge_zeros
 from engine.kv_cache.cache_group import (
     FULL_KINDS,
-    RUNNABLE_KINDS,
     CacheGroupSpec,
     CacheKind,
     StateSpec,
@@ -116,11 +116,14 @@ class KVCacheSpec:
 
     @functools.cached_property
     def tables(self) -> tuple[TableSpec, ...]:
-        """The block tables a request holds: the full-attention groups together (first), then each
-        other group alone, in the spec's group order."""
-        by_manager: dict[str, list[CacheGroupSpec]] = {}
+        """The block tables a request holds: the full-attention groups together (first), then the
+        compressed groups of each rate together and each window group alone, in the spec's group
+        order."""
+        by_manager: dict[tuple, list[CacheGroupSpec]] = {}
         for g in self.groups:
-            by_manager.setdefault(_manager_of(g) if g.kind in FULL_KINDS else g.kind.value, []).append(g)
+            manager = _manager_of(g)
+            key = (manager, g.tokens_per_entry) if manager == "compressed" else (manager, g.kind)
+            by_manager.setdefault(key if manager != "full" else (manager,), []).append(g)
         tables = [TableSpec(_manager_of(gs[0]), tuple(gs)) for gs in by_manager.values()]
         return tuple(sorted(tables, key=lambda t: t.manager != "full"))
 
@@ -261,16 +264,9 @@ class KVCacheSpec:
             raise ValueError(f"KV cache spec lacks the field {e.args[0]!r}") from None
 
     def check_runnable(self) -> None:
-        """Refuse, by name, what this engine cannot run yet: the next models' cache kinds, and
-        attention over a group whose blocks are smaller than the engine block (the runner builds
-        one slot mapping, in engine blocks)."""
-        for g in self.groups:
-            if g.kind not in RUNNABLE_KINDS:
-                raise NotImplementedError(f"cache group kind {g.kind.value!r} is described but not run yet")
-        if self.states:
-            raise NotImplementedError(
-                f"per-request state {self.states[0].name!r} is described but not run yet"
-            )
+        """Refuse, by name, what this engine cannot run yet: FP8 entries, and attention over a
+        group whose blocks are smaller than the engine block (the runner builds each table's slot
+        mapping in engine blocks)."""
         for g in self.groups:
             if g.scale != "none":
                 raise NotImplementedError(

@@ -6,8 +6,9 @@ The pool keeps, for every StateSpec of the KV cache spec, a tensor
 `[num_slots + num_snapshots, layers, *shape]`: a running request's slot, then snapshot slots.
 
 Prefix hits: a request that skips n cached blocks must also start from the state after those
-n x block_size tokens. The pool snapshots a request's state when a step ends on a block boundary
-(`KVCacheManager.cache_blocks`), keyed by that block's chained hash, and a hit of n blocks is
+n x block_size tokens. The pool keeps a snapshot of a request's state at every block boundary its
+steps cross, keyed by that block's chained hash (`reserve_snapshot`: the runner reserves the rows,
+the model writes the state after each boundary into them), and a hit of n blocks is
 served only where the snapshot of block n - 1 exists (`longest_snapshot`). Snapshots, not
 recomputing the tail: the state after a prefix depends on every token since the last completed
 entry and on the overlap the compressor reads (up to m = 128 tokens for V4's coarse cache), so
@@ -101,6 +102,10 @@ class StatePool:
         if slot is not None:
             self._free_slots.append(slot)
 
+    def row(self, request_id: str) -> int:
+        """The request's slot: its row in every state tensor."""
+        return self._slot[request_id]
+
     def state(self, request_id: str, name: str) -> torch.Tensor:
         """The request's state `name`: [layers, *shape], a view to read and write in place."""
         return self.tensors[name][self._slot[request_id]]
@@ -126,18 +131,27 @@ class StatePool:
     def snapshot(self, request_id: str, block_hash: bytes) -> None:
         """Keep the request's current state as the state after the block `block_hash` ends (the
         caller knows the request's computed tokens end there). First writer wins."""
+        row = self.reserve_snapshot(block_hash)
+        if row is not None:
+            slot = self._slot[request_id]
+            for t in self.tensors.values():
+                t[row].copy_(t[slot])
+
+    def reserve_snapshot(self, block_hash: bytes) -> int | None:
+        """A row for the state after block `block_hash`, which the caller writes (the model, at a
+        block boundary inside a step's chunk: `ForwardBatch.snapshots`) -- the least recently
+        used snapshot's where none is free; None: one is kept already (first writer wins) or the
+        pool keeps none."""
         if not self.num_snapshots or block_hash in self._snapshots:
-            return
+            return None
         if self._free_snapshots:
             row = self._free_snapshots.pop()
         else:
             evicted, row = self._snapshots.popitem(last=False)  # the least recently used
             if self.on_evict is not None:
                 self.on_evict(evicted, tuple(self.tensors[s.name][row] for s in self.specs))
-        slot = self._slot[request_id]
-        for t in self.tensors.values():
-            t[row].copy_(t[slot])
         self._snapshots[block_hash] = row
+        return row
 
     def has_snapshot(self, block_hash: bytes) -> bool:
         return block_hash in self._snapshots

@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 
 _REGISTRY: dict[str, type] = {}
-_MODEL_MODULES = ("engine.models.deepseek_v2", "engine.models.deepseek_v32")
+_MODEL_MODULES = ("engine.models.deepseek_v2", "engine.models.deepseek_v32", "engine.models.deepseek_v4")
 
 
 def register_model(*architectures: str) -> Callable[[type], type]:
