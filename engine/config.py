@@ -154,13 +154,18 @@ class V4Config:
             rope_dim = int(head_dim * float(raw["partial_rotary_factor"]))
         else:
             rope_dim = _positive(raw, "qk_rope_head_dim", 64)
+        rates = dict(raw.get("compress_rates") or {})
+        csa_rate = int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4)))
+        hca_rate = int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128)))
         layer_types = raw.get("layer_types")
         if layer_types is None and raw.get("compress_ratios") is not None:
-            ratios = raw["compress_ratios"]
-            bad = [r for r in ratios if r not in _V4_RATIO_TYPES]
+            by_ratio = {0: V4_LAYER_TYPES[0], csa_rate: V4_LAYER_TYPES[1], hca_rate: V4_LAYER_TYPES[2]}
+            bad = [r for r in raw["compress_ratios"] if r not in by_ratio]
             if bad:
-                raise ValueError(f"config.json compress_ratios entries must be 0, 4 or 128, got {bad}")
-            layer_types = [_V4_RATIO_TYPES[r] for r in ratios]
+                raise ValueError(
+                    f"config.json compress_ratios entries must be 0, {csa_rate} (CSA) or {hca_rate} (HCA), got {bad}"
+                )
+            layer_types = [by_ratio[r] for r in raw["compress_ratios"]]
         if layer_types is None:  # transformers' default: the V4-Pro pattern
             layer_types = ["heavily_compressed_attention"] * min(num_layers, 2) + [
                 "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
@@ -180,9 +185,6 @@ class V4Config:
                 raise ValueError(
                     f"config.json {name} must name one of {allowed} for each of the {num_layers} layers, got {list(types)}"
                 )
-        rates = dict(raw.get("compress_rates") or {})
-        csa_rate = int(rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4)))
-        hca_rate = int(rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128)))
         main, compress = _v4_ropes(raw, max_pos)
         cfg = V4Config(
             head_dim=head_dim,

@@ -191,7 +191,7 @@ class EngineCore:
             self.model_cfg.architecture,
             cfg.dtype,
             "/".join(map(str, self.kv_blocks)),
-            cfg.block_size,
+            self.kv_spec.block_size,
             self.max_model_len,
         )
 
@@ -211,7 +211,7 @@ class EngineCore:
             params,
             self.model_cfg.vocab_size,
             self.max_model_len,
-            self.cfg.block_size,
+            self.kv_spec.block_size,
             self.num_kv_blocks,
         )
 

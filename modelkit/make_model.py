@@ -188,6 +188,274 @@ PRESETS["bench-v32"] = dataclasses.replace(
 )
 
 
+@dataclass(frozen=True)
+class V4Preset:
+    """A DeepSeek-V4 model; field names follow DeepSeek's released config.json (compress_ratios,
+    num_hash_layers, rope_scaling), and its tensors take DeepSeek's names, as V4-Flash ships."""
+
+    vocab_size: int
+    hidden_size: int
+    compress_ratios: tuple[int, ...]
+    """Per layer: 0 sliding window only, csa_rate (4) CSA, hca_rate (128 in V4-Flash) HCA."""
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    max_position_embeddings: int
+    hca_rate: int = 128
+    csa_rate: int = 4
+    num_hash_layers: int = 1
+    hc_mult: int = 4
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn_factor: float = 4.0
+    yarn_original_max_position_embeddings: int = 1024
+    routed_scaling_factor: float = 1.5
+    rms_norm_eps: float = 1e-6
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.compress_ratios)
+
+
+PRESETS.update(
+    {
+        # Every layer type under a 32-token window, 32-token HCA entries and top-8 CSA entries, so
+        # prompts of a few dozen tokens use all of it.
+        "tiny-v4": V4Preset(
+            vocab_size=4096,
+            hidden_size=128,
+            compress_ratios=(0, 4, 32, 4),
+            hca_rate=32,
+            num_attention_heads=4,
+            head_dim=128,
+            qk_rope_head_dim=32,
+            q_lora_rank=64,
+            o_groups=2,
+            o_lora_rank=64,
+            sliding_window=32,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=64,
+            index_n_heads=16,
+            index_head_dim=32,
+            index_topk=8,
+            max_position_embeddings=4096,
+            seed=4,
+        ),
+        # V4-Flash's attention at the bench model's width (512): one 512-wide K = V head, V4-Flash's
+        # 128-token window, rates 4 / 128 and top-512, its layer pattern (two sliding layers, then
+        # CSA and HCA alternating); 32 experts as the bench model.
+        "bench-v4": V4Preset(
+            vocab_size=32000,
+            hidden_size=512,
+            compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128),
+            num_attention_heads=8,
+            head_dim=512,
+            qk_rope_head_dim=64,
+            q_lora_rank=256,
+            o_groups=4,
+            o_lora_rank=256,
+            sliding_window=128,
+            n_routed_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=256,
+            index_n_heads=16,
+            index_head_dim=64,
+            index_topk=512,
+            max_position_embeddings=32768,
+            seed=5,
+        ),
+    }
+)
+
+
+def v4_config(p: V4Preset, fingerprint: str, preset_name: str) -> dict[str, Any]:
+    """config.json in the released V4 checkpoints' spelling (compress_ratios, num_hash_layers), or
+    with rates other than V4-Flash's 4 / 128, which that spelling cannot say, transformers' own
+    (layer_types, mlp_layer_types, compress_rates)."""
+    if (p.csa_rate, p.hca_rate) == (4, 128):
+        layout = {"compress_ratios": list(p.compress_ratios), "num_hash_layers": p.num_hash_layers}
+    else:
+        kinds = {
+            0: "sliding_attention",
+            p.csa_rate: "compressed_sparse_attention",
+            p.hca_rate: "heavily_compressed_attention",
+        }
+        n = p.num_hidden_layers
+        layout = {
+            "layer_types": [kinds[r] for r in p.compress_ratios],
+            "mlp_layer_types": ["hash_moe"] * p.num_hash_layers + ["moe"] * (n - p.num_hash_layers),
+            "compress_rates": {
+                "compressed_sparse_attention": p.csa_rate,
+                "heavily_compressed_attention": p.hca_rate,
+            },
+        }
+    return {
+        **layout,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "dtype": p.dtype,
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": 1,
+        "head_dim": p.head_dim,
+        "qk_rope_head_dim": p.qk_rope_head_dim,
+        "q_lora_rank": p.q_lora_rank,
+        "o_groups": p.o_groups,
+        "o_lora_rank": p.o_lora_rank,
+        "sliding_window": p.sliding_window,
+        "n_routed_experts": p.n_routed_experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": p.num_experts_per_tok,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": p.routed_scaling_factor,
+        "swiglu_limit": 10.0,
+        "hc_mult": p.hc_mult,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "index_n_heads": p.index_n_heads,
+        "index_head_dim": p.index_head_dim,
+        "index_topk": p.index_topk,
+        "hidden_act": "silu",
+        "max_position_embeddings": p.max_position_embeddings,
+        "rope_theta": p.rope_theta,
+        "compress_rope_theta": p.compress_rope_theta,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": p.yarn_factor,
+            "original_max_position_embeddings": p.yarn_original_max_position_embeddings,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "rms_norm_eps": p.rms_norm_eps,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        PRESET_KEY: preset_name,
+        FINGERPRINT_KEY: fingerprint,
+    }
+
+
+def v4_weight_specs(p: V4Preset) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """(name, shape, std) in DeepSeek's V4 names, drawn in order; std None: a norm weight (near 1),
+    0.0: drawn separately (the hash table). Linear weights N(0, 1/fan_in); the hyper-connection
+    and attention-sink parameters small and non-zero, so none of them can be skipped unnoticed."""
+    h, heads, d = p.hidden_size, p.num_attention_heads, p.head_dim
+    hc, mix = p.hc_mult, (2 + p.hc_mult) * p.hc_mult
+    out_scale = 1.0 / math.sqrt(2 * p.num_hidden_layers)
+
+    def lin(name: str, out_f: int, in_f: int, scale: float = 1.0) -> tuple[str, tuple[int, ...], float]:
+        return name, (out_f, in_f), scale / math.sqrt(in_f)
+
+    def norm(name: str, n: int) -> tuple[str, tuple[int, ...], None]:
+        return name, (n,), None
+
+    def compressor(pre: str, width: int, m: int, coff: int) -> list:
+        return [
+            lin(f"{pre}.wkv.weight", coff * width, h),
+            lin(f"{pre}.wgate.weight", coff * width, h),
+            (f"{pre}.ape", (m, coff * width), 0.5),
+            norm(f"{pre}.norm.weight", width),
+        ]
+
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [("embed.weight", (p.vocab_size, h), 1.0)]
+    for i, ratio in enumerate(p.compress_ratios):
+        pre = f"layers.{i}"
+        a = f"{pre}.attn"
+        specs += [norm(f"{pre}.attn_norm.weight", h), norm(f"{pre}.ffn_norm.weight", h)]
+        for hc_name in ("hc_attn", "hc_ffn"):
+            specs += [
+                lin(f"{pre}.{hc_name}_fn", mix, hc * h),
+                (f"{pre}.{hc_name}_base", (mix,), 0.5),
+                (f"{pre}.{hc_name}_scale", (3,), 0.3),
+            ]
+        specs += [
+            lin(f"{a}.wq_a.weight", p.q_lora_rank, h),
+            norm(f"{a}.q_norm.weight", p.q_lora_rank),
+            lin(f"{a}.wq_b.weight", heads * d, p.q_lora_rank),
+            lin(f"{a}.wkv.weight", d, h),
+            norm(f"{a}.norm.weight", d),
+            lin(f"{a}.wo_a.weight", p.o_groups * p.o_lora_rank, heads * d // p.o_groups),
+            lin(f"{a}.wo_b.weight", h, p.o_groups * p.o_lora_rank, out_scale),
+            (f"{a}.attn_sink", (heads,), 0.5),
+        ]
+        if ratio:
+            specs += compressor(f"{a}.compressor", d, ratio, 2 if ratio == p.csa_rate else 1)
+        if ratio == p.csa_rate:
+            specs += compressor(f"{a}.indexer.compressor", p.index_head_dim, ratio, 2)
+            specs += [
+                lin(f"{a}.indexer.wq_b.weight", p.index_n_heads * p.index_head_dim, p.q_lora_rank),
+                lin(f"{a}.indexer.weights_proj.weight", p.index_n_heads, h),
+            ]
+        f = f"{pre}.ffn"
+        specs.append(lin(f"{f}.gate.weight", p.n_routed_experts, h))
+        if i < p.num_hash_layers:
+            specs.append((f"{f}.gate.tid2eid", (p.vocab_size, p.num_experts_per_tok), 0.0))
+        else:
+            specs.append((f"{f}.gate.bias", (p.n_routed_experts,), 0.1))
+        for e in [*range(p.n_routed_experts), "shared"]:
+            ex = f"{f}.experts.{e}" if e != "shared" else f"{f}.shared_experts"
+            inter = p.moe_intermediate_size
+            specs += [lin(f"{ex}.w1.weight", inter, h), lin(f"{ex}.w3.weight", inter, h)]
+            specs.append(lin(f"{ex}.w2.weight", h, inter, out_scale))
+    specs += [
+        lin("hc_head_fn", hc, hc * h),
+        ("hc_head_base", (hc,), 0.5),
+        ("hc_head_scale", (1,), 0.3),
+        norm("norm.weight", h),
+        lin("head.weight", p.vocab_size, h),
+    ]
+    return specs
+
+
+_V4_FLOAT32 = (
+    "attn_sink",
+    "ape",
+    "_fn",
+    "_base",
+    "_scale",
+    "gate.bias",
+    "gate.weight",
+    "compressor.wkv.weight",
+)
+"""Tensors V4 keeps in float32 (its router, hyper-connections, sinks, position biases)."""
+
+
+def make_v4_weights(p: V4Preset) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(p.seed)
+    dtype = getattr(torch, p.dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape, std in v4_weight_specs(p):
+        if name.endswith("tid2eid"):  # distinct experts per token
+            table = torch.rand(shape[0], p.n_routed_experts, generator=gen).argsort(dim=-1)
+            tensors[name] = table[:, : shape[1]].to(torch.int32).contiguous()
+            continue
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        x = 1.0 + 0.02 * x if std is None else x * std
+        if name.endswith("_scale"):
+            x = 1.0 + x  # the hyper-connections' logit scales
+        keep = name.endswith(_V4_FLOAT32) or ".norm." in name or name.endswith("norm.weight")
+        tensors[name] = x if keep else x.to(dtype)
+    return tensors
+
+
 def hf_config(p: ModelPreset, fingerprint: str, preset_name: str) -> dict[str, Any]:
     """config.json as transformers 4.x writes it for DeepSeek-V3 (rope_theta + rope_scaling spelling)."""
     v32 = {"index_n_heads": p.index_n_heads, "index_head_dim": p.index_head_dim, "index_topk": p.index_topk}
@@ -395,8 +663,10 @@ def _build(name: str, folder: Path, quant: QuantOptions | None) -> None:
     tok.save(str(folder / "tokenizer.json"))
     _write_json(folder / "tokenizer_config.json", tokenizer_config(p.max_position_embeddings))
     _write_json(folder / "generation_config.json", generation_config())
-    weights = make_weights(p)
-    config = hf_config(p, fingerprint(name, quant), name)
+    if isinstance(p, V4Preset):
+        weights, config = make_v4_weights(p), v4_config(p, fingerprint(name, quant), name)
+    else:
+        weights, config = make_weights(p), hf_config(p, fingerprint(name, quant), name)
     if quant is not None:  # the same weights, as DeepSeek's quantized checkpoints store them
         from modelkit.quantize import quantize_tensor  # it reads this module's FINGERPRINT_KEY
 

@@ -329,7 +329,7 @@ def test_tables_are_sized_by_what_they_hold():
     full and compressed tables share the rest of the budget, covering the same tokens."""
     per = {t.manager: SPEC.table_bytes_per_block(t) for t in SPEC.tables}
     counts = size_tables(SPEC, 1 << 20, max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=64)
-    window_blocks = 8 * (3 + 16 + 1) + 1
+    window_blocks = 8 * (3 + 2) + 16 + 1  # each request's window and straddle, one step's tokens, null
     assert counts[1] == window_blocks
     expect = ((1 << 20) - window_blocks * per["sliding_window"]) // (per["full"] + per["compressed"])
     assert counts[0] == counts[2] == expect

@@ -72,9 +72,10 @@ def size_tables(
     num_blocks: int | None = None,
 ) -> tuple[int, ...]:
     """Engine blocks per table for a memory budget. A sliding-window table gets what max_num_seqs
-    requests can hold at once -- the blocks of window - 1 tokens before a chunk of up to
-    max_num_batched_tokens tokens and the speculative lookahead, one more where they straddle a
-    block, and its null block -- not their whole history. The tables that keep a request's
+    requests can hold at once -- each the blocks of window - 1 tokens before its next token, one
+    more where they straddle a block, and its speculative lookahead, plus the blocks of one step's
+    new tokens (max_num_batched_tokens over all requests, one more per request where its chunk
+    straddles), and its null block -- not their whole history. The tables that keep a request's
     whole history (full attention, compressed) get one count, num_blocks or as many as the rest of
     the budget holds, capped at what max_num_seqs requests of max_model_len tokens can use."""
     bs = spec.block_size
@@ -85,11 +86,10 @@ def size_tables(
         if not t.windowed:
             history.append(i)
             continue
-        chunk = min(max_num_batched_tokens, max_model_len) + lookahead
-        per_request = min(
-            -(-(t.window - 1) // bs) + -(-chunk // bs) + 1, -(-(max_model_len + lookahead) // bs)
-        )
-        counts[i] = max_num_seqs * per_request + 1
+        per_request = -(-(t.window - 1) // bs) + 2 + -(-lookahead // bs)
+        step = -(-min(max_num_batched_tokens, max_num_seqs * max_model_len) // bs)
+        cap = max_num_seqs * -(-(max_model_len + lookahead) // bs)
+        counts[i] = min(max_num_seqs * per_request + step, cap) + 1
         window_bytes += counts[i] * spec.table_bytes_per_block(t)
     if history:
         per_block = sum(spec.table_bytes_per_block(spec.tables[i]) for i in history)
@@ -130,11 +130,12 @@ class KVCacheManager:
         self.spec = spec
         self.block_size = spec.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._on_evict = on_evict
         self.pools = tuple(
             BlockPool(
                 n,
                 enable_prefix_caching,
-                functools.partial(on_evict, table=i) if on_evict is not None else None,
+                functools.partial(self._evicted, table=i) if on_evict is not None else None,
                 null_block=t.windowed,
             )
             for i, (t, n) in enumerate(zip(spec.tables, counts, strict=True))
@@ -156,6 +157,21 @@ class KVCacheManager:
         """Tables whose blocks fall behind a window as the request runs."""
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+
+    def _evicted(self, block_hash: bytes, block_id: int, table: int) -> None:
+        """A cached block is about to be dropped (the offloader keeps it). Where a table that keeps
+        the history drops one, a window table's free block of the same prefix goes with it, kept
+        too: a window pool sized for the running requests rarely evicts, and an offloaded prefix
+        is served only where every table can serve it."""
+        self._on_evict(block_hash, block_id, table=table)
+        if self.spec.tables[table].windowed:
+            return
+        for w in self._windowed:
+            pool = self.pools[w]
+            block = pool.lookup(block_hash)
+            if block is not None and block.ref_count == 0:
+                self._on_evict(block_hash, block.block_id, table=w)
+                pool.uncache(block)
 
     # ---- what it holds ---------------------------------------------------------------------
 

@@ -70,7 +70,16 @@ def _rank_main(rank: int, cfg: EngineConfig, conn: Connection) -> None:
         # A rank keeps its engine until it exits, and steps in lockstep with the others: a full
         # collection walking its startup heap would stall every rank (engine/gc_heap.py).
         frozen = freeze_startup_heap()
-        conn.send(("ready", {"max_model_len": core.max_model_len, "num_kv_blocks": core.num_kv_blocks}))
+        conn.send(
+            (
+                "ready",
+                {
+                    "max_model_len": core.max_model_len,
+                    "num_kv_blocks": core.num_kv_blocks,
+                    "block_size": core.kv_spec.block_size,
+                },
+            )
+        )
         stop = False
 
         def take_commands(timeout: float) -> None:
@@ -166,6 +175,8 @@ class DPEngineClient:
         infos = [self._expect(rank, "ready") for rank in range(cfg.data_parallel_size)]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in infos)
+        self.block_size = infos[0]["block_size"]
+        """Tokens per engine block: the KV spec's (DeepSeek-V4 rounds cfg.block_size up)."""
 
     def _fail(self, rank: int, why: str):
         self.requests.clear()  # the group is gone: nothing left to abort
@@ -204,7 +215,7 @@ class DPEngineClient:
             params,
             self.model_cfg.vocab_size,
             self.max_model_len,
-            self.cfg.block_size,
+            self.block_size,
             self.num_kv_blocks,
         )
 

@@ -1,0 +1,130 @@
+"""DeepSeek-V4 down the serving paths that move or keep its KV outside one engine's step loop.
+
+A V4 request's KV is three block tables (the sliding window's K = V rows, the CSA entries with
+their indexer keys, the HCA entries) and its compressors' states. Whatever moves or restores a
+request must carry all of them: the disaggregated stack (prefill and decode workers, KV over NIXL:
+only the window blocks the next token reads, every compressed block, then the states), the host
+offload tier (evicted blocks of every table and the state snapshots at their ends) and data
+parallelism. Every route's greedy tokens equal each prompt's run alone on tiny-v4 (made by
+`pdserve make-model tiny-v4`, in DeepSeek's V4 tensor names), whose prompts here are not multiples
+of its 4- or 32-token entries, and whose 32-token window the prompts outgrow.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_cache.cache_group import CacheKind
+from modelkit.make_model import PRESETS, make_model
+from pdserve.v1 import inference_pb2 as pb
+from tests.engine_testing import run_finished
+from tests.service_testing import generate, inference, start_stack
+
+_rng = random.Random(4)
+PROMPTS = [[_rng.randrange(5, 4000) for _ in range(n)] for n in (45, 70, 99)]
+MAX_TOKENS = [24, 16, 20]
+ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=64, num_threads=1)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=[_greedy(n) for n in max_tokens])
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_model("tiny-v4", tmp_path_factory.mktemp("v4") / "tiny-v4"))
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[list[int]]:
+    """Each prompt alone, one-shot, nothing cached."""
+    p = PRESETS["tiny-v4"]
+    assert all(len(q) % p.csa_rate and len(q) % p.hca_rate and len(q) > p.sliding_window for q in PROMPTS)
+    llm = LLM(model, enable_prefix_caching=False, **ENGINE)
+    return [_tokens(llm, [q], [n])[0] for q, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def test_the_disaggregated_stack_then_colocated_match_offline(model, reference, tmp_path):
+    nixl = ["--kv-transport", "nixl"]
+    st = start_stack(
+        model,
+        tmp_path,
+        router_args=["--colocate-max-tokens", "0"],
+        worker_args={"prefill": nixl, "decode": nixl},
+    )
+    try:
+        stub = inference(st)
+
+        def one(i: int, mode) -> tuple[list[int], list]:
+            sampling = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+            return generate(stub, token_ids=pb.TokenIds(ids=PROMPTS[i]), sampling=sampling, mode=mode)
+
+        for mode, disaggregated in (
+            (pb.SERVING_MODE_DISAGGREGATED, True),
+            (pb.SERVING_MODE_COLOCATED, False),
+        ):
+            with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                served = list(pool.map(lambda i, m=mode: one(i, m), range(len(PROMPTS))))
+            for (tokens, msgs), want in zip(served, reference, strict=True):
+                assert tokens == want and msgs[-1].disaggregated == disaggregated
+                assert (msgs[-1].usage.kv_transfer_bytes > 0) == disaggregated
+        assert "moves over NIXL" in st.workers("decode")[0].log_path.read_text()
+    finally:
+        codes = st.stop()
+        assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"
+
+
+def test_the_host_tier_gives_back_every_table_and_the_state(model, reference):
+    """The 99-token prompt's blocks (engine blocks of 32 tokens: the HCA rate) pushed out of a
+    6-block cache, then asked for again: its three full blocks come back from the host tier in every
+    table with the compressors' state after them, and the tokens are the one-shot run's."""
+    prompt, n = PROMPTS[2], MAX_TOKENS[2]
+    llm = LLM(model, kv_offload="host", kv_host_blocks=64, **{**ENGINE, "num_kv_blocks": 6})
+    off = llm.engine.connector
+    fillers = [[100 + j for j in range(90)], [2000 + j for j in range(90)]]
+    try:
+        assert _tokens(llm, [prompt], [n]) == [reference[2]]
+        _tokens(llm, fillers, [2, 2])
+        before = off.stats.loaded_blocks["host"]
+        (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(n))
+        assert list(out.token_ids) == reference[2]
+        assert out.num_cached_tokens == 96
+        spec = llm.engine.kv_spec
+        assert spec.block_size == 32 and spec.has(CacheKind.HEAVILY_COMPRESSED) and spec.states
+        assert off.stats.loaded_blocks["host"] - before >= 3
+        assert off.stats.checksum_failures == 0
+    finally:
+        off.close()
+
+
+def test_data_parallel_matches_one_process(model, reference):
+    llm = LLM(model, data_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    try:
+        for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+            engine.add_request(str(i), p, _greedy(n))
+        final = run_finished(engine)
+        assert [final[str(i)].token_ids for i in range(len(PROMPTS))] == reference
+    finally:
+        engine.shutdown()
+    assert all(p.exitcode == 0 for p in engine.procs)
+
+
+def test_expert_parallelism_is_refused_by_name(model):
+    with pytest.raises(Exception, match="expert parallelism for DeepSeek-V4 is not run yet"):
+        LLM(model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+
+
+def test_a_released_style_folder_is_what_make_model_writes(model):
+    names = (Path(model) / "model.safetensors").read_bytes()[:200_000]
+    assert b'"embed.weight"' in names and b"layers.1.attn.indexer.compressor.wkv.weight" in names
