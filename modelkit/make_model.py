@@ -670,7 +670,8 @@ def _build(name: str, folder: Path, quant: QuantOptions | None) -> None:
     if quant is not None:  # the same weights, as DeepSeek's quantized checkpoints store them
         from modelkit.quantize import quantize_tensor  # it reads this module's FINGERPRINT_KEY
 
-        weights = dict(item for n, w in weights.items() for item in quantize_tensor(n, w, quant))
+        v4 = isinstance(p, V4Preset)
+        weights = dict(item for n, w in weights.items() for item in quantize_tensor(n, w, quant, v4))
         config = quant.config(config)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # config.json last: it carries the fingerprint that marks the folder complete.

@@ -110,11 +110,28 @@ _QUANTIZED = re.compile(
 )
 _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
 
+# DeepSeek-V4 (its own names, as V4-Flash ships): the attention's projections, the indexer's query
+# projection, routed and shared experts; never the compressors, the indexer's weights_proj, the
+# router, the hyper-connections, the sinks, norms, embedding or head.
+_V4_QUANTIZED = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])\.weight$"
+)
+_V4_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.")
 
-def quantize_tensor(name: str, tensor: torch.Tensor, opts: QuantOptions) -> list[tuple[str, torch.Tensor]]:
+
+def quantize_tensor(
+    name: str, tensor: torch.Tensor, opts: QuantOptions, v4: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """One checkpoint tensor (an HF or DeepSeek name) -> the tensors the quantized checkpoint stores
-    for it, named as opts.names says: the weight and its scales where DeepSeek quantizes it, else
-    the tensor as it is."""
+    for it, named as opts.names says (DeepSeek-V4's, `v4`, keep DeepSeek's names): the weight and
+    its scales where DeepSeek quantizes it, else the tensor as it is."""
+    if v4:
+        bare = name.removeprefix("model.")
+        if not _V4_QUANTIZED.match(bare):
+            return [(bare, tensor)]
+        return _quantized(
+            bare, bare.removesuffix("weight") + "scale", tensor, opts, bool(_V4_ROUTED.match(bare))
+        )
     hf = deepseek_to_hf(name)
     if re.match(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$", hf):
         raise ValueError(
@@ -123,18 +140,25 @@ def quantize_tensor(name: str, tensor: torch.Tensor, opts: QuantOptions) -> list
     rename = hf_to_deepseek if opts.names == "deepseek" else (lambda n: n)
     if not _QUANTIZED.match(hf):
         return [(rename(hf), tensor)]
-    scale_name = rename(hf.removesuffix("weight") + SCALE)
-    if opts.experts_fp4 and _ROUTED.match(hf):
+    return _quantized(
+        rename(hf), rename(hf.removesuffix("weight") + SCALE), tensor, opts, bool(_ROUTED.match(hf))
+    )
+
+
+def _quantized(
+    name: str, scale_name: str, tensor: torch.Tensor, opts: QuantOptions, routed: bool
+) -> list[tuple[str, torch.Tensor]]:
+    if opts.experts_fp4 and routed:
         if tensor.shape[-1] % MXFP4_BLOCK:
             raise ValueError(
                 f"checkpoint tensor {name!r} has {tensor.shape[-1]} columns: MXFP4 needs a multiple of 32"
             )
         data, scale = quantize_mxfp4(tensor)
-        return [(rename(hf), data.view(torch.int8)), (scale_name, scale.view(torch.float8_e8m0fnu))]
+        return [(name, data.view(torch.int8)), (scale_name, scale.view(torch.float8_e8m0fnu))]
     data, scale = quantize_fp8(tensor, (opts.block, opts.block), opts.ue8m0)
     if opts.scale_dtype == "e8m0":
         scale = float_to_e8m0(scale).view(torch.float8_e8m0fnu)
-    return [(rename(hf), data), (scale_name, scale)]
+    return [(name, data), (scale_name, scale)]
 
 
 def quantize_folder(
@@ -165,9 +189,10 @@ def quantize_folder(
             paths.append(path)
             shards.append({})
 
+        v4 = raw.get("model_type") == "deepseek_v4"
         for name, file, handle in iter_checkpoint(src):
             del file
-            for out_name, tensor in quantize_tensor(name, handle.read(name), opts):
+            for out_name, tensor in quantize_tensor(name, handle.read(name), opts, v4):
                 if size and size + tensor.nbytes > shard_bytes:
                     flush()
                     size = 0

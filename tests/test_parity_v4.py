@@ -16,14 +16,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache.cache_group import CacheKind
+from modelkit.quantize import QuantOptions, quantize_folder
 from tests.hf_reference import Reference, build_hf_v4_checkpoint, decisive_references, hf_reference
 from tests.test_parity_hf import SEED, STEPS, TOP_N, assert_logprobs_match, assert_parity, one_torch_thread
+from tests.test_quant_parity import dequantized_folder
 
 MIXED = dict(
     num_hidden_layers=4,
@@ -113,6 +117,38 @@ def test_the_released_format_and_rates_match_transformers(released) -> None:
     assert "embed.weight" in names and "layers.0.attn.wkv.weight" in names and "hc_head_fn" in names
     assert "compress_ratios" in json.loads((model_dir / "config.json").read_text())
     assert_parity(model_dir, refs, block_size=16)  # engine blocks of 128 tokens (the HCA rate)
+
+
+def test_the_released_quantized_format_matches_transformers_on_its_dequantized_weights(
+    mixed, tmp_path
+) -> None:
+    """V4-Flash's format: FP8 projections in 128 x 128 blocks with e8m0 scales, MXFP4 routed experts,
+    DeepSeek's names (`<module>.scale`); the reference is transformers on the weights dequantized
+    in float64 from the stored bytes (tests/test_quant_parity.py), not by the engine."""
+    model_dir, _ = mixed
+    opts = QuantOptions(block=128, ue8m0=True, scale_dtype="e8m0", experts_fp4=True)
+    quantized = quantize_folder(model_dir, tmp_path / "quantized", opts)
+    with safe_open(quantized / "model.safetensors", framework="pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert (
+        dtypes["layers.1.attn.wq_b.weight"] == "F8_E4M3" and dtypes["layers.1.attn.wq_b.scale"] == "F8_E8M0"
+    )
+    assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.ffn.experts.3.w1.weight"] == "I8"  # two e2m1 a byte
+    assert dtypes["layers.1.ffn.shared_experts.w2.weight"] == "F8_E4M3"
+    assert (
+        dtypes["layers.1.attn.compressor.wkv.weight"] == "F32"
+        and "layers.1.attn.compressor.wkv.scale" not in dtypes
+    )
+    with one_torch_thread():
+        reference_dir = dequantized_folder(
+            quantized, tmp_path / "dequantized", rename=str, scale_suffix="scale"
+        )
+        refs = decisive_references(reference_dir, PROMPTS["mixed"][1:], steps=STEPS, seed=SEED)
+    assert_parity(quantized, refs, block_size=8)
+    layer = LLM(model=str(quantized), dtype="float32", num_threads=1).engine.runner.model.layers[1]
+    assert layer.mlp.experts.w13.dtype == torch.uint8 and layer.mlp.experts.w13_scale.dtype == torch.uint8
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn  # kept 8- and 4-bit
 
 
 @pytest.mark.parametrize("chunk", [3, 5, 11])

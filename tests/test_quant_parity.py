@@ -59,8 +59,11 @@ def _e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((table[b & 0xF], table[b >> 4]), dim=-1).flatten(-2)
 
 
-def dequantized_folder(quantized: Path, out: Path) -> Path:
-    """The quantized folder's weights in float32 under HF names, each weight times its block's scale
+def dequantized_folder(
+    quantized: Path, out: Path, rename=deepseek_to_hf, scale_suffix: str = "weight_scale_inv"
+) -> Path:
+    """The quantized folder's weights in float32 under HF names (rename: a stored name -> the one
+    written; DeepSeek-V4's are kept, with their `scale`), each weight times its block's scale
     computed in float64 from the stored bytes, with config.json lacking the quantization."""
     out.mkdir()
     config = json.loads((quantized / "config.json").read_text())
@@ -69,12 +72,12 @@ def dequantized_folder(quantized: Path, out: Path) -> Path:
     stored: dict[str, torch.Tensor] = {}
     for file in sorted(quantized.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            stored |= {deepseek_to_hf(name): f.get_tensor(name) for name in f.keys()}
+            stored |= {rename(name): f.get_tensor(name) for name in f.keys()}
     tensors = {}
     for name, t in stored.items():
-        if name.endswith("weight_scale_inv"):
+        if name.endswith("." + scale_suffix):
             continue
-        scale = stored.get(name.removesuffix("weight") + "weight_scale_inv")
+        scale = stored.get(name.removesuffix("weight") + scale_suffix)
         if scale is None:
             tensors[name] = t.float()
             continue

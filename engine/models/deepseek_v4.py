@@ -27,8 +27,9 @@ Every entry is written by the token that completes it, so chunked prefill at any
 write what one full pass writes.
 
 This is the PyTorch path (per request attention; the MoE an expert loop), exact against
-transformers' DeepseekV4ForCausalLM; the released FP8 / MXFP4 checkpoints, expert parallelism and
-MTP are not run yet (refused by name).
+transformers' DeepseekV4ForCausalLM. The released checkpoints' FP8 projections and MXFP4 experts
+are kept as stored (kernels/quant.py QuantWeight); expert parallelism and MTP are not run yet
+(refused by name).
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache.cache_group import CacheGroupSpec, CacheKind, StateSpec
 from engine.kv_cache.spec import KVCaches, KVCacheSpec
 from engine.models.layers import Embedding, Linear, _param
+from engine.models.moe import FusedExperts
 from engine.models.registry import register_model
+from engine.quant import QuantSpec
 from engine.sampler import argmax
+from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
 
 SLIDING = "sliding_attention"
@@ -156,11 +160,11 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 class ClampedMLP(nn.Module):
     """The shared expert: SwiGLU with the gate clamped from above and the up projection both ways."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, *, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, limit: float, *, dtype: torch.dtype, quant: QuantSpec | None):
         super().__init__()
         self.limit = limit
-        self.gate_up_proj = Linear(hidden, 2 * inter, dtype=dtype)
-        self.down_proj = Linear(inter, hidden, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, 2 * inter, dtype=dtype, quant=quant)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.limit))
@@ -193,25 +197,28 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts (kept as the checkpoint stores them: bf16, FP8 or MXFP4) and the shared one,
+    each a clamped SwiGLU; the routed ones an expert at a time over its tokens."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
         super().__init__()
         v4 = cfg.v4
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = v4.swiglu_limit
         self.gate = Router(cfg, hashed=v4.hash_layers[layer_idx])
-        self.experts = nn.Module()
-        self.experts.w13 = _param(e, 2 * inter, h, dtype=dtype)  # gate rows, then up rows
-        self.experts.w2 = _param(e, h, inter, dtype=dtype)
-        self.shared_experts = ClampedMLP(h, inter, v4.swiglu_limit, dtype=dtype)
+        self.experts = FusedExperts(e, h, inter, dtype=dtype, quant=QuantSpec.of(cfg.quant, experts=True))
+        self.shared_experts = ClampedMLP(
+            h, inter, v4.swiglu_limit, dtype=dtype, quant=QuantSpec.of(cfg.quant)
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
         out = torch.zeros_like(x)
-        w13, w2 = self.experts.w13, self.experts.w2
+        w13, w2 = self.experts.weights()
         for e in ids.unique().tolist():
             token, k = torch.where(ids == e)
-            act = clamped_swiglu(F.linear(x[token], w13[e]), self.limit)
-            out.index_add_(0, token, (F.linear(act, w2[e]) * weights[token, k, None]).to(x.dtype))
+            act = clamped_swiglu(linear(x[token], w13[e]), self.limit)
+            out.index_add_(0, token, (linear(act, w2[e]) * weights[token, k, None]).to(x.dtype))
         return out + self.shared_experts(x)
 
 
@@ -304,11 +311,12 @@ class Indexer(Compressor):
     entry; a query scores entry w as sum_h (x W_w)_h nI^-1/2 ReLU(q_h . K_w) dI^-1/2 and keeps the
     index_topk best of the complete ones."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         v4 = cfg.v4
         super().__init__(cfg.hidden_size, v4.index_head_dim, v4.csa_rate, True, v4.rope_dim, cfg.rms_norm_eps)
         self.n_heads, self.topk = v4.index_n_heads, v4.index_topk
-        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.width, dtype=FP32)
+        q = QuantSpec.of(cfg.quant)  # FP8 in the released checkpoints, as the attention's
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.width, dtype=dtype, quant=q)
         self.scorer = IndexerScorer(cfg.hidden_size, self.n_heads)
 
     def pick(
@@ -317,7 +325,7 @@ class Indexer(Compressor):
         """x [n, H], cq [n, q_lora] (the query latent), keys [E, dI] -> visible [n, E] bool: the
         entries each query picked."""
         n, e = x.shape[0], keys.shape[0]
-        q = rope_tail(self.q_b_proj(cq.float()).view(n, self.n_heads, self.width), cos, sin)
+        q = rope_tail(self.q_b_proj(cq).float().view(n, self.n_heads, self.width), cos, sin)
         scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys.float())) * self.width**-0.5
         weights = self.scorer.weights_proj(x.float()) * self.n_heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
@@ -330,14 +338,14 @@ class Indexer(Compressor):
 
 
 class CSACompressor(Compressor):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         v4 = cfg.v4
         super().__init__(cfg.hidden_size, v4.head_dim, v4.csa_rate, True, v4.rope_dim, cfg.rms_norm_eps)
-        self.indexer = Indexer(cfg)
+        self.indexer = Indexer(cfg, dtype)
 
 
 class HCACompressor(Compressor):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         v4 = cfg.v4
         super().__init__(cfg.hidden_size, v4.head_dim, v4.hca_rate, False, v4.rope_dim, cfg.rms_norm_eps)
 
@@ -398,16 +406,19 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, v4.head_dim, v4.sliding_window
         self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype)
+        q = QuantSpec.of(cfg.quant)  # the projections are FP8 in the released checkpoints
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, quant=q)
         self.q_a_norm = RMSNorm32(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype)
-        self.kv_proj = Linear(cfg.hidden_size, self.head_dim, dtype=dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, quant=q)
+        self.kv_proj = Linear(cfg.hidden_size, self.head_dim, dtype=dtype, quant=q)
         self.kv_norm = RMSNorm32(self.head_dim, cfg.rms_norm_eps)
         group_in = self.num_heads * self.head_dim // self.groups
-        self.o_a_proj = Linear(group_in, self.groups * v4.o_lora_rank, dtype=dtype)
-        self.o_b_proj = Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, dtype=dtype)
+        self.o_lora_rank = v4.o_lora_rank
+        self.o_a_proj = Linear(group_in, self.groups * v4.o_lora_rank, dtype=dtype, quant=q)
+        self.o_b_proj = Linear(self.groups * v4.o_lora_rank, cfg.hidden_size, dtype=dtype, quant=q)
         self.sinks = _param(self.num_heads, dtype=FP32)
-        self.compressor = {CSA: CSACompressor, HCA: HCACompressor}.get(self.layer_type, lambda _: None)(cfg)
+        compressor = {CSA: CSACompressor, HCA: HCACompressor}.get(self.layer_type)
+        self.compressor = compressor(cfg, dtype) if compressor is not None else None
 
     def forward(self, x: torch.Tensor, step: V4Step, caches: LayerCaches) -> torch.Tensor:
         n = x.shape[0]
@@ -423,9 +434,16 @@ class Attention(nn.Module):
             rows = slice(seq.row, seq.row + seq.n)
             out[rows] = self._attend(x[rows], cq[rows], q[rows], seq, step, caches)
         out = rope_tail(out, cos, -sin)  # the values' rope slice back by -t
-        grouped = out.view(n, self.groups, -1)
-        w_a = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.o_b_proj(torch.einsum("ngi,goi->ngo", grouped, w_a).flatten(1))
+        return self.o_b_proj(self.grouped_out(out.view(n, self.groups, -1)))
+
+    def grouped_out(self, grouped: torch.Tensor) -> torch.Tensor:
+        """[N, groups, heads x D / groups] -> [N, groups x o_lora_rank]: group g through its own
+        o_lora_rank rows of o_a_proj (a block-diagonal product)."""
+        if self.o_a_proj.quant is None:
+            w = self.o_a_proj.weight.view(self.groups, self.o_lora_rank, grouped.shape[-1])
+            return torch.einsum("ngi,goi->ngo", grouped, w).flatten(1)
+        r, w = self.o_lora_rank, self.o_a_proj.w
+        return torch.cat([linear(grouped[:, g], w[g * r : (g + 1) * r]) for g in range(self.groups)], dim=-1)
 
     def _attend(self, x, cq, q, seq: Seq, step: V4Step, caches: LayerCaches) -> torch.Tensor:
         """One request's queries q [n, heads, D] over its window and compressed entries."""
@@ -621,8 +639,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise NotImplementedError("expert parallelism for DeepSeek-V4 is not run yet")
         if num_mtp_layers:
             raise NotImplementedError("MTP speculative decoding for DeepSeek-V4 is not run yet")
-        if cfg.quant is not None:
-            raise NotImplementedError("quantized DeepSeek-V4 checkpoints (FP8 / MXFP4) are not run yet")
         v4 = cfg.v4
         self.cfg, self.dtype = cfg, dtype
         self.hc_mult = v4.hc_mult
