@@ -5,7 +5,7 @@ their indexer keys, the HCA entries) and its compressors' states. Whatever moves
 request must carry all of them: the disaggregated stack (prefill and decode workers, KV over NIXL:
 only the window blocks the next token reads, every compressed block, then the states), the host
 offload tier (evicted blocks of every table and the state snapshots at their ends) and data
-parallelism. Every route's greedy tokens equal each prompt's run alone on tiny-v4 (made by
+and expert parallelism (EPLB included). Every route's greedy tokens equal each prompt's run alone on tiny-v4 (made by
 `pdserve make-model tiny-v4`, in DeepSeek's V4 tensor names), whose prompts here are not multiples
 of its 4- or 32-token entries, and whose 32-token window the prompts outgrow.
 """
@@ -107,8 +107,18 @@ def test_the_host_tier_gives_back_every_table_and_the_state(model, reference):
         off.close()
 
 
-def test_data_parallel_matches_one_process(model, reference):
-    llm = LLM(model, data_parallel_size=2, **ENGINE)
+PARALLEL = {
+    "dp2": {},
+    "dp2-ep2": {"enable_expert_parallel": True},
+    "dp2-ep2-eplb": {"enable_expert_parallel": True, "num_redundant_experts": 2, "eplb_interval": 4},
+}
+
+
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_data_and_expert_parallel_match_one_process(model, reference, layout):
+    """Two ranks (each its own batch and KV); with EP each holds half the experts (the hash layers'
+    too: their table names logical experts) and with EPLB the placement changes while they run."""
+    llm = LLM(model, data_parallel_size=2, **PARALLEL[layout], **ENGINE)
     engine = llm.engine
     try:
         for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
@@ -118,11 +128,6 @@ def test_data_parallel_matches_one_process(model, reference):
     finally:
         engine.shutdown()
     assert all(p.exitcode == 0 for p in engine.procs)
-
-
-def test_expert_parallelism_is_refused_by_name(model):
-    with pytest.raises(Exception, match="expert parallelism for DeepSeek-V4 is not run yet"):
-        LLM(model, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
 
 
 def test_a_released_style_folder_is_what_make_model_writes(model):

@@ -28,8 +28,7 @@ write what one full pass writes.
 
 This is the PyTorch path (per request attention; the MoE an expert loop), exact against
 transformers' DeepseekV4ForCausalLM. The released checkpoints' FP8 projections and MXFP4 experts
-are kept as stored (kernels/quant.py QuantWeight); expert parallelism and MTP are not run yet
-(refused by name).
+are kept as stored (kernels/quant.py QuantWeight); MTP is not run yet (refused by name).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,9 @@ from engine.quant import QuantSpec
 from engine.sampler import argmax
 from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
+
+if TYPE_CHECKING:
+    from engine.parallel.ep_moe import ExpertParallel
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -198,28 +201,48 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (kept as the checkpoint stores them: bf16, FP8 or MXFP4) and the shared one,
-    each a clamped SwiGLU; the routed ones an expert at a time over its tokens."""
+    each a clamped SwiGLU; the routed ones an expert at a time over its tokens, or under expert
+    parallelism on the ranks that hold them (engine/parallel/ep_moe.py; the hash layers' table
+    names logical experts, placed like the scored ones')."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype, ep: ExpertParallel | None = None
+    ):
         super().__init__()
         v4 = cfg.v4
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.limit = v4.swiglu_limit
+        self.layer_idx, self.ep, self.limit = layer_idx, ep, v4.swiglu_limit
         self.gate = Router(cfg, hashed=v4.hash_layers[layer_idx])
-        self.experts = FusedExperts(e, h, inter, dtype=dtype, quant=QuantSpec.of(cfg.quant, experts=True))
+        num_local = ep.slots_per_rank if ep is not None else e
+        self.experts = FusedExperts(
+            num_local, h, inter, dtype=dtype, quant=QuantSpec.of(cfg.quant, experts=True)
+        )
         self.shared_experts = ClampedMLP(
             h, inter, v4.swiglu_limit, dtype=dtype, quant=QuantSpec.of(cfg.quant)
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
+        if self.ep is not None:
+            w13, w2 = self.experts.weights()
+            out = self.ep.forward(self.layer_idx, x, weights, ids, w13, w2, experts=self.local)
+        else:
+            out = self.routed(x, weights, ids)
+        return out + self.shared_experts(x)
+
+    def local(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism's rows [M, H], each through its local slot [M, 1], weight 1."""
+        return self.routed(rows, torch.ones_like(slots, dtype=torch.float32), slots)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert ids[t, k] (x[t]), an expert (local slot) at a time."""
         out = torch.zeros_like(x)
         w13, w2 = self.experts.weights()
         for e in ids.unique().tolist():
             token, k = torch.where(ids == e)
             act = clamped_swiglu(linear(x[token], w13[e]), self.limit)
             out.index_add_(0, token, (linear(act, w2[e]) * weights[token, k, None]).to(x.dtype))
-        return out + self.shared_experts(x)
+        return out
 
 
 # ---- compressors -------------------------------------------------------------------------------
@@ -427,8 +450,9 @@ class Attention(nn.Module):
         q = self.q_b_proj(cq).view(n, self.num_heads, self.head_dim)
         q = rope_tail(unweighted_rms_norm(q, self.eps), cos, sin)
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [N, D]: the key and the value
-        window = caches.window.view(-1, self.head_dim)
-        window[step.batch.slot_mapping] = kv.to(window.dtype)
+        window, slots = caches.window.view(-1, self.head_dim), step.batch.slot_mapping
+        written = slots >= 0  # all but an idle rank's dummy token (runner.execute_dummy)
+        window[slots[written]] = kv[written].to(window.dtype)
         out = torch.empty_like(q)
         for seq in step.seqs:
             rows = slice(seq.row, seq.row + seq.n)
@@ -455,7 +479,7 @@ class Attention(nn.Module):
         visible = (key_pos[None, :] <= positions[:, None]) & (
             key_pos[None, :] > positions[:, None] - self.window
         )
-        if self.compressor is not None:
+        if self.compressor is not None and seq.state_row >= 0:  # (a dummy token has no state)
             entries, picked = self._compressed(x, cq, positions, seq, step, caches)
             keys = torch.cat((keys, entries.to(keys.dtype)))
             visible = torch.cat((visible, picked), dim=1)
@@ -545,11 +569,13 @@ class V4Step:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype, ep: ExpertParallel | None = None
+    ):
         super().__init__()
         v4 = cfg.v4
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype)
-        self.mlp = MoE(cfg, layer_idx, dtype=dtype)
+        self.mlp = MoE(cfg, layer_idx, dtype=dtype, ep=ep)
         self.input_layernorm = RMSNorm32(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm32(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (v4.hc_mult, cfg.hidden_size, v4.hc_sinkhorn_iters, v4.hc_eps, cfg.rms_norm_eps)
@@ -635,15 +661,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
     ):
         super().__init__()
-        if ep is not None:
-            raise NotImplementedError("expert parallelism for DeepSeek-V4 is not run yet")
         if num_mtp_layers:
             raise NotImplementedError("MTP speculative decoding for DeepSeek-V4 is not run yet")
         v4 = cfg.v4
         self.cfg, self.dtype = cfg, dtype
         self.hc_mult = v4.hc_mult
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype=dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype=dtype, ep=ep) for i in range(cfg.num_hidden_layers)
+        )
         self.hc_head = HyperHead(v4.hc_mult, cfg.hidden_size, v4.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm32(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
@@ -666,7 +692,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             c = LayerCaches(kv_caches.layer(CacheKind.SLIDING_WINDOW, i))
             lt = layer.self_attn.layer_type
-            if lt != SLIDING:
+            if lt != SLIDING and batch.states is not None:
                 kind, state = (
                     (CacheKind.COMPRESSED, STATE_CSA)
                     if lt == CSA

@@ -16,6 +16,8 @@ dummy batch), so the collectives always match. Tokens per logical expert are cou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.parallel.groups import ParallelGroup
@@ -80,8 +82,11 @@ class ExpertParallel:
         topk_ids: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x [T, H], topk_weights/topk_ids [T, K] (logical ids), w13/w2 the local slots -> [T, H]."""
+        """x [T, H], topk_weights/topk_ids [T, K] (logical ids), w13/w2 the local slots -> [T, H].
+        experts(rows [M, H], slots [M, 1]) -> [M, H]: each row through its local slot's expert
+        (default: fused_moe's SwiGLU; DeepSeek-V4 gives its clamped one)."""
         moe = self.moe_index[layer]
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*K]
@@ -96,7 +101,9 @@ class ExpertParallel:
 
         rows = self.group.all_to_all(x[order // top_k], send_list, recv_list)  # [M, H]
         slots = self.group.all_to_all((phys[order] % self.slots_per_rank).unsqueeze(1), send_list, recv_list)
-        if rows.shape[0]:
+        if rows.shape[0] and experts is not None:
+            computed = experts(rows, slots)
+        elif rows.shape[0]:
             ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)
             computed = fused_moe(rows, w13, w2, ones, slots)  # [M, H]
         else:
