@@ -51,6 +51,7 @@ from engine.models.moe import FusedExperts
 from engine.models.registry import register_model
 from engine.quant import QuantSpec
 from engine.sampler import argmax
+from kernels import native
 from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
 
@@ -112,7 +113,10 @@ class HyperConnection(nn.Module):
         self.scale = _param(3, dtype=FP32)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, hc, H] -> (post [N, hc], comb [N, hc, hc] float32, block input [N, H])."""
+        """streams [N, hc, H] -> (post [N, hc], comb [N, hc, hc] float32, block input [N, H]); in
+        one native call for bf16 streams (kernels/native/hyper.h), ~50 torch ops otherwise."""
+        if native.loaded() and native.takes(streams) and streams.is_contiguous():
+            return native.hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
         hc = self.hc
         mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)

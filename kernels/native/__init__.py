@@ -646,6 +646,66 @@ def rms_norm(
     return y if summed is None else (y, summed)
 
 
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hyper-connection weights and block input in one call: streams [N, hc, H] bf16
+    (each token's streams contiguous), fn [(2 + hc) hc, hc H], base [(2 + hc) hc], scale [3] float32
+    -> (post [N, hc], comb [N, hc, hc] float32, u [N, H] bf16): engine/models/deepseek_v4.py
+    HyperConnection's, to a bf16 rounding of u. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    n, hc, h = streams.shape
+    k = (2 + hc) * hc
+    if fn.shape != (k, hc * h) or base.shape != (k,) or scale.shape != (3,):
+        raise ValueError(
+            f"fn must be [{k}, {hc * h}], base [{k}] and scale [3] for streams {tuple(streams.shape)}, got "
+            f"{tuple(fn.shape)}, {tuple(base.shape)} and {tuple(scale.shape)}"
+        )
+    if not takes(streams) or streams[0].numel() and not streams[0].is_contiguous():
+        raise ValueError("streams must be CPU bfloat16, each token's [hc, H] contiguous")
+    fn, base, scale = (t.float().contiguous() for t in (fn, base, scale))
+    post = torch.empty(n, hc, dtype=torch.float32)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32)
+    u = torch.empty(n, h, dtype=torch.bfloat16)
+    if n:
+        _library.hc_pre(
+            streams.data_ptr(), streams.stride(0), fn.data_ptr(), base.data_ptr(), scale.data_ptr(),
+            post.data_ptr(), comb.data_ptr(), u.data_ptr(), h, n, hc, h, iters, eps, norm_eps,
+        )  # fmt: skip
+    return post, comb, u
+
+
+def hc_merge(
+    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The streams after a block: streams [N, hc, H] bf16 (each token's contiguous), post [N, hc],
+    comb [N, hc, hc] float32 (hc_pre's), out [N, H] bf16 (the block's output) -> [N, hc, H] bf16,
+    post_j out + sum_i comb[i, j] streams_i in HyperConnection.merge's roundings. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    n, hc, h = streams.shape
+    if post.shape != (n, hc) or comb.shape != (n, hc, hc) or out.shape != (n, h):
+        raise ValueError(
+            f"post must be [{n}, {hc}], comb [{n}, {hc}, {hc}] and out [{n}, {h}], got {tuple(post.shape)}, "
+            f"{tuple(comb.shape)} and {tuple(out.shape)}"
+        )
+    if not takes(streams, out) or streams[0].numel() and not streams[0].is_contiguous():
+        raise ValueError("streams and out must be CPU bfloat16, each token's streams contiguous")
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    y = torch.empty(n, hc, h, dtype=torch.bfloat16)
+    if n:
+        _library.hc_merge(
+            streams.data_ptr(), streams.stride(0), post.data_ptr(), comb.data_ptr(), out.data_ptr(), out.stride(0),
+            y.data_ptr(), n, hc, h,
+        )  # fmt: skip
+    return y
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [N, R] or [N, G, R] bf16 (unit stride along R), cos/sin [N, R/2] float32 -> a new tensor
     shaped as x, contiguous: kernels/rotary.py's apply_rotary_ref with its roundings. Requires

@@ -53,6 +53,7 @@ HEADERS = tuple(
         "argmax.h",
         "spec.h",
         "sparse.h",
+        "hyper.h",
         "avx2.h",
     )
 )

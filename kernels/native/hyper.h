@@ -1,0 +1,137 @@
+// DeepSeek-V4's manifold-constrained hyper-connections (mHC), a token's hc residual streams
+// [hc, H] bf16 around one block (engine/models/deepseek_v4.py HyperConnection has the equations):
+//   hc_pre:   the streams -> the block's input (their sigmoid-weighted sum), the weights that
+//             spread the block's output over the streams (post) and the Sinkhorn-normalised
+//             stream mixing (comb);
+//   hc_merge: the streams after the block, post_j * out + sum_i comb[i, j] * X_i.
+// In torch a token's mHC is ~50 small ops (the Sinkhorn's 20 row / column normalisations alone
+// 80), ~0.8 ms per block on the bench-v4 model (2-core EPYC): here a few microseconds. The
+// arithmetic is the reference's, in float32, in its order where it has one; sums of products run
+// 16 lanes at a time then across them (the reference's own order is oneDNN's), so the block input
+// and the new streams agree with the reference to a bf16 rounding.
+
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// A dot product of two float32 rows of length n (n a multiple of 16 or not), 16 lanes at a time.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 mask = lanes16(n - d);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + d), _mm512_maskz_loadu_ps(mask, b + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// x [N, hc, H] bf16 (row n at x + n * ldx, the streams contiguous), fn [(2 + hc) hc, hc H],
+// base [(2 + hc) hc], scale [3] float32 -> post [N, hc], comb [N, hc, hc] float32 and the block
+// input u [N, H] bf16 (row n at u + n * ldu).
+void hc_pre(int64_t x_ptr, int64_t ldx, int64_t fn_ptr, int64_t base_ptr, int64_t scale_ptr, int64_t post_ptr,
+            int64_t comb_ptr, int64_t u_ptr, int64_t ldu, int64_t N, int64_t hc, int64_t H, int64_t iters,
+            double eps, double norm_eps) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* fn = reinterpret_cast<const float*>(fn_ptr);
+  const auto* base = reinterpret_cast<const float*>(base_ptr);
+  const auto* scale = reinterpret_cast<const float*>(scale_ptr);
+  auto* post = reinterpret_cast<float*>(post_ptr);
+  auto* comb = reinterpret_cast<float*>(comb_ptr);
+  auto* u = reinterpret_cast<uint16_t*>(u_ptr);
+  const int64_t width = hc * H, K = (2 + hc) * hc;
+  const float e = float(eps);
+  maybe_parallel(N, 1, K * width * 4 + N * width * 2, [&](int64_t n0, int64_t n1) {
+    std::vector<float> flat(width), mixes(K), pre(hc);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* row = x + n * ldx;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < width; d += 16) {
+        const __mmask16 mask = lanes16(width - d);
+        const __m512 v = widen16(_mm256_maskz_loadu_epi16(mask, row + d));
+        _mm512_mask_storeu_ps(&flat[d], mask, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(width) + float(norm_eps));
+      for (int64_t d = 0; d < width; ++d) flat[d] *= r;
+      for (int64_t k = 0; k < K; ++k) mixes[k] = dot_f32(flat.data(), fn + k * width, width);
+      float* p = post + n * hc;
+      float* c = comb + n * hc * hc;
+      for (int64_t i = 0; i < hc; ++i) {
+        pre[i] = sigmoidf(mixes[i] * scale[0] + base[i]) + e;
+        p[i] = 2.0f * sigmoidf(mixes[hc + i] * scale[1] + base[hc + i]);
+      }
+      for (int64_t i = 0; i < hc; ++i) {  // softmax along each row, then + eps
+        float* ci = c + i * hc;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < hc; ++j) {
+          ci[j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+          m = std::max(m, ci[j]);
+        }
+        float s = 0.0f;
+        for (int64_t j = 0; j < hc; ++j) s += (ci[j] = std::exp(ci[j] - m));
+        for (int64_t j = 0; j < hc; ++j) ci[j] = ci[j] / s + e;
+      }
+      const auto columns = [&] {
+        for (int64_t j = 0; j < hc; ++j) {
+          float s = 0.0f;
+          for (int64_t i = 0; i < hc; ++i) s += c[i * hc + j];
+          for (int64_t i = 0; i < hc; ++i) c[i * hc + j] /= s + e;
+        }
+      };
+      columns();
+      for (int64_t t = 1; t < iters; ++t) {
+        for (int64_t i = 0; i < hc; ++i) {
+          float s = 0.0f;
+          for (int64_t j = 0; j < hc; ++j) s += c[i * hc + j];
+          for (int64_t j = 0; j < hc; ++j) c[i * hc + j] /= s + e;
+        }
+        columns();
+      }
+      for (int64_t d = 0; d < H; d += 16) {  // u = sum_i pre_i x_i, in float32
+        const __mmask16 mask = lanes16(H - d);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < hc; ++i)
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(pre[i]), widen16(_mm256_maskz_loadu_epi16(mask, row + i * H + d)), sum);
+        _mm256_mask_storeu_epi16(u + n * ldu + d, mask, narrow16(sum));
+      }
+    }
+  }, ROWS_OMP_MIN_BYTES);
+}
+
+// x [N, hc, H] bf16 (contiguous per token, row stride ldx), post [N, hc], comb [N, hc, hc] float32,
+// out [N, H] bf16 (row stride ldo) -> y [N, hc, H] bf16 contiguous (may be x):
+//   y_j = bf16(bf16(bf16(post_j) out) + bf16(sum_i bf16(comb[i, j]) x_i))   (the reference's roundings)
+void hc_merge(int64_t x_ptr, int64_t ldx, int64_t post_ptr, int64_t comb_ptr, int64_t out_ptr, int64_t ldo,
+              int64_t y_ptr, int64_t N, int64_t hc, int64_t H) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* post = reinterpret_cast<const float*>(post_ptr);
+  const auto* comb = reinterpret_cast<const float*>(comb_ptr);
+  const auto* out = reinterpret_cast<const uint16_t*>(out_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  maybe_parallel(N, 1, N * hc * H * 4, [&](int64_t n0, int64_t n1) {
+    std::vector<uint16_t> mixed(hc * H);  // y may be x: every x_i is read before any y_j is written
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* row = x + n * ldx;
+      for (int64_t j = 0; j < hc; ++j) {
+        const float pj = from_bf16(to_bf16(post[n * hc + j]));
+        for (int64_t d = 0; d < H; d += 16) {
+          const __mmask16 mask = lanes16(H - d);
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < hc; ++i) {
+            const float cij = from_bf16(to_bf16(comb[n * hc * hc + i * hc + j]));
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(cij), widen16(_mm256_maskz_loadu_epi16(mask, row + i * H + d)), sum);
+          }
+          const __m512 spread = widen16(narrow16(
+              _mm512_mul_ps(_mm512_set1_ps(pj), widen16(_mm256_maskz_loadu_epi16(mask, out + n * ldo + d)))));
+          _mm256_mask_storeu_epi16(&mixed[j * H + d], mask, narrow16(_mm512_add_ps(spread, widen16(narrow16(sum)))));
+        }
+      }
+      std::memcpy(y + n * hc * H, mixed.data(), hc * H * sizeof(uint16_t));
+    }
+  }, ROWS_OMP_MIN_BYTES);
+}
+
+}  // namespace
