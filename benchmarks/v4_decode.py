@@ -16,6 +16,7 @@ at long contexts.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -35,6 +36,22 @@ from engine.kv_cache.spec import KVCacheSpec  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.runner import kv_cache_spec  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def long_twin(model_dir: Path, positions: int) -> Path:
+    """The folder with max_position_embeddings raised to `positions` (the bench V3 model says 4096;
+    its weights and rotary settings unchanged: the engine only sizes its rope tables by it), its
+    weights linked, not copied."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("max_position_embeddings", 0) >= positions:
+        return model_dir
+    out = model_dir.parent / f".{model_dir.name}-{positions}"
+    out.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    (out / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": positions}, indent=2))
+    return out
 
 
 def spec_of(model_dir: Path, block_size: int) -> KVCacheSpec:
@@ -173,9 +190,10 @@ def main() -> None:
             flush=True,
         )
 
+    longest = max(int(c) for c in args.contexts.split(",")) + 1
     benches = {
-        "v4": V4Bench(v4_dir, args.dtype, args.block_size),
-        "v3": V3Bench(v3_dir, args.dtype, args.block_size),
+        "v4": V4Bench(long_twin(v4_dir, longest), args.dtype, args.block_size),
+        "v3": V3Bench(long_twin(v3_dir, longest), args.dtype, args.block_size),
     }
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):

@@ -88,3 +88,49 @@ def test_bad_operands_name_the_shape(loaded):
         )
     with pytest.raises(ValueError, match="CPU bfloat16"):
         native.hc_pre(streams.float(), h.fn, h.base, h.scale, 20, 1e-6, 1e-6)
+
+
+def _attention64(q, window, wslots, entries, eslots, sinks, scale) -> torch.Tensor:
+    """Each token over its slots' rows (K = V) with a sink logit per head, in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    win = window.reshape(-1, q.shape[-1]).double()
+    ent = entries.reshape(-1, q.shape[-1]).double() if entries is not None else None
+    for t in range(q.shape[0]):
+        rows = [win[s] for s in wslots[t].tolist() if s >= 0]
+        if ent is not None:
+            rows += [ent[s] for s in eslots[t].tolist() if s >= 0]
+        keys = torch.stack(rows)  # [L, D]
+        logits = q[t].double() @ keys.t() * scale  # [H, L]
+        full = torch.cat((logits, sinks.double()[:, None]), dim=1).softmax(dim=-1)[:, :-1]
+        out[t] = full @ keys
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dim", "entries"), [(1, 8, 512, True), (7, 3, 48, True), (5, 16, 64, False)]
+)
+def test_v4_attention_equals_the_float64_reference(loaded, tokens, heads, dim, entries):
+    """Random window and entry slots (-1 among them, out of order, shared between tokens), sinks
+    of both signs; the entries cache holds NaN wherever no token reads."""
+    if not loaded:
+        return
+    gen = torch.Generator().manual_seed(tokens * 10 + heads)
+    window = torch.randn(6, 16, dim, generator=gen).bfloat16()
+    ent = torch.full((4, 8, dim), float("nan")).bfloat16()
+    q = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
+    wslots = torch.randint(-1, 96, (tokens, 20), generator=gen)
+    wslots[:, 0] = torch.randint(0, 96, (tokens,), generator=gen)  # every token sees a row
+    eslots = torch.randint(-1, 32, (tokens, 9), generator=gen) if entries else None
+    if entries:
+        for s in eslots.flatten().tolist():
+            if s >= 0:
+                ent.view(-1, dim)[s] = torch.randn(dim, generator=gen).bfloat16()
+    sinks = 2 * torch.randn(heads, generator=gen)
+    scale = dim**-0.5
+    got = native.v4_attention(q, window, wslots, ent if entries else None, eslots, sinks, scale)
+    want = _attention64(q, window, wslots, ent if entries else None, eslots, sinks, scale)
+    assert torch.isfinite(got.float()).all()
+    # bf16 scores, probabilities and output: within a few bf16 roundings of the float64 result.
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="slots lie outside their cache"):
+        native.v4_attention(q, window, wslots + 96, None, None, sinks, scale)

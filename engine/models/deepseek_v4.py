@@ -275,35 +275,40 @@ class Compressor(nn.Module):
     def state_shape(self) -> tuple[int, int]:
         return (self.coff * self.m, 2 * self.coff * self.width)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every token of the step at once: x [N, H] -> its pre-pooling row [N, 2 coff width], C
+        then Z + position_bias[p mod m], float32."""
+        xf = x.float()
+        return torch.cat(
+            (self.kv_proj(xf), self.gate_proj(xf) + self.position_bias[positions % self.m]), dim=-1
+        )
+
     def compress(
         self,
-        x: torch.Tensor,
+        rows: torch.Tensor,
         start: int,
         state: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         snapshots: list[tuple[int, torch.Tensor]] = (),
     ) -> tuple[int, torch.Tensor]:
-        """Tokens [start, start + n) of one request (x [n, H]): -> (first entry, entries [k, width]
-        float32) they complete, roped with the table cos / sin [P, R/2]; the state (a view [coff *
-        m, 2 * coff * width]) is updated in place, and each snapshot (b, view) of a boundary
-        start < b <= start + n gets the state after token b - 1."""
-        n, m, cw = x.shape[0], self.m, self.coff * self.width
+        """Tokens [start, start + n) of one request (their `project` rows [n, 2 coff width]) -> (first
+        entry, entries [k, width] float32) they complete, roped with the table cos / sin [P, R/2];
+        the state (a view [coff m, 2 coff width]) is updated in place, and each snapshot (b, view)
+        of a boundary start < b <= start + n gets the state after token b - 1."""
+        n, m, cw = rows.shape[0], self.m, self.coff * self.width
         end = start + n
-        xf = x.float()
-        pos = torch.arange(start, end, device=x.device)
-        kv = self.kv_proj(xf)
-        gate = self.gate_proj(xf) + self.position_bias[pos % m]
+        kv, gate, device = rows[:, :cw], rows[:, cw:], rows.device
         first, last = start // m, end // m  # entries [first, last) complete in this chunk
         entries = kv.new_empty(0, self.width)
         if last > first:
             ring = state.shape[0]
             lo = max(0, (first - self.coff + 1) * m)  # the first token they read
-            held = torch.arange(lo, start, device=x.device) % ring
+            held = torch.arange(lo, start, device=device) % ring
             all_kv = torch.cat((state[held, :cw], kv))  # positions lo .. end - 1
             all_gate = torch.cat((state[held, cw:], gate))
-            ws = torch.arange(first, last, device=x.device)
-            own = (ws * m - lo)[:, None] + torch.arange(m, device=x.device)  # [k, m] rows of each window
+            ws = torch.arange(first, last, device=device)
+            own = (ws * m - lo)[:, None] + torch.arange(m, device=device)  # [k, m] rows of each window
             kv_s, gate_s = all_kv[own][..., -self.width :], all_gate[own][..., -self.width :]
             if self.overlap:
                 prev = (own - m).clamp(min=0)
@@ -313,16 +318,15 @@ class Compressor(nn.Module):
                 kv_s, gate_s = torch.cat((kv_a, kv_s), dim=1), torch.cat((gate_a, gate_s), dim=1)
             pooled = (kv_s * gate_s.softmax(dim=1)).sum(dim=1)
             entries = rope_tail(self.kv_norm(pooled), cos[ws * m], sin[ws * m])
-        rows = torch.cat((kv, gate), dim=-1)
         ring = state.shape[0]
         for b, snap in snapshots:  # before the state moves on: it holds the rows before start
             first_row = max(0, b - ring)  # the ring after b holds positions [b - ring, b)
-            held = torch.arange(min(first_row, start), start, device=x.device)
+            held = torch.arange(min(first_row, start), start, device=device)
             snap.zero_()
             snap[held % ring] = state[held % ring]
-            new = torch.arange(max(first_row, start), b, device=x.device)
+            new = torch.arange(max(first_row, start), b, device=device)
             snap[new % ring] = rows[new - start]
-        keep = torch.arange(max(start, end - ring), end, device=x.device)
+        keep = torch.arange(max(start, end - ring), end, device=device)
         state[keep % ring] = rows[keep - start]
         return first, entries
 
@@ -346,20 +350,27 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.width, dtype=dtype, quant=q)
         self.scorer = IndexerScorer(cfg.hidden_size, self.n_heads)
 
-    def pick(
-        self, x: torch.Tensor, cq: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, cos, sin
-    ) -> torch.Tensor:
-        """x [n, H], cq [n, q_lora] (the query latent), keys [E, dI] -> visible [n, E] bool: the
-        entries each query picked."""
-        n, e = x.shape[0], keys.shape[0]
+    def queries(
+        self, x: torch.Tensor, cq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of the step at once: x [N, H], cq [N, q_lora] (the query latent) -> (q [N,
+        heads, dI] float32, roped; weights [N, heads] float32 with the reference's heads^-1/2)."""
+        n = x.shape[0]
         q = rope_tail(self.q_b_proj(cq).float().view(n, self.n_heads, self.width), cos, sin)
+        return q, self.scorer.weights_proj(x.float()) * self.n_heads**-0.5
+
+    def pick(
+        self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
+        """One request's queries (`queries`' rows) over its keys [E, dI] -> visible [n, E] bool:
+        the entries each query picked among the complete ones."""
+        n, e = q.shape[0], keys.shape[0]
         scores = torch.relu(torch.einsum("nhd,ed->nhe", q, keys.float())) * self.width**-0.5
-        weights = self.scorer.weights_proj(x.float()) * self.n_heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
         complete = (positions + 1).div(self.m, rounding_mode="floor")[:, None]
-        future = torch.arange(e, device=x.device)[None, :] >= complete
+        future = torch.arange(e, device=q.device)[None, :] >= complete
         picked = scores.masked_fill(future, float("-inf")).topk(min(self.topk, e), dim=-1).indices
-        visible = torch.zeros(n, e, dtype=torch.bool, device=x.device)
+        visible = torch.zeros(n, e, dtype=torch.bool, device=q.device)
         visible.scatter_(1, picked, True)
         return visible & ~future
 
@@ -457,10 +468,14 @@ class Attention(nn.Module):
         window, slots = caches.window.view(-1, self.head_dim), step.batch.slot_mapping
         written = slots >= 0  # all but an idle rank's dummy token (runner.execute_dummy)
         window[slots[written]] = kv[written].to(window.dtype)
-        out = torch.empty_like(q)
-        for seq in step.seqs:
-            rows = slice(seq.row, seq.row + seq.n)
-            out[rows] = self._attend(x[rows], cq[rows], q[rows], seq, step, caches)
+        pre = self._project(x, cq, step) if self.compressor is not None else None
+        if native.loaded() and native.takes(q, caches.window):  # every token of the step in one call
+            out = self._attend_native(q, step, caches, pre)
+        else:
+            out = torch.empty_like(q)
+            for seq in step.seqs:
+                rows = slice(seq.row, seq.row + seq.n)
+                out[rows] = self._attend(q[rows], seq, step, caches, pre)
         out = rope_tail(out, cos, -sin)  # the values' rope slice back by -t
         return self.o_b_proj(self.grouped_out(out.view(n, self.groups, -1)))
 
@@ -473,7 +488,51 @@ class Attention(nn.Module):
         r, w = self.o_lora_rank, self.o_a_proj.w
         return torch.cat([linear(grouped[:, g], w[g * r : (g + 1) * r]) for g in range(self.groups)], dim=-1)
 
-    def _attend(self, x, cq, q, seq: Seq, step: V4Step, caches: LayerCaches) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cq: torch.Tensor, step: V4Step) -> Projected:
+        """The compressors' projections of every token of the step at once (the requests then only
+        pool their own rows)."""
+        comp, positions = self.compressor, step.positions
+        pre = Projected(comp.project(x, positions))
+        if isinstance(comp, CSACompressor):
+            cos, sin = step.rope(self.layer_type)
+            pre.index_rows = comp.indexer.project(x, positions)
+            pre.index_q, pre.index_w = comp.indexer.queries(x, cq, cos, sin)
+        return pre
+
+    def _attend_native(self, q, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
+        """Every token's window rows and visible entries as cache rows (-1: none), the compressed
+        entries written first; then native.v4_attention over all of them."""
+        wslots, eslots = [], []
+        back = torch.arange(self.window - 1, -1, -1, device=q.device)
+        for seq in step.seqs:
+            positions = step.positions[seq.row : seq.row + seq.n]
+            pos = positions[:, None] - back  # [n, W]: the window, oldest first
+            valid = pos >= 0
+            pos = pos.clamp(min=0)
+            bs = step.block_size
+            slots = seq.window_blocks[pos // bs] * bs + pos % bs
+            wslots.append(torch.where(valid, slots, -1))
+            if self.compressor is not None and seq.state_row >= 0:
+                entry_rows, visible = self._compressed(positions, seq, step, caches, pre)
+                eslots.append(torch.where(visible, entry_rows[None, :], -1))
+        entries = None
+        if eslots:
+            width = max(e.shape[1] for e in eslots)
+            padded = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+            for seq, e in zip((sq for sq in step.seqs if sq.state_row >= 0), eslots, strict=True):
+                padded[seq.row : seq.row + seq.n, : e.shape[1]] = e
+            entries, eslots = caches.entries, padded
+        return native.v4_attention(
+            q,
+            caches.window,
+            torch.cat(wslots),
+            entries,
+            eslots if entries is not None else None,
+            self.sinks,
+            self.scale,
+        )
+
+    def _attend(self, q, seq: Seq, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
         """One request's queries q [n, heads, D] over its window and compressed entries."""
         end = seq.start + seq.n
         positions = step.positions[seq.row : seq.row + seq.n]
@@ -484,7 +543,8 @@ class Attention(nn.Module):
             key_pos[None, :] > positions[:, None] - self.window
         )
         if self.compressor is not None and seq.state_row >= 0:  # (a dummy token has no state)
-            entries, picked = self._compressed(x, cq, positions, seq, step, caches)
+            entry_rows, picked = self._compressed(positions, seq, step, caches, pre)
+            entries = caches.entries.view(-1, self.head_dim)[entry_rows]
             keys = torch.cat((keys, entries.to(keys.dtype)))
             visible = torch.cat((visible, picked), dim=1)
         logits = torch.einsum("nhd,ld->nhl", q.float(), keys.float()) * self.scale
@@ -493,38 +553,49 @@ class Attention(nn.Module):
         probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("nhl,ld->nhd", probs, keys.float()).to(q.dtype)
 
-    def _compressed(self, x, cq, positions, seq: Seq, step: V4Step, caches: LayerCaches):
-        """Write the entries the request's tokens complete (and, CSA, their indexer keys); -> (its
-        entries so far [E, D], visible [n, E])."""
+    def _compressed(self, positions, seq: Seq, step: V4Step, caches: LayerCaches, pre: Projected):
+        """Write the entries the request's tokens complete (and, CSA, their indexer keys); -> (the
+        cache rows of its entries so far [E], visible [n, E])."""
         comp = self.compressor
         m, end = comp.m, seq.start + seq.n
-        cos, sin = step.rope(self.layer_type)
+        rows = slice(seq.row, seq.row + seq.n)
         table_cos, table_sin = step.rope_table(self.layer_type)
         blocks = seq.tables[caches.table]
         per_block = step.block_size // m
         cache = caches.entries.view(-1, comp.width)
         snaps = [(b, caches.state(row)) for b, row in seq.snapshots]
-        first, new = comp.compress(x, seq.start, caches.state(seq.state_row), table_cos, table_sin, snaps)
+        first, new = comp.compress(
+            pre.rows[rows], seq.start, caches.state(seq.state_row), table_cos, table_sin, snaps
+        )
         if new.shape[0]:
             cache[token_slots(blocks, per_block, first, first + new.shape[0])] = new.to(cache.dtype)
-        num = end // m
-        entries = cache[token_slots(blocks, per_block, 0, num)]
+        entries = token_slots(blocks, per_block, 0, end // m)
         if isinstance(comp, CSACompressor):
             idx = comp.indexer
             key_cache = caches.index_keys.view(-1, idx.width)
             snaps = [(b, caches.index_state(row)) for b, row in seq.snapshots]
-            first, new = idx.compress(
-                x, seq.start, caches.index_state(seq.state_row), table_cos, table_sin, snaps
-            )
+            state = caches.index_state(seq.state_row)
+            first, new = idx.compress(pre.index_rows[rows], seq.start, state, table_cos, table_sin, snaps)
             if new.shape[0]:
                 key_cache[token_slots(blocks, per_block, first, first + new.shape[0])] = new.to(
                     key_cache.dtype
                 )
-            keys = key_cache[token_slots(blocks, per_block, 0, num)]
-            rows = slice(seq.row, seq.row + seq.n)
-            return entries, idx.pick(x, cq, positions, keys, cos[rows], sin[rows])
+            return entries, idx.pick(pre.index_q[rows], pre.index_w[rows], positions, key_cache[entries])
         complete = (positions + 1).div(m, rounding_mode="floor")[:, None]
-        return entries, torch.arange(num, device=x.device)[None, :] < complete
+        return entries, torch.arange(end // m, device=positions.device)[None, :] < complete
+
+
+@dataclass
+class Projected:
+    """A compressed layer's projections of every token of the step (Attention._project)."""
+
+    rows: torch.Tensor
+    """The compressor's pre-pooling rows [N, 2 coff D]."""
+    index_rows: torch.Tensor | None = None
+    """CSA: its indexer's compressor's rows."""
+    index_q: torch.Tensor | None = None
+    """CSA: the indexer's queries [N, heads, dI] and their weights [N, heads]."""
+    index_w: torch.Tensor | None = None
 
 
 # ---- the model ---------------------------------------------------------------------------------

@@ -646,6 +646,52 @@ def rms_norm(
     return y if summed is None else (y, summed)
 
 
+def v4_attention(
+    q: torch.Tensor,
+    window: torch.Tensor,
+    wslots: torch.Tensor,
+    entries: torch.Tensor | None,
+    eslots: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """DeepSeek-V4 attention in one call: q [T, H, D] bf16, each token over the rows `wslots` [T,
+    Kw] int64 of the window cache (any [..., D] bf16 tensor, contiguous, read as rows) and
+    `eslots` [T, Kc] of the entries cache (None: none), -1 for none, K = V, with a sink logit per
+    head (sinks [H] float32) -> [T, H, D] bf16 (kernels/native/v4.h has the roundings). Requires
+    `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    t, h, d = q.shape
+    caches = [window] + ([entries] if entries is not None else [])
+    if any(c.shape[-1] != d or not c.is_contiguous() for c in caches) or sinks.shape != (h,):
+        raise ValueError(
+            f"the caches must be contiguous rows of D={d} and sinks [H={h}], got "
+            f"{[tuple(c.shape) for c in caches]} and {tuple(sinks.shape)}"
+        )
+    slots = [wslots] + ([eslots] if entries is not None else [])
+    if any(sl.dim() != 2 or sl.shape[0] != t or sl.dtype != torch.int64 for sl in slots):
+        raise ValueError(
+            f"the slots must be [T={t}, K] int64, got {[(tuple(sl.shape), sl.dtype) for sl in slots]}"
+        )
+    if not takes(q, *caches):
+        raise ValueError("q and the caches must be CPU bfloat16 with unit stride along D")
+    wslots = wslots.contiguous()
+    eslots = eslots.contiguous() if entries is not None else wslots
+    sinks = sinks.float().contiguous()
+    out = torch.empty(t, h, d, dtype=torch.bfloat16)
+    if t:
+        bad = _library.v4_attention(
+            q.data_ptr(), q.stride(0), q.stride(1), window.data_ptr(), window.numel() // d,
+            entries.data_ptr() if entries is not None else 0, entries.numel() // d if entries is not None else 0,
+            wslots.data_ptr(), wslots.stride(0), wslots.shape[1], eslots.data_ptr(), eslots.stride(0),
+            eslots.shape[1] if entries is not None else 0, sinks.data_ptr(), out.data_ptr(), out.stride(0),
+            out.stride(1), t, h, d, scale,
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"{bad} slots lie outside their cache")
+    return out
+
+
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,

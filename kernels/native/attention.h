@@ -21,12 +21,15 @@ constexpr int64_t HEAD_GROUP = 8;
 
 // Scores s[0, len) -> their softmax rounded to bf16 (float32 inside), in place; 0 where every
 // score is -inf (all rows refused). The sum runs in 16 lanes (exp16), then across them.
-inline void softmax_rounded(float* s, int64_t len) {
+// With a finite `sink` (DeepSeek-V4's per-head sink logit) the softmax is over the scores and the
+// sink, whose own term is dropped: the scores' probabilities sum to less than one.
+inline void softmax_rounded(float* s, int64_t len, float sink = -INFINITY) {
   __m512 tops = _mm512_set1_ps(-INFINITY);  // the maximum in lanes (exact in any order)
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + i));
   float top = _mm512_reduce_max_ps(tops);
   for (; i < len; ++i) top = std::max(top, s[i]);
+  top = std::max(top, sink);
   if (top == -INFINITY) {
     std::fill_n(s, len, 0.0f);
     return;
@@ -38,7 +41,9 @@ inline void softmax_rounded(float* s, int64_t len) {
     _mm512_mask_storeu_ps(s + j, mask(j), e);
     sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(mask(j), e));
   }
-  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));  // >= 1: the top's own term
+  float summed = _mm512_reduce_add_ps(sums);
+  if (sink != -INFINITY) summed += std::exp(sink - top);
+  const __m512 total = _mm512_set1_ps(summed);  // >= 1: the top's own term
   for (int64_t j = 0; j < len; j += 16) {  // bf16(e / total), widened back
     const __m512 p = _mm512_div_ps(_mm512_maskz_loadu_ps(mask(j), s + j), total);
     _mm512_mask_storeu_ps(s + j, mask(j), widen16(narrow16(p)));
@@ -131,7 +136,7 @@ void attend_output(const uint32_t* pp, int64_t pairs, const uint16_t* const* row
 template <int G>
 void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, uint16_t* o,
                   int64_t o_h, int64_t W, int64_t L, float scale, const std::vector<int64_t>& refused,
-                  AttendScratch& scratch) {
+                  AttendScratch& scratch, const float* sinks = nullptr) {
   std::vector<float>& s = scratch.s;
   s.resize(G * len);
   attend_scores<G>(q, q_h, rows, len, W, scale, s.data());
@@ -142,7 +147,7 @@ void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, i
   pp.resize(G * pairs);
   for (int g = 0; g < G; ++g) {
     float* p = &s[g * len];
-    softmax_rounded(p, len);
+    softmax_rounded(p, len, sinks != nullptr ? sinks[g] : -INFINITY);
     for (int64_t i = 0; i < pairs; ++i) {  // exact: the probabilities are bf16 already
       const uint32_t second = 2 * i + 1 < len ? to_bf16(p[2 * i + 1]) : 0;
       pp[g * pairs + i] = uint32_t(to_bf16(p[2 * i])) | second << 16;
@@ -179,12 +184,13 @@ inline void look_up_rows(const uint16_t* kv, int64_t kv_block, int64_t kv_row, i
 // decode's from the slots its indexer chose (sparse.h).
 void attend_rows(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, uint16_t* o,
                  int64_t o_h, int64_t heads, int64_t W, int64_t L, float scale, const std::vector<int64_t>& refused,
-                 AttendScratch& scratch) {
+                 AttendScratch& scratch, const float* sinks = nullptr) {
   for (int64_t h0 = 0; h0 < heads; h0 += HEAD_GROUP) {
     const uint16_t* qh = q + h0 * q_h;
     uint16_t* oh = o + h0 * o_h;
     const auto run = [&](auto group) {  // the heads' sums in registers: their count a constant
-      attend_group<decltype(group)::value>(qh, q_h, rows, len, oh, o_h, W, L, scale, refused, scratch);
+      attend_group<decltype(group)::value>(qh, q_h, rows, len, oh, o_h, W, L, scale, refused, scratch,
+                                           sinks != nullptr ? sinks + h0 : nullptr);
     };
     switch (std::min(HEAD_GROUP, heads - h0)) {
       case 1: run(std::integral_constant<int, 1>()); break;

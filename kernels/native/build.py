@@ -53,7 +53,7 @@ HEADERS = tuple(
         "argmax.h",
         "spec.h",
         "sparse.h",
-        "hyper.h",
+        "v4.h",
         "avx2.h",
     )
 )

@@ -1,4 +1,5 @@
-// DeepSeek-V4's manifold-constrained hyper-connections (mHC), a token's hc residual streams
+// DeepSeek-V4's kernels: its attention over a window and compressed entries with sinks
+// (v4_attention), and its manifold-constrained hyper-connections (mHC), a token's hc residual streams
 // [hc, H] bf16 around one block (engine/models/deepseek_v4.py HyperConnection has the equations):
 //   hc_pre:   the streams -> the block's input (their sigmoid-weighted sum), the weights that
 //             spread the block's output over the streams (post) and the Sinkhorn-normalised
@@ -12,9 +13,63 @@
 
 #pragma once
 
-#include "common.h"
+#include "attention.h"
 
 namespace {
+
+// DeepSeek-V4 attention of T query tokens, each over its own rows of two caches viewed as rows of
+// D elements: slots of the sliding window's cache (wslots [T, Kw]) and of the compressed entries'
+// (eslots [T, Kc]; none for a sliding layer), -1 for none. A row is both key and value (K = V), H
+// heads of D, and a learnt sink logit per head that takes part in the softmax without a value:
+//   s[h, j] = bf16(bf16(q[h] . row_j) * scale)
+//   p[h]    = bf16(softmax over (s[h, :], sink[h])), the sink's own term dropped
+//   o[h]    = bf16(sum_j p[h, j] row_j)
+// (mla_decode's roundings, attention.h). Work: a token and a range of its heads, as
+// sparse_mla_decode's. Returns the slots out of range (0: all fine; the caller raises).
+int64_t v4_attention(int64_t q_ptr, int64_t q_t, int64_t q_h, int64_t win_ptr, int64_t win_rows, int64_t ent_ptr,
+                     int64_t ent_rows, int64_t ws_ptr, int64_t ws_t, int64_t Kw, int64_t es_ptr, int64_t es_t,
+                     int64_t Kc, int64_t sinks_ptr, int64_t o_ptr, int64_t o_t, int64_t o_h, int64_t T, int64_t H,
+                     int64_t D, double scale) {
+  const auto* q = reinterpret_cast<const uint16_t*>(q_ptr);
+  const auto* win = reinterpret_cast<const uint16_t*>(win_ptr);
+  const auto* ent = reinterpret_cast<const uint16_t*>(ent_ptr);
+  const auto* wslots = reinterpret_cast<const int64_t*>(ws_ptr);
+  const auto* eslots = reinterpret_cast<const int64_t*>(es_ptr);
+  const auto* sinks = reinterpret_cast<const float*>(sinks_ptr);
+  auto* o = reinterpret_cast<uint16_t*>(o_ptr);
+  std::atomic<int64_t> bad{0};
+  const int64_t splits = std::min<int64_t>(H, std::max<int64_t>(1, (threads_now() + T - 1) / T));
+  const int64_t per_split = (H + splits - 1) / splits;
+  const int64_t reads = T * (Kw + Kc) * D * 2 * ((H + HEAD_GROUP - 1) / HEAD_GROUP);
+  maybe_parallel(T * splits, 1, reads, [&](int64_t i0, int64_t i1) {
+    AttendScratch scratch;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / splits, h0 = (i % splits) * per_split, h1 = std::min(H, h0 + per_split);
+      if (h0 >= h1) continue;
+      scratch.zeros.assign(D, 0);
+      std::vector<const uint16_t*>& rows = scratch.rows;
+      rows.clear();
+      const auto add = [&](const int64_t* slots, int64_t K, const uint16_t* cache, int64_t num_rows) {
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t s = slots[j];
+          if (s < 0) continue;
+          if (s >= num_rows) {
+            if (h0 == 0) bad.fetch_add(1);
+            continue;
+          }
+          rows.push_back(cache + s * D);
+        }
+      };
+      add(wslots + t * ws_t, Kw, win, win_rows);
+      if (Kc) add(eslots + t * es_t, Kc, ent, ent_rows);
+      const int64_t len = int64_t(rows.size());
+      rows.resize(len + AHEAD + 2, scratch.zeros.data());  // a pair's second row, the rows prefetched ahead
+      attend_rows(q + t * q_t + h0 * q_h, q_h, rows.data(), len, o + t * o_t + h0 * o_h, o_h, h1 - h0, D, D,
+                  float(scale), {}, scratch, sinks + h0);
+    }
+  }, ATTENTION_OMP_MIN_BYTES);
+  return bad.load();
+}
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
