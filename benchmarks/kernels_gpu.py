@@ -57,6 +57,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from benchmarks.common import git_revision, hardware, hardware_slug, save  # noqa: E402
+from kernels import v4 as v4k  # noqa: E402
 from kernels.attention import extend_attention, extend_attention_ref, merge_attn_states  # noqa: E402
 from kernels.gate import grouped_topk  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
@@ -712,6 +713,77 @@ def check_small(run: Run, s: Shapes) -> None:
     run.check("store_kv", f"N{tokens}-L{s.lat}-R{s.rope}-bs{s.block}", kv_store)
 
 
+def bench_v4(run: Run, s: Shapes) -> None:
+    """DeepSeek-V4's kernels (kernels/v4.py): the hyper-connections at V4-Flash's width (4 streams
+    of 4096), the compressors' pooling (CSA: 8 slots, HCA: 128, of 512), and its attention (64
+    heads of 512 over a 128-token window and 512 picked entries, with sinks); checks against the
+    PyTorch references, then timings beside them."""
+    gpu = run.device.type == "cuda"
+    hc, hidden = 4, (4096 if gpu else s.hidden)
+    heads, dim, kw, kc = (64, 512, 128, 512) if gpu else (4, s.lat, 8, 6)
+    g = run.gen(11)
+    fn = run.randn((2 + hc) * hc, hc * hidden, g=g, std=(hc * hidden) ** -0.5, dtype=torch.float32)
+    base = run.randn((2 + hc) * hc, g=g, std=0.5, dtype=torch.float32)
+    scale = 1 + run.randn(3, g=g, std=0.3, dtype=torch.float32)
+
+    def hyper(n: int) -> list[Cmp]:
+        x, out = run.randn(n, hc, hidden, g=g), run.randn(n, hidden, g=g)
+        post, comb, u = v4k.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, impl="triton")
+        rp, rc, ru = v4k.hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)
+        merged = v4k.hc_merge(x, post, comb, out, impl="triton")
+        return [
+            close("post", post, rp, **FP32_TOL),
+            close("comb", comb, rc, **FP32_TOL),
+            close("u", u, ru, **BF16_TOL),
+            close("merged", merged, v4k.hc_merge_ref(x, rp, rc, out), **BF16_TOL),
+        ]
+
+    def pool(entries: int, slots: int) -> list[Cmp]:
+        kv = run.randn(entries, slots, dim, g=g, dtype=torch.float32)
+        gate = run.randn(entries, slots, dim, g=g, dtype=torch.float32)
+        w = 1 + run.randn(dim, g=g, std=0.1, dtype=torch.float32)
+        got = v4k.compress_pool(kv, gate, w, 1e-6, impl="triton")
+        return [close("entries", got, v4k.compress_pool_ref(kv, gate, w, 1e-6), **FP32_TOL)]
+
+    def attention_inputs(t: int):
+        window = run.randn(t * kw // 4 + 8, 4, dim, g=g)
+        entries = run.randn(t * kc // 2 + 4, 2, dim, g=g)
+        q = run.randn(t, heads, dim, g=g, std=dim**-0.25)
+        wslots = torch.randint(-1, window.shape[0] * 4, (t, kw), generator=g, device=run.device)
+        eslots = torch.randint(-1, entries.shape[0] * 2, (t, kc), generator=g, device=run.device)
+        sinks = run.randn(heads, g=g, dtype=torch.float32)
+        return q, window, wslots, entries, eslots, sinks, dim**-0.5
+
+    def attention(t: int) -> list[Cmp]:
+        args = attention_inputs(t)
+        return [close("o", v4k.v4_attention(*args, impl="triton"), v4k.v4_attention_ref(*args), **BF16_TOL)]
+
+    for n in (1, 33):
+        run.check("v4_hc", f"N{n}-hc{hc}-H{hidden}", lambda n=n: hyper(n))
+    for e, sl in ((16, 8), (3, 128 if gpu else 16)):
+        run.check("v4_compress_pool", f"E{e}-S{sl}-W{dim}", lambda e=e, sl=sl: pool(e, sl))
+    for t in (1, 5):
+        run.check("v4_attention", f"T{t}-H{heads}-D{dim}-K{kw}+{kc}", lambda t=t: attention(t))
+
+    for n in (1, 64, 256) if gpu else (2,):
+        x = run.randn(n, hc, hidden, g=g)
+        bytes_ = fn.numel() * 4 + 2 * x.numel() * 2
+        run.time(
+            "v4_hc", f"N{n}", {"tokens": n},
+            lambda x=x: v4k.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, impl="triton"),
+            {"torch": lambda x=x: v4k.hc_pre_ref(x, fn, base, scale, 20, 1e-6, 1e-6)},
+            bytes_, 2.0 * n * fn.numel(),
+        )  # fmt: skip
+    for t in (1, 64, 256) if gpu else (2,):
+        args = attention_inputs(t)
+        run.time(
+            "v4_attention", f"T{t}", {"tokens": t},
+            lambda args=args: v4k.v4_attention(*args, impl="triton"),
+            {"torch": lambda args=args: v4k.v4_attention_ref(*args)},
+            t * (kw + kc) * dim * 2.0, 4.0 * t * heads * (kw + kc) * dim,
+        )  # fmt: skip
+
+
 def calibrate(run: Run, s: Shapes) -> None:
     """The ceilings as this machine reaches them: a bf16 matmul and a device copy."""
     g = run.gen(9)
@@ -737,6 +809,7 @@ FAMILIES = (
     ("attention", bench_attention),
     ("small", check_small),
     ("quant", bench_quant),
+    ("v4", bench_v4),
 )
 
 

@@ -25,8 +25,20 @@ KERNELS = {
     "w8a8_linear",
     "fused_moe_fp8",
     "fused_moe_mxfp4",
+    "v4_hc",
+    "v4_compress_pool",
+    "v4_attention",
 }
-TIMED = {"mla_decode", "fused_moe", "extend_attention", "w8a8_linear", "fused_moe_fp8", "fused_moe_mxfp4"}
+TIMED = {
+    "mla_decode",
+    "fused_moe",
+    "extend_attention",
+    "w8a8_linear",
+    "fused_moe_fp8",
+    "fused_moe_mxfp4",
+    "v4_hc",
+    "v4_attention",
+}
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:

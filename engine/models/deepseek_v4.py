@@ -52,6 +52,7 @@ from engine.models.registry import register_model
 from engine.quant import QuantSpec
 from engine.sampler import argmax
 from kernels import native
+from kernels import v4 as v4_kernels
 from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
 
@@ -113,34 +114,16 @@ class HyperConnection(nn.Module):
         self.scale = _param(3, dtype=FP32)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, hc, H] -> (post [N, hc], comb [N, hc, hc] float32, block input [N, H]); in
-        one native call for bf16 streams (kernels/native/hyper.h), ~50 torch ops otherwise."""
-        if native.loaded() and native.takes(streams) and streams.is_contiguous():
-            return native.hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
-        hc = self.hc
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps), self.fn)
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * self.scale[2] + comb_b.view(hc, hc), dim=-1)
-        comb = comb + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        """streams [N, hc, H] -> (post [N, hc], comb [N, hc, hc] float32, block input [N, H])
+        (kernels/v4.py hc_pre: one native call for a CPU's bf16 streams, Triton on CUDA)."""
+        return v4_kernels.hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
 
     @staticmethod
     def merge(
         streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         """The streams after the block: post_j * out + sum_i comb[i, j] * X_i."""
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
+        return v4_kernels.hc_merge(streams, post, comb, out)
 
 
 class HyperHead(nn.Module):
@@ -316,8 +299,8 @@ class Compressor(nn.Module):
                 gate_a[ws == 0] = float("-inf")  # entry 0 has no previous window
                 kv_a = kv_a.masked_fill((ws == 0)[:, None, None], 0.0)
                 kv_s, gate_s = torch.cat((kv_a, kv_s), dim=1), torch.cat((gate_a, gate_s), dim=1)
-            pooled = (kv_s * gate_s.softmax(dim=1)).sum(dim=1)
-            entries = rope_tail(self.kv_norm(pooled), cos[ws * m], sin[ws * m])
+            pooled = v4_kernels.compress_pool(kv_s, gate_s, self.kv_norm.weight, self.kv_norm.eps)
+            entries = rope_tail(pooled, cos[ws * m], sin[ws * m])
         ring = state.shape[0]
         for b, snap in snapshots:  # before the state moves on: it holds the rows before start
             first_row = max(0, b - ring)  # the ring after b holds positions [b - ring, b)
@@ -469,8 +452,8 @@ class Attention(nn.Module):
         written = slots >= 0  # all but an idle rank's dummy token (runner.execute_dummy)
         window[slots[written]] = kv[written].to(window.dtype)
         pre = self._project(x, cq, step) if self.compressor is not None else None
-        if native.loaded() and native.takes(q, caches.window):  # every token of the step in one call
-            out = self._attend_native(q, step, caches, pre)
+        if q.is_cuda or native.loaded() and native.takes(q, caches.window):  # every token in one call
+            out = self._attend_slots(q, step, caches, pre)
         else:
             out = torch.empty_like(q)
             for seq in step.seqs:
@@ -499,9 +482,9 @@ class Attention(nn.Module):
             pre.index_q, pre.index_w = comp.indexer.queries(x, cq, cos, sin)
         return pre
 
-    def _attend_native(self, q, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
+    def _attend_slots(self, q, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
         """Every token's window rows and visible entries as cache rows (-1: none), the compressed
-        entries written first; then native.v4_attention over all of them."""
+        entries written first; then kernels/v4.py v4_attention over all of them (native or Triton)."""
         wslots, eslots = [], []
         back = torch.arange(self.window - 1, -1, -1, device=q.device)
         for seq in step.seqs:
@@ -522,7 +505,7 @@ class Attention(nn.Module):
             for seq, e in zip((sq for sq in step.seqs if sq.state_row >= 0), eslots, strict=True):
                 padded[seq.row : seq.row + seq.n, : e.shape[1]] = e
             entries, eslots = caches.entries, padded
-        return native.v4_attention(
+        return v4_kernels.v4_attention(
             q,
             caches.window,
             torch.cat(wslots),
