@@ -164,6 +164,12 @@ def v4_attention_ref(q, window, wslots, entries, eslots, sinks, scale: float) ->
     return torch.einsum("thl,tld->thd", probs, keys).to(q.dtype)
 
 
+def attends_by_slots(q: torch.Tensor, window: torch.Tensor) -> bool:
+    """Whether v4_attention runs a kernel here (Triton, or native for a CPU's bf16), so the model
+    should hand it every token's rows at once rather than attend request by request in torch."""
+    return resolve_impl("auto", q, has_triton=True) == "triton" or native.loaded() and native.takes(q, window)
+
+
 def v4_attention(q, window, wslots, entries, eslots, sinks, scale: float, impl: str = "auto") -> torch.Tensor:
     """v4_attention_ref's contract: Triton on CUDA, the native kernel for a CPU's bf16 caches."""
     if resolve_impl(impl, q, has_triton=True) == "triton":

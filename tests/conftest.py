@@ -36,6 +36,9 @@ LONG_FILES = (
     "test_kv_transfer_bench.py",
     "test_fairness.py",
     "test_v32_serving.py",
+    "test_parity_v4.py",
+    "test_engine_triton.py",
+    "test_v4_serving.py",
 )
 
 

@@ -452,7 +452,7 @@ class Attention(nn.Module):
         written = slots >= 0  # all but an idle rank's dummy token (runner.execute_dummy)
         window[slots[written]] = kv[written].to(window.dtype)
         pre = self._project(x, cq, step) if self.compressor is not None else None
-        if q.is_cuda or native.loaded() and native.takes(q, caches.window):  # every token in one call
+        if v4_kernels.attends_by_slots(q, caches.window):  # every token of the step in one call
             out = self._attend_slots(q, step, caches, pre)
         else:
             out = torch.empty_like(q)
