@@ -51,7 +51,6 @@ from engine.models.moe import FusedExperts
 from engine.models.registry import register_model
 from engine.quant import QuantSpec
 from engine.sampler import argmax
-from kernels import native
 from kernels import v4 as v4_kernels
 from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
