@@ -159,7 +159,7 @@ _V4_RENAMES = [
     (r"\.ffn_norm\.", ".post_attention_layernorm."),
     (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
     (r"\.attn_sink$", ".sinks"),
-    (r"\.norm\.", ".kv_norm."),
+    (r"(self_attn|compressor|indexer)\.norm\.", r"\1.kv_norm."),
     (r"\.ape$", ".position_bias"),
     (r"\.wq_a\.", ".q_a_proj."),
     (r"\.wq_b\.", ".q_b_proj."),
@@ -177,17 +177,35 @@ _V4_RENAMES = [
 _V4_RENAMES = [(re.compile(a), b) for a, b in _V4_RENAMES]
 
 
-def v4_to_hf(name: str) -> str:
+# DeepSeek-V4's MTP layer j (`mtp.j.*`) is model layer num_hidden_layers + j; its own head, norm
+# and hc_head take the names the model gives them, its copy of the embedding the shared one's.
+_V4_MTP_LEAVES = [
+    (re.compile(r"^head\.weight$"), "shared_head.head.weight"),
+    (re.compile(r"^norm\.weight$"), "shared_head.norm.weight"),
+    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.hc_\1"),
+    (re.compile(r"^emb\.tok_emb\.weight$"), "embed_tokens.weight"),
+]
+_V4_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+
+def v4_to_hf(name: str, num_layers: int = 0) -> str:
     """A DeepSeek-V4 checkpoint's tensor name in HF's form ("layers.0.attn.wkv.weight" or
-    "model.layers.0.attn.wkv.weight" -> "model.layers.0.self_attn.kv_proj.weight"); HF's names kept."""
+    "model.layers.0.attn.wkv.weight" -> "model.layers.0.self_attn.kv_proj.weight"; "mtp.0.e_proj.weight"
+    -> "model.layers.{num_layers}.e_proj.weight"); HF's names kept."""
     bare = name.removeprefix("model.")
+    mtp = _V4_MTP.match(bare)
+    if mtp:
+        rest = mtp.group(2)
+        for pattern, repl in _V4_MTP_LEAVES:
+            rest = pattern.sub(repl, rest)
+        bare = f"layers.{num_layers + int(mtp.group(1))}.{rest}"
     for pattern, repl in _V4_RENAMES:
         bare = pattern.sub(repl, bare)
     return bare if bare == "lm_head.weight" else "model." + bare
 
 
 def checkpoint_to_hf(name: str, cfg: ModelConfig) -> str:
-    return v4_to_hf(name) if cfg.v4 is not None else deepseek_to_hf(name)
+    return v4_to_hf(name, cfg.num_hidden_layers) if cfg.v4 is not None else deepseek_to_hf(name)
 
 
 def _renamed(path: list[str], names: dict[str, str]) -> list[str]:
@@ -355,8 +373,8 @@ def _plan(
     for file in checkpoint_files(folder):
         with SafetensorsFile(file) as handle:
             for name in handle.keys():
-                if cfg.v4 is not None and name.removeprefix("model.").startswith("mtp."):
-                    mtp_skipped += 1  # DeepSeek-V4's MTP layer: not run yet
+                if cfg.v4 is not None and not has_mtp and name.removeprefix("model.").startswith("mtp."):
+                    mtp_skipped += 1  # DeepSeek-V4's MTP layers: loaded only for speculative decoding
                     continue
                 hf = checkpoint_to_hf(name, cfg)
                 if hf in stored:

@@ -223,6 +223,8 @@ class V4Preset:
     rms_norm_eps: float = 1e-6
     dtype: str = "bfloat16"
     seed: int = 0
+    num_nextn_predict_layers: int = 0
+    """MTP layers (`mtp.j.*`, sliding-window, score-routed), drawn after the main weights."""
 
     @property
     def num_hidden_layers(self) -> int:
@@ -279,6 +281,9 @@ PRESETS.update(
         ),
     }
 )
+
+
+PRESETS["tiny-v4-mtp"] = dataclasses.replace(PRESETS["tiny-v4"], num_nextn_predict_layers=1)
 
 
 def v4_config(p: V4Preset, fingerprint: str, preset_name: str) -> dict[str, Any]:
@@ -344,7 +349,7 @@ def v4_config(p: V4Preset, fingerprint: str, preset_name: str) -> dict[str, Any]
             "beta_slow": 1,
         },
         "rms_norm_eps": p.rms_norm_eps,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": p.num_nextn_predict_layers,
         "bos_token_id": 0,
         "eos_token_id": 1,
         "tie_word_embeddings": False,
@@ -375,9 +380,8 @@ def v4_weight_specs(p: V4Preset) -> list[tuple[str, tuple[int, ...], float | Non
             norm(f"{pre}.norm.weight", width),
         ]
 
-    specs: list[tuple[str, tuple[int, ...], float | None]] = [("embed.weight", (p.vocab_size, h), 1.0)]
-    for i, ratio in enumerate(p.compress_ratios):
-        pre = f"layers.{i}"
+    def layer(pre: str, ratio: int, hashed: bool) -> list[tuple[str, tuple[int, ...], float | None]]:
+        specs: list[tuple[str, tuple[int, ...], float | None]] = []
         a = f"{pre}.attn"
         specs += [norm(f"{pre}.attn_norm.weight", h), norm(f"{pre}.ffn_norm.weight", h)]
         for hc_name in ("hc_attn", "hc_ffn"):
@@ -406,7 +410,7 @@ def v4_weight_specs(p: V4Preset) -> list[tuple[str, tuple[int, ...], float | Non
             ]
         f = f"{pre}.ffn"
         specs.append(lin(f"{f}.gate.weight", p.n_routed_experts, h))
-        if i < p.num_hash_layers:
+        if hashed:
             specs.append((f"{f}.gate.tid2eid", (p.vocab_size, p.num_experts_per_tok), 0.0))
         else:
             specs.append((f"{f}.gate.bias", (p.n_routed_experts,), 0.1))
@@ -415,13 +419,30 @@ def v4_weight_specs(p: V4Preset) -> list[tuple[str, tuple[int, ...], float | Non
             inter = p.moe_intermediate_size
             specs += [lin(f"{ex}.w1.weight", inter, h), lin(f"{ex}.w3.weight", inter, h)]
             specs.append(lin(f"{ex}.w2.weight", h, inter, out_scale))
-    specs += [
-        lin("hc_head_fn", hc, hc * h),
-        ("hc_head_base", (hc,), 0.5),
-        ("hc_head_scale", (1,), 0.3),
-        norm("norm.weight", h),
-        lin("head.weight", p.vocab_size, h),
-    ]
+        return specs
+
+    def head(pre: str) -> list[tuple[str, tuple[int, ...], float | None]]:
+        return [
+            lin(f"{pre}hc_head_fn", hc, hc * h),
+            (f"{pre}hc_head_base", (hc,), 0.5),
+            (f"{pre}hc_head_scale", (1,), 0.3),
+            norm(f"{pre}norm.weight", h),
+            lin(f"{pre}head.weight", p.vocab_size, h),
+        ]
+
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [("embed.weight", (p.vocab_size, h), 1.0)]
+    for i, ratio in enumerate(p.compress_ratios):
+        specs += layer(f"layers.{i}", ratio, i < p.num_hash_layers)
+    specs += head("")
+    for j in range(p.num_nextn_predict_layers):  # last: the main weights are those of the preset without
+        pre = f"mtp.{j}."
+        specs += [
+            norm(f"{pre}enorm.weight", h),
+            norm(f"{pre}hnorm.weight", h),
+            lin(f"{pre}e_proj.weight", h, h),
+            lin(f"{pre}h_proj.weight", h, h),
+        ]
+        specs += layer(f"mtp.{j}", 0, False) + head(pre)
     return specs
 
 

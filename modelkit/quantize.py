@@ -111,12 +111,13 @@ _QUANTIZED = re.compile(
 _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
 
 # DeepSeek-V4 (its own names, as V4-Flash ships): the attention's projections, the indexer's query
-# projection, routed and shared experts; never the compressors, the indexer's weights_proj, the
+# projection, routed and shared experts, the MTP layer's e_proj and h_proj; never the compressors, the indexer's weights_proj, the
 # router, the hyper-connections, the sinks, norms, embedding or head.
 _V4_QUANTIZED = re.compile(
-    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])\.weight$"
+    r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123]"
+    r"|[eh]_proj)\.weight$"
 )
-_V4_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.")
+_V4_ROUTED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.")
 
 
 def quantize_tensor(

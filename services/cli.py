@@ -521,7 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-model", help="build one of the project's models (HF format)")
     p.add_argument(
         "name",
-        choices=["tiny", "tiny-mtp", "bench", "tiny-v32", "tiny-v32-mtp", "bench-v32", "tiny-v4", "bench-v4"],
+        choices=[
+            "tiny",
+            "tiny-mtp",
+            "bench",
+            "tiny-v32",
+            "tiny-v32-mtp",
+            "bench-v32",
+            "tiny-v4",
+            "tiny-v4-mtp",
+            "bench-v4",
+        ],
     )
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")

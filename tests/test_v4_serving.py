@@ -133,3 +133,50 @@ def test_data_and_expert_parallel_match_one_process(model, reference, layout):
 def test_a_released_style_folder_is_what_make_model_writes(model):
     names = (Path(model) / "model.safetensors").read_bytes()[:200_000]
     assert b'"embed.weight"' in names and b"layers.1.attn.indexer.compressor.wkv.weight" in names
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    return str(make_model("tiny-v4-mtp", tmp_path_factory.mktemp("v4mtp") / "tiny-v4-mtp"))
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(mtp_model) -> list[list[int]]:
+    llm = LLM(mtp_model, enable_prefix_caching=False, **ENGINE)
+    return [_tokens(llm, [q], [n])[0] for q, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+@pytest.mark.parametrize(("k", "oracle"), [(1, False), (3, False), (3, True)], ids=["k1", "k3", "k3-oracle"])
+def test_mtp_speculation_matches_greedy_without_it(mtp_model, mtp_reference, k, oracle, monkeypatch):
+    """The V4 MTP layer (model layer num_hidden_layers: sliding window, its input the target's
+    streams and the next token) drafts, the target verifies 1 + k tokens a request: the tokens of
+    greedy decoding without drafts. The random model's own drafts are never accepted; the
+    oracle's (the reference continuation, wrong at its third draft) are, up to their error, so
+    every verification rejects some drafts after its compressors took their rows: the rings'
+    room (MAX_SPECULATIVE_TOKENS) keeps what the next tokens read, nothing is rolled back."""
+    from tests.test_spec_decode import Oracle
+
+    if oracle:
+        Oracle(monkeypatch, {tuple(p): w for p, w in zip(PROMPTS, mtp_reference, strict=True)}, wrong_at=2)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **ENGINE)
+    assert _tokens(llm, PROMPTS, MAX_TOKENS) == mtp_reference
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert (stats.acceptance_rate > 0.5) == oracle
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    runner = llm.engine.runner
+    mtp_rows = runner.kv_caches.layer(CacheKind.SLIDING_WINDOW, runner.model_cfg.num_hidden_layers)
+    assert mtp_rows.abs().sum() > 0  # the MTP layer's own window rows were written
+
+
+def test_without_room_a_rejected_draft_corrupts_the_state(mtp_model, mtp_reference, monkeypatch):
+    """The check above can fail: with rings only as long as a compressor reads (no room for
+    drafts), the oracle's rejected drafts overwrite rows the next tokens need and the tokens
+    change."""
+    import engine.models.deepseek_v4 as v4
+    from tests.test_spec_decode import Oracle
+
+    monkeypatch.setattr(v4, "MAX_SPECULATIVE_TOKENS", 0)
+    Oracle(monkeypatch, {tuple(p): w for p, w in zip(PROMPTS, mtp_reference, strict=True)}, wrong_at=1)
+    llm = LLM(mtp_model, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **ENGINE)
+    assert _tokens(llm, PROMPTS, MAX_TOKENS) != mtp_reference

@@ -51,6 +51,7 @@ from engine.models.moe import FusedExperts
 from engine.models.registry import register_model
 from engine.quant import QuantSpec
 from engine.sampler import argmax
+from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from kernels import v4 as v4_kernels
 from kernels.linear import linear
 from kernels.rotary import rope_cos_sin_cache
@@ -68,6 +69,13 @@ STATE_CSA, STATE_CSA_INDEXER, STATE_HCA = "csa_compressor", "csa_indexer", "hca_
 
 
 # ---- small pieces ------------------------------------------------------------------------------
+
+
+def layer_type(cfg: ModelConfig, layer_idx: int) -> str:
+    """A main layer's attention type; the MTP layers after them (layer_idx >= num_hidden_layers)
+    are sliding-window layers (and route by score, not by hash)."""
+    types = cfg.v4.layer_types
+    return types[layer_idx] if layer_idx < len(types) else SLIDING
 
 
 class RMSNorm32(nn.Module):
@@ -198,7 +206,7 @@ class MoE(nn.Module):
         v4 = cfg.v4
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.layer_idx, self.ep, self.limit = layer_idx, ep, v4.swiglu_limit
-        self.gate = Router(cfg, hashed=v4.hash_layers[layer_idx])
+        self.gate = Router(cfg, hashed=layer_idx < len(v4.hash_layers) and v4.hash_layers[layer_idx])
         num_local = ep.slots_per_rank if ep is not None else e
         self.experts = FusedExperts(
             num_local, h, inter, dtype=dtype, quant=QuantSpec.of(cfg.quant, experts=True)
@@ -422,7 +430,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
         super().__init__()
         v4 = cfg.v4
-        self.layer_type = v4.layer_types[layer_idx]
+        self.layer_type = layer_type(cfg, layer_idx)
         self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, v4.head_dim, v4.sliding_window
         self.groups, self.eps = v4.o_groups, cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
@@ -649,6 +657,38 @@ class DecoderLayer(nn.Module):
         return HyperConnection.merge(streams, post, comb, out)
 
 
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V4's multi-token prediction layer: a sliding-window V4 layer (score-routed) whose
+    input mixes the target's streams at position i with the next token's embedding,
+
+        X = h_proj(hnorm(streams_i)) + e_proj(enorm(embed(t_{i+1})))    (the embedding 0 at position 0)
+
+    and whose own hc_head, norm and head give the draft's logits; its output streams stand in for
+    the target's at the next position when it drafts again. Checkpoint tensors: DeepSeek's
+    `mtp.0.*` (e_proj, h_proj, enorm, hnorm, hc_head_*, norm, head, and the block's own names)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, dtype: torch.dtype):
+        super().__init__(cfg, layer_idx, dtype=dtype)
+        h, q, v4 = cfg.hidden_size, QuantSpec.of(cfg.quant), cfg.v4
+        self.enorm = RMSNorm32(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm32(h, cfg.rms_norm_eps)
+        self.e_proj = Linear(h, h, dtype=dtype, quant=q)
+        self.h_proj = Linear(h, h, dtype=dtype, quant=q)
+        self.hc_head = HyperHead(v4.hc_mult, h, v4.hc_eps, cfg.rms_norm_eps)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm32(h, cfg.rms_norm_eps)
+        self.shared_head.head = Linear(h, cfg.vocab_size, dtype=dtype)
+
+    def layer_input(
+        self, next_ids: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, embed: Embedding
+    ) -> torch.Tensor:
+        e = embed(next_ids).masked_fill((positions == 0)[:, None], 0.0)
+        return self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(e)).unsqueeze(-2)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(self.hc_head(streams)))
+
+
 @register_model("DeepseekV4ForCausalLM")
 class DeepseekV4ForCausalLM(nn.Module):
     @staticmethod
@@ -658,10 +698,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Every layer's window rows (K = V, head_dim wide); CSA layers' entries and indexer keys
         (one per csa_rate tokens) and HCA layers' entries (one per hca_rate tokens); each
         compressor's state. The engine block is block_size rounded up to a multiple of both rates,
-        so every group's block is one engine block."""
-        if num_mtp_layers:
-            raise NotImplementedError("MTP speculative decoding for DeepSeek-V4 is not run yet")
+        so every group's block is one engine block. The MTP layers (model layers num_hidden_layers
+        + j, sliding) keep their window rows in the same group.
+
+        A compressor's state is a ring of its last rows (Compressor.compress) with room for
+        MAX_SPECULATIVE_TOKENS more: a verification's rejected drafts then write only rows no
+        later token reads, so rejecting them rolls nothing back (and every engine's spec is the
+        same, drafting or not)."""
         v4 = cfg.v4
+        room = MAX_SPECULATIVE_TOKENS
         unit = math.lcm(v4.csa_rate, v4.hca_rate)
         bs = -(-block_size // unit) * unit
         layers = {t: tuple(i for i, lt in enumerate(v4.layer_types) if lt == t) for t in (CSA, HCA)}
@@ -669,7 +714,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         groups = [
             CacheGroupSpec(
                 CacheKind.SLIDING_WINDOW,
-                tuple(range(cfg.num_hidden_layers)),
+                tuple(range(cfg.num_hidden_layers + num_mtp_layers)),
                 bs,
                 v4.head_dim,
                 dtype,
@@ -696,8 +741,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                     **rope,
                 )
             )
-            states.append(StateSpec(STATE_CSA, layers[CSA], (2 * m, 4 * v4.head_dim), FP32))
-            states.append(StateSpec(STATE_CSA_INDEXER, layers[CSA], (2 * m, 4 * v4.index_head_dim), FP32))
+            states.append(StateSpec(STATE_CSA, layers[CSA], (2 * m + room, 4 * v4.head_dim), FP32))
+            states.append(
+                StateSpec(STATE_CSA_INDEXER, layers[CSA], (2 * m + room, 4 * v4.index_head_dim), FP32)
+            )
         if layers[HCA]:
             m = v4.hca_rate
             groups.append(
@@ -711,15 +758,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                     **rope,
                 )
             )
-            states.append(StateSpec(STATE_HCA, layers[HCA], (m, 2 * v4.head_dim), FP32))
+            states.append(StateSpec(STATE_HCA, layers[HCA], (m + room, 2 * v4.head_dim), FP32))
         return KVCacheSpec(tuple(groups), fingerprint, tuple(states))
 
     def __init__(
         self, cfg: ModelConfig, *, dtype: torch.dtype, max_positions: int, ep=None, num_mtp_layers: int = 0
     ):
         super().__init__()
-        if num_mtp_layers:
-            raise NotImplementedError("MTP speculative decoding for DeepSeek-V4 is not run yet")
+        if num_mtp_layers and ep is not None:
+            raise ValueError("MTP speculative decoding with expert parallelism is not supported yet")
         v4 = cfg.v4
         self.cfg, self.dtype = cfg, dtype
         self.hc_mult = v4.hc_mult
@@ -730,6 +777,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(v4.hc_mult, cfg.hidden_size, v4.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm32(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, cfg.num_hidden_layers + j, dtype=dtype) for j in range(num_mtp_layers)
+        )
         for name, rope in (("rope", v4.rope), ("crope", v4.compress_rope)):
             cos, sin = rope_cos_sin_cache(rope, v4.rope_dim, max_positions)
             self.register_buffer(f"{name}_cos", cos, persistent=False)  # [P, R/2] float32
@@ -765,16 +815,62 @@ class DeepseekV4ForCausalLM(nn.Module):
         return out
 
     def forward(self, batch: ForwardBatch, kv_caches: KVCaches) -> torch.Tensor:
-        """-> hidden states [N, hidden] after the final norm."""
+        """-> the last layer's hyper-connection streams [N, hc x hidden] (what the MTP layer reads;
+        compute_logits collapses them through hc_head and the final norm)."""
         step = V4Step(self, batch, kv_caches.spec.block_size)
         x = self.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer, caches in zip(self.layers, self.layer_caches(kv_caches, batch), strict=True):
             streams = layer(streams, step, caches)
-        return self.norm(self.hc_head(streams))
+        return streams.flatten(1)
+
+    def _streams(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.view(hidden.shape[0], self.hc_mult, self.cfg.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [M, hc x hidden] (forward's streams) -> logits [M, vocab] float32."""
+        return self.lm_head(self.norm(self.hc_head(self._streams(hidden)))).float()
 
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
         return argmax(self.compute_logits(hidden)[:, :vocab_size]).tolist()
+
+    # ---- MTP speculative decoding (engine/spec_decode/drafter.py calls these) -----------------
+
+    def greedy_spec_step(self, batch, kv_caches, caps, k):
+        """No one-call speculative step: the runner takes forward, greedy_tokens and mtp_forward."""
+        return None
+
+    def use_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        raise NotImplementedError("a draft vocabulary for DeepSeek-V4's MTP layer is not supported yet")
+
+    def mtp_cache(self, kv_caches: KVCaches) -> LayerCaches:
+        """The first MTP layer's window rows (model layer num_hidden_layers)."""
+        return LayerCaches(kv_caches.layer(CacheKind.SLIDING_WINDOW, len(self.layers)))
+
+    def mtp_forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, caches
+    ) -> torch.Tensor:
+        """The first MTP layer over the batch: next_ids [N] (t_{i+1}), hidden [N, hc x hidden] (the
+        target's streams at i, or the previous draft's) -> its streams [N, hc x hidden], which
+        draft_tokens reads and the next draft takes as hidden."""
+        step = V4Step(self, batch, caches.window.shape[1])
+        mtp = self.mtp[0]
+        streams = mtp.layer_input(next_ids, self._streams(hidden), batch.positions, self.embed_tokens)
+        return mtp(streams, step, caches).flatten(1)
+
+    def mtp_store_kv(self, next_ids, hidden, positions, slots, caches) -> None:
+        """Only the first MTP layer's window rows at these positions (cache rows `slots`)."""
+        mtp = self.mtp[0]
+        streams = mtp.layer_input(next_ids, self._streams(hidden), positions, self.embed_tokens)
+        _, _, u = mtp.attn_hc(streams)
+        attn = mtp.self_attn
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        kv = rope_tail(attn.kv_norm(attn.kv_proj(mtp.input_layernorm(u))), cos, sin)
+        window = caches.window.view(-1, attn.head_dim)
+        written = slots >= 0
+        window[slots[written]] = kv[written].to(window.dtype)
+
+    def draft_tokens(self, hidden: torch.Tensor, vocab_size: int) -> list[int]:
+        """The MTP layer's greedy drafts from its streams (its own hc_head, norm and head)."""
+        logits = self.mtp[0].logits(self._streams(hidden))
+        return argmax(logits[:, :vocab_size].float()).tolist()
