@@ -32,8 +32,10 @@ kernels/native/prebuilt/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 
 native: kernels/native/prebuilt/.built
 
+# ARCH=v4: the trained DeepSeek-V4 model instead of the V3 one.
+ARCH ?= v3
 run: venv native
-	$(VENV)/bin/pdserve demo --model-dir $(MODEL_DIR)
+	$(VENV)/bin/pdserve demo --model-dir $(MODEL_DIR) --arch $(ARCH)
 
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its
 # module fixtures, e.g. a stack, started once): most of its time is spent waiting on the stacks

@@ -141,7 +141,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
     try:
-        from modelkit.training.train_tiny import run
+        if args.arch == "v4":
+            from modelkit.training.train_tiny_v4 import run
+        else:
+            from modelkit.training.train_tiny import run
     except ModuleNotFoundError as e:
         if e.name != "transformers":
             raise
@@ -223,16 +226,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "pdserve-tiny"
 """The trained default model checked into the repository (`pdserve train-tiny` made it)."""
+SHIPPED_V4_MODEL = SHIPPED_MODEL.with_name("pdserve-tiny-v4")
+"""The trained DeepSeek-V4 beside it (`pdserve train-tiny --arch v4`)."""
 
 
-def default_model(model_dir: str) -> Path:
-    """The shipped trained model; without it (an install without the repository), the
-    deterministic random tiny model built into model_dir."""
-    if (SHIPPED_MODEL / "model.safetensors").is_file():
-        return SHIPPED_MODEL
+def default_model(model_dir: str, arch: str = "v3") -> Path:
+    """The shipped trained model of the architecture; without it (an install without the
+    repository), the deterministic random tiny model built into model_dir."""
+    shipped, preset = (SHIPPED_V4_MODEL, "tiny-v4") if arch == "v4" else (SHIPPED_MODEL, "tiny")
+    if (shipped / "model.safetensors").is_file():
+        return shipped
     from modelkit.make_model import make_model
 
-    return make_model("tiny", Path(model_dir) / "pdserve-tiny")
+    return make_model(preset, Path(model_dir) / f"pdserve-{preset}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -244,7 +250,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services import demo
     from services.launcher import Stack, StackConfig
 
-    model = default_model(args.model_dir)
+    model = default_model(args.model_dir, args.arch)
     logs = tempfile.mkdtemp(prefix="pdserve-demo-")
     print(
         f"model: {model}\nstarting router + prefill worker + decode worker (logs in {logs}) ...", flush=True
@@ -261,7 +267,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(
             f"stack ready in {time.perf_counter() - start:.1f} s: OpenAI HTTP {stack.http_url}/v1, gRPC {stack.grpc_endpoint}\n"
         )
-        demo.openai_stream(stack.http_url, "pdserve-tiny", args.max_tokens, stack.api_key)
+        demo.openai_stream(stack.http_url, model_name(str(model)), args.max_tokens, stack.api_key)
         demo.grpc_stream(stack.grpc_endpoint, args.max_tokens, stack.api_key)
     finally:
         stack.stop()
@@ -757,6 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="build the default model if needed and stream a completion")
     p.add_argument("--model-dir", default=env.model_cache_dir())
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--arch", choices=["v3", "v4"], default="v3", help="the shipped DeepSeek-V3 model (default) or the V4 one"
+    )
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -23,6 +23,7 @@ from engine.kv_cache.cache_group import CacheKind
 from modelkit.make_model import PRESETS, make_model
 from pdserve.v1 import inference_pb2 as pb
 from tests.engine_testing import run_finished
+from tests.redis_server import RedisServer
 from tests.service_testing import generate, inference, start_stack
 
 _rng = random.Random(4)
@@ -84,27 +85,35 @@ def test_the_disaggregated_stack_then_colocated_match_offline(model, reference, 
         assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"
 
 
-def test_the_host_tier_gives_back_every_table_and_the_state(model, reference):
+def test_the_host_then_redis_tier_give_back_every_table_and_the_state(model, reference):
     """The 99-token prompt's blocks (engine blocks of 32 tokens: the HCA rate) pushed out of a
-    6-block cache, then asked for again: its three full blocks come back from the host tier in every
-    table with the compressors' state after them, and the tokens are the one-shot run's."""
+    6-block cache, then asked for again: its three full blocks come back in every table with the
+    compressors' state after them, from the host tier, then (the host tier cleared) from Redis, and
+    the tokens are the one-shot run's."""
     prompt, n = PROMPTS[2], MAX_TOKENS[2]
-    llm = LLM(model, kv_offload="host", kv_host_blocks=64, **{**ENGINE, "num_kv_blocks": 6})
-    off = llm.engine.connector
     fillers = [[100 + j for j in range(90)], [2000 + j for j in range(90)]]
-    try:
-        assert _tokens(llm, [prompt], [n]) == [reference[2]]
-        _tokens(llm, fillers, [2, 2])
-        before = off.stats.loaded_blocks["host"]
-        (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(n))
-        assert list(out.token_ids) == reference[2]
-        assert out.num_cached_tokens == 96
-        spec = llm.engine.kv_spec
-        assert spec.block_size == 32 and spec.has(CacheKind.HEAVILY_COMPRESSED) and spec.states
-        assert off.stats.loaded_blocks["host"] - before >= 3
-        assert off.stats.checksum_failures == 0
-    finally:
-        off.close()
+    with RedisServer() as server:
+        llm = LLM(
+            model, kv_offload="host,redis", kv_redis_url=server.url, kv_host_blocks=64,
+            **{**ENGINE, "num_kv_blocks": 6},
+        )  # fmt: skip
+        off = llm.engine.connector
+        try:
+            spec = llm.engine.kv_spec
+            assert spec.block_size == 32 and spec.has(CacheKind.HEAVILY_COMPRESSED) and spec.states
+            assert _tokens(llm, [prompt], [n]) == [reference[2]]
+            for tier in ("host", "redis"):
+                _tokens(llm, fillers, [2, 2])  # pushes the prompt's blocks out of the device cache
+                if tier == "redis":
+                    assert off.tiers[1].flush()
+                    off.tiers[0].clear()  # only Redis has them now
+                before = off.stats.loaded_blocks[tier]
+                (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(n))
+                assert list(out.token_ids) == reference[2], tier
+                assert out.num_cached_tokens == 96 and off.stats.loaded_blocks[tier] - before >= 3, tier
+            assert off.stats.checksum_failures == 0
+        finally:
+            off.close()
 
 
 PARALLEL = {

@@ -13,6 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `pdserve train-tiny` and `python -m modelkit.training.train_tiny`."""
     p.add_argument("--out", type=Path, required=True, help="output folder (HF format)")
     p.add_argument(
+        "--arch", choices=["v3", "v4"], default="v3", help="DeepSeek-V3 with MTP (default) or DeepSeek-V4"
+    )
+    p.add_argument(
         "--minutes", type=float, default=12.0, help="training budget, as a fixed step count (default 12)"
     )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --minutes)")

@@ -537,7 +537,10 @@ def main(argv: list[str] | None = None) -> None:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    run(
+    train_run = run
+    if args.arch == "v4":
+        from modelkit.training.train_tiny_v4 import run as train_run
+    train_run(
         args,
         shlex.join(
             ["python", "-m", "modelkit.training.train_tiny", *(sys.argv[1:] if argv is None else argv)]
