@@ -109,6 +109,22 @@ class Bench:
         self.caches = None
 
 
+def step_medians(benches: dict, batch: int, context: int, rounds: int) -> dict[str, float]:
+    """Each bench filled with `batch` sequences of `context` tokens and warmed up, then stepped
+    `rounds` times, the benches alternating round by round -> median ms per step by name."""
+    times: dict[str, list[float]] = {name: [] for name in benches}
+    for name, bench in benches.items():
+        bench.fill(batch, context)
+        bench.step()  # warm-up
+        times[name].append(bench.step())
+    for _ in range(rounds - 1):
+        for name, bench in benches.items():
+            times[name].append(bench.step())
+    for bench in benches.values():
+        bench.release()
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/pdserve-bench-v32", help="a DeepSeek-V3.2 model folder")
@@ -133,17 +149,7 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            times: dict[str, list[float]] = {name: [] for name in benches}
-            for name, bench in benches.items():
-                bench.fill(batch, context)
-                bench.step()  # warm-up
-                times[name].append(bench.step())
-            for _ in range(args.rounds - 1):
-                for name, bench in benches.items():
-                    times[name].append(bench.step())
-            for bench in benches.values():
-                bench.release()
-            ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
+            ms = step_medians(benches, batch, context, args.rounds)
             row = {
                 "context": context,
                 "batch": batch,

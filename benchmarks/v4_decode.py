@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import hardware, save  # noqa: E402
 from benchmarks.sparse_decode import Bench as V3Bench  # noqa: E402
+from benchmarks.sparse_decode import step_medians  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.forward_batch import DecodeGroup, ForwardBatch, TableInputs, block_table  # noqa: E402
@@ -198,17 +198,7 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            times: dict[str, list[float]] = {name: [] for name in benches}
-            for name, bench in benches.items():
-                bench.fill(batch, context)
-                bench.step()  # warm-up
-                times[name].append(bench.step())
-            for _ in range(args.rounds - 1):
-                for name, bench in benches.items():
-                    times[name].append(bench.step())
-            for bench in benches.values():
-                bench.release()
-            ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
+            ms = step_medians(benches, batch, context, args.rounds)
             row = {
                 "context": context,
                 "batch": batch,

@@ -501,15 +501,20 @@ def write_folder(result: TrainResult, out: str | Path, command: str) -> Path:
         _json(tmp / "training.json", record)
         plot_losses(record, tmp / "loss.png")
         _json(tmp / "config.json", raw)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
-        _replace(tmp, out)
+        install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return out
+
+
+def install(tmp: Path, out: Path) -> None:
+    """Give the finished folder the usual umask modes (mkdtemp made it 0700) and rename it to out."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
+    _replace(tmp, out)
 
 
 def _json(path: Path, obj: dict[str, Any]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import shutil
 import tempfile
@@ -35,9 +34,9 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
 from modelkit.bpe_tokenizer import tokenizer_config, train_tokenizer
-from modelkit.make_model import V4Preset, _replace, generation_config, v4_config
+from modelkit.make_model import V4Preset, generation_config, v4_config
 from modelkit.training.data import build_corpus, fixed_windows, sample_windows
-from modelkit.training.train_tiny import ExpertLoad, TrainConfig, _hardware, _json, lr_at
+from modelkit.training.train_tiny import ExpertLoad, TrainConfig, _hardware, _json, install, lr_at
 
 logger = logging.getLogger(__name__)
 
@@ -206,12 +205,7 @@ def write_folder(
         config = json.loads((tmp / "config.json").read_text())
         config["pdserve_preset"] = PRESET_NAME
         _json(tmp / "config.json", config)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
-        _replace(tmp, out)
+        install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
