@@ -764,7 +764,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=env.model_cache_dir())
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument(
-        "--arch", choices=["v3", "v4"], default="v3", help="the shipped DeepSeek-V3 model (default) or the V4 one"
+        "--arch",
+        choices=["v3", "v4"],
+        default="v3",
+        help="the shipped DeepSeek-V3 model (default) or the V4 one",
     )
     p.set_defaults(func=cmd_demo)
     return parser
