@@ -121,8 +121,11 @@ def compress_pool_ref(kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 
 def compress_pool(kv, gate, weight, eps: float, impl: str = "auto") -> torch.Tensor:
+    """compress_pool_ref's contract: Triton on CUDA, the native kernel on a CPU that has it."""
     if resolve_impl(impl, kv, has_triton=True) == "triton":
         return _compress_pool_triton(kv, gate, weight, eps)
+    if impl == "auto" and native.loaded() and kv.is_cpu and kv.dtype == torch.float32:
+        return native.compress_pool(kv, gate, weight.float(), eps)
     return compress_pool_ref(kv, gate, weight, eps)
 
 

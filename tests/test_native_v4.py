@@ -134,3 +134,21 @@ def test_v4_attention_equals_the_float64_reference(loaded, tokens, heads, dim, e
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="slots lie outside their cache"):
         native.v4_attention(q, window, wslots + 96, None, None, sinks, scale)
+
+
+@pytest.mark.parametrize(("entries", "slots", "width"), [(3, 8, 512), (2, 128, 40), (1, 5, 17)])
+def test_compress_pool_equals_the_float64_reference(loaded, entries, slots, width):
+    """The gated pooling and its RMSNorm, an entry's first half of slots empty (-inf gates: CSA's
+    entry 0), against float64."""
+    if not loaded:
+        return
+    from kernels.v4 import compress_pool_ref
+
+    gen = torch.Generator().manual_seed(entries * 100 + slots)
+    kv = torch.randn(entries, slots, width, generator=gen)
+    gate = 3 * torch.randn(entries, slots, width, generator=gen)
+    gate[0, : slots // 2] = float("-inf")
+    weight = 1 + 0.1 * torch.randn(width, generator=gen)
+    got = native.compress_pool(kv, gate, weight, 1e-6)
+    want = compress_pool_ref(kv.double(), gate.double(), weight.double(), 1e-6)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)

@@ -692,6 +692,27 @@ def v4_attention(
     return out
 
 
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V4's compressor pooling in one call: kv, gate [E, S, W] float32 (-inf gates: empty
+    slots), weight [W] -> [E, W] float32 (kernels/v4.py compress_pool_ref's, in float32, to the
+    order of its sums). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    e, s, w = kv.shape
+    if gate.shape != kv.shape or weight.shape != (w,):
+        raise ValueError(
+            f"gate must be like kv {tuple(kv.shape)} and weight [{w}], got {tuple(gate.shape)}, {tuple(weight.shape)}"
+        )
+    if any(t.dtype != torch.float32 or not t.is_cpu for t in (kv, gate, weight)):
+        raise ValueError("kv, gate and weight must be CPU float32")
+    kv, gate, weight = kv.contiguous(), gate.contiguous(), weight.contiguous()
+    out = torch.empty(e, w, dtype=torch.float32)
+    if e:
+        _library.compress_pool(
+            kv.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), e, s, w, eps
+        )
+    return out
+
+
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,

@@ -7,7 +7,8 @@
 // stack of layers in one (decode_stack), greedy sampling's argmax over bf16 logits (argmax_bf16), and
 // a greedy speculative step with MTP drafts in one (greedy_spec_step), and DeepSeek-V3.2's
 // indexer top-k and sparse MLA decode (indexer_topk, sparse_mla_decode), and DeepSeek-V4's
-// attention (v4_attention) and hyper-connections (hc_pre, hc_merge). Pointers arrive as integers
+// attention (v4_attention), compressors' pooling (compress_pool) and hyper-connections (hc_pre,
+// hc_merge). Pointers arrive as integers
 // (torch.Tensor.data_ptr()); the Python wrappers in __init__.py and blocks.py check shapes, dtypes
 // and strides.
 //
@@ -15,7 +16,7 @@
 // product), experts.h (moe_pairs, moe_topk), attention.h (mla_decode), layer.h (norms, rotary,
 // mtp_input, mla_attention, route, moe_block, decode_stack), argmax.h (argmax_bf16), spec.h
 // (greedy_spec_step), sparse.h (DeepSeek-V3.2's indexer_topk, sparse_mla_decode), v4.h
-// (DeepSeek-V4's v4_attention, hc_pre, hc_merge). This file binds them.
+// (DeepSeek-V4's v4_attention, compress_pool, hc_pre, hc_merge). This file binds them.
 
 #include "layer.h"
 #include "argmax.h"
@@ -49,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("indexer_topk", &indexer_topk, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sparse_mla_decode", &sparse_mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("v4_attention", &v4_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("compress_pool", &compress_pool, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("hc_pre", &hc_pre, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("hc_merge", &hc_merge, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("exp_f32", [](int64_t x_ptr, int64_t y_ptr, int64_t n) {

@@ -1,5 +1,6 @@
 // DeepSeek-V4's kernels: its attention over a window and compressed entries with sinks
-// (v4_attention), and its manifold-constrained hyper-connections (mHC), a token's hc residual streams
+// (v4_attention), its compressors' gated pooling (compress_pool), and its manifold-constrained
+// hyper-connections (mHC), a token's hc residual streams
 // [hc, H] bf16 around one block (engine/models/deepseek_v4.py HyperConnection has the equations):
 //   hc_pre:   the streams -> the block's input (their sigmoid-weighted sum), the weights that
 //             spread the block's output over the streams (post) and the Sinkhorn-normalised
@@ -72,6 +73,43 @@ int64_t v4_attention(int64_t q_ptr, int64_t q_t, int64_t q_h, int64_t win_ptr, i
 }
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// A compressor's gated pooling of E entries, each over its S slots (kv, gate [E, S, W] float32; an
+// empty slot's gate is -inf), then its RMSNorm:
+//   pooled[w] = sum_s softmax_s(gate[:, w]) kv[s, w];   out = weight * pooled / sqrt(mean(pooled^2) + eps)
+// float32 throughout; 16 channels at a time, the softmax per channel over the slots (its max
+// first, as torch's). Work: entries over the threads.
+void compress_pool(int64_t kv_ptr, int64_t gate_ptr, int64_t w_ptr, int64_t out_ptr, int64_t E, int64_t S, int64_t W,
+                   double eps) {
+  const auto* kv = reinterpret_cast<const float*>(kv_ptr);
+  const auto* gate = reinterpret_cast<const float*>(gate_ptr);
+  const auto* weight = reinterpret_cast<const float*>(w_ptr);
+  auto* out = reinterpret_cast<float*>(out_ptr);
+  maybe_parallel(E, 1, E * S * W * 8, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      const float* k = kv + e * S * W;
+      const float* g = gate + e * S * W;
+      float* o = out + e * W;
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t w = 0; w < W; w += 16) {
+        const __mmask16 mask = lanes16(W - w);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t s = 0; s < S; ++s) top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(mask, g + s * W + w));
+        __m512 num = _mm512_setzero_ps(), den = _mm512_setzero_ps();
+        for (int64_t s = 0; s < S; ++s) {
+          const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, g + s * W + w), top));
+          den = _mm512_add_ps(den, p);
+          num = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(mask, k + s * W + w), num);
+        }
+        const __m512 pooled = _mm512_maskz_mov_ps(mask, _mm512_div_ps(num, den));
+        _mm512_mask_storeu_ps(o + w, mask, pooled);
+        squares = _mm512_fmadd_ps(pooled, pooled, squares);
+      }
+      const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(W) + float(eps));
+      for (int64_t w = 0; w < W; ++w) o[w] = weight[w] * (o[w] * r);
+    }
+  }, ROWS_OMP_MIN_BYTES);
+}
 
 // A dot product of two float32 rows of length n (n a multiple of 16 or not), 16 lanes at a time.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
