@@ -111,6 +111,17 @@ def test_every_layer_type_matches_transformers(mixed) -> None:
     assert_parity(model_dir, refs, block_size=8)
 
 
+def test_the_one_call_attention_path_matches_transformers(mixed, monkeypatch) -> None:
+    """The path the native and Triton kernels take (every token's rows at once, the one-token
+    requests of a step together: ring writes, the indexer's scores and top-k), here on the
+    PyTorch reference of the attention, for the four prompts decoding side by side."""
+    import kernels.v4
+
+    monkeypatch.setattr(kernels.v4, "attends_by_slots", lambda q, window: True)
+    model_dir, refs = mixed
+    assert_parity(model_dir, refs, block_size=8)
+
+
 def test_the_released_format_and_rates_match_transformers(released) -> None:
     model_dir, refs = released
     names = load_file(str(model_dir / "model.safetensors")).keys()

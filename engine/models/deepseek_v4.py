@@ -33,6 +33,7 @@ are kept as stored (kernels/quant.py QuantWeight); MTP is not run yet (refused b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -491,36 +492,63 @@ class Attention(nn.Module):
 
     def _attend_slots(self, q, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
         """Every token's window rows and visible entries as cache rows (-1: none), the compressed
-        entries written first; then kernels/v4.py v4_attention over all of them (native or Triton)."""
-        wslots, eslots = [], []
-        back = torch.arange(self.window - 1, -1, -1, device=q.device)
-        for seq in step.seqs:
-            positions = step.positions[seq.row : seq.row + seq.n]
-            pos = positions[:, None] - back  # [n, W]: the window, oldest first
-            valid = pos >= 0
-            pos = pos.clamp(min=0)
-            bs = step.block_size
-            slots = seq.window_blocks[pos // bs] * bs + pos % bs
-            wslots.append(torch.where(valid, slots, -1))
-            if self.compressor is not None and seq.state_row >= 0:
-                entry_rows, visible = self._compressed(positions, seq, step, caches, pre)
-                eslots.append(torch.where(visible, entry_rows[None, :], -1))
-        entries = None
-        if eslots:
-            width = max(e.shape[1] for e in eslots)
-            padded = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
-            for seq, e in zip((sq for sq in step.seqs if sq.state_row >= 0), eslots, strict=True):
-                padded[seq.row : seq.row + seq.n, : e.shape[1]] = e
-            entries, eslots = caches.entries, padded
+        entries written first; then kernels/v4.py v4_attention over all of them (native or Triton).
+        One-token requests that complete no entry are taken together (_decode_entries), the
+        others request by request."""
+        entries = eslots = None
+        if self.compressor is not None and any(seq.state_row >= 0 for seq in step.seqs):
+            parts: list[tuple[int, torch.Tensor]] = []  # (first row, [n, E] entry rows)
+            batched: set[int] = set()
+            together = step.decodes
+            if together is not None:
+                completing = (together.positions + 1) % self.compressor.m == 0
+                rows, slots = self._decode_entries(step, together, ~completing, caches, pre)
+                batched = set(rows.tolist())
+                parts += zip(rows.tolist(), slots, strict=True)
+            for seq in step.seqs:
+                if seq.state_row >= 0 and seq.row not in batched:
+                    positions = step.positions[seq.row : seq.row + seq.n]
+                    entry_rows, visible = self._compressed(positions, seq, step, caches, pre)
+                    parts.append((seq.row, torch.where(visible, entry_rows[None, :], -1)))
+            width = max((e.shape[-1] for _, e in parts), default=0)
+            eslots = torch.full((q.shape[0], width), -1, dtype=torch.long, device=q.device)
+            for row, e in parts:
+                e = e.unsqueeze(0) if e.dim() == 1 else e  # a one-token request's [E]
+                eslots[row : row + e.shape[0], : e.shape[1]] = e
+            entries = caches.entries
         return v4_kernels.v4_attention(
-            q,
-            caches.window,
-            torch.cat(wslots),
-            entries,
-            eslots if entries is not None else None,
-            self.sinks,
-            self.scale,
+            q, caches.window, step.window_rows(self.window), entries, eslots, self.sinks, self.scale
         )
+
+    def _decode_entries(
+        self, step: V4Step, d: Decodes, take: torch.Tensor, caches: LayerCaches, pre: Projected
+    ):
+        """One-token requests (d, those where `take`) that complete no entry: their rows into
+        their rings in one write, then their visible entries (HCA: all complete ones; CSA: the
+        indexer's top-k, scored for all of them at once) -> (their rows [B'], entry rows [B', E])."""
+        comp = self.compressor
+        rows, positions, state_rows = d.rows[take], d.positions[take], d.state_rows[take]
+        blocks = d.tables[caches.table][take]
+        if not rows.numel():
+            return rows, rows.new_empty(0, 0)
+        for ring_states, pre_rows in ((caches.states, pre.rows), (caches.index_states, pre.index_rows)):
+            if ring_states is not None:
+                ring = ring_states.shape[2]
+                ring_states[state_rows, caches.layer, positions % ring] = pre_rows[rows]
+        m, per_block = comp.m, step.block_size // comp.m
+        complete = (positions + 1).div(m, rounding_mode="floor")  # [B] entries each sees
+        e = torch.arange(int(complete.max()), device=rows.device)
+        slots = blocks[:, e // per_block] * per_block + e % per_block  # [B, E]
+        valid = e[None, :] < complete[:, None]
+        if isinstance(comp, CSACompressor) and e.numel():
+            idx = comp.indexer
+            keys = caches.index_keys.view(-1, idx.width)[slots].float()  # [B, E, dI]
+            scores = torch.relu(torch.einsum("bhd,bed->bhe", pre.index_q[rows], keys)) * idx.width**-0.5
+            scores = (scores * pre.index_w[rows].unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+            picked = scores.topk(min(idx.topk, e.numel()), dim=-1).indices
+            chosen = torch.zeros_like(valid).scatter_(1, picked, True)
+            valid &= chosen
+        return rows, torch.where(valid, slots, -1)
 
     def _attend(self, q, seq: Seq, step: V4Step, caches: LayerCaches, pre: Projected | None) -> torch.Tensor:
         """One request's queries q [n, heads, D] over its window and compressed entries."""
@@ -612,6 +640,19 @@ class LayerCaches:
         return self.index_states[row, self.layer]
 
 
+@dataclass
+class Decodes:
+    """A step's one-token requests that the compressed layers take together (V4Step.decodes)."""
+
+    seqs: list[Seq]
+    rows: torch.Tensor
+    """[B] their rows in the flat batch."""
+    positions: torch.Tensor
+    state_rows: torch.Tensor
+    tables: dict[int, torch.Tensor]
+    """Spec table -> [B, blocks] their block tables, zero-padded."""
+
+
 class V4Step:
     """What every layer of one forward shares: the requests, the rope rows per table."""
 
@@ -624,6 +665,39 @@ class V4Step:
             "compress": (model.crope_cos, model.crope_sin),
         }
         self._rows = {k: (c[batch.positions], s[batch.positions]) for k, (c, s) in self._tables.items()}
+        self.window_slots: dict[int, torch.Tensor] = {}
+
+    def window_rows(self, window: int) -> torch.Tensor:
+        """[N, window] the cache rows of each token's window, oldest first, -1 before position 0
+        (the same for every layer: built once a step)."""
+        if window not in self.window_slots:
+            back = torch.arange(window - 1, -1, -1, device=self.positions.device)
+            parts = []
+            for seq in self.seqs:
+                pos = self.positions[seq.row : seq.row + seq.n, None] - back
+                slots = seq.window_blocks[pos.clamp(min=0) // self.block_size] * self.block_size
+                parts.append(torch.where(pos >= 0, slots + pos.clamp(min=0) % self.block_size, -1))
+            self.window_slots[window] = torch.cat(parts)
+        return self.window_slots[window]
+
+    @functools.cached_property
+    def decodes(self) -> Decodes | None:
+        """The step's one-token requests with a state and no snapshot to write, as tensors (the
+        compressed layers take them together); None without any."""
+        seqs = [q for q in self.seqs if q.n == 1 and q.state_row >= 0 and not q.snapshots]
+        if not seqs:
+            return None
+        dev = self.positions.device
+        rows = torch.tensor([q.row for q in seqs], dtype=torch.long, device=dev)
+        tables = {}
+        for t in seqs[0].tables:
+            width = max(q.tables[t].shape[0] for q in seqs)
+            padded = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+            for i, q in enumerate(seqs):
+                padded[i, : q.tables[t].shape[0]] = q.tables[t]
+            tables[t] = padded
+        state_rows = torch.tensor([q.state_row for q in seqs], dtype=torch.long, device=dev)
+        return Decodes(seqs, rows, self.positions[rows], state_rows, tables)
 
     def rope(self, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin [N, R/2] at the step's positions, from the layer's table."""
