@@ -122,8 +122,8 @@ class KVCacheSpec:
         by_manager: dict[tuple, list[CacheGroupSpec]] = {}
         for g in self.groups:
             manager = _manager_of(g)
-            key = (manager, g.tokens_per_entry) if manager == "compressed" else (manager, g.kind)
-            by_manager.setdefault(key if manager != "full" else (manager,), []).append(g)
+            key = {"full": (), "compressed": (g.tokens_per_entry,)}.get(manager, (g.kind,))
+            by_manager.setdefault((manager, *key), []).append(g)
         tables = [TableSpec(_manager_of(gs[0]), tuple(gs)) for gs in by_manager.values()]
         return tuple(sorted(tables, key=lambda t: t.manager != "full"))
 

@@ -22,7 +22,7 @@ through the grouped low-rank output projection.
 Caches (`kv_cache_spec`): the window's K=V rows in a sliding-window table (blocks behind the window
 go back to the pool as a request runs), the CSA entries and the CSA indexer keys in one compressed
 table (m = 4), the HCA entries in another (m = 128), and per request and layer each compressor's
-state: the pre-pooling rows of the tokens its next entry still needs (`Compressor.state_shape`).
+state: the pre-pooling rows of the tokens its next entry still needs (`ring_shape`).
 Every entry is written by the token that completes it, so chunked prefill at any split and decode
 write what one full pass writes.
 
@@ -243,6 +243,15 @@ class MoE(nn.Module):
 # ---- compressors -------------------------------------------------------------------------------
 
 
+def ring_shape(m: int, overlap: bool, width: int) -> tuple[int, int]:
+    """One request's and layer's compressor state: the rows (C | Z, 2 coff width) of the coff m
+    positions its next entries read, and room for MAX_SPECULATIVE_TOKENS more -- a verification's
+    rejected drafts then overwrite only rows no later token reads, so rejecting them rolls
+    nothing back (and the spec is the same whether an engine drafts or not)."""
+    coff = 2 if overlap else 1
+    return (coff * m + MAX_SPECULATIVE_TOKENS, 2 * coff * width)
+
+
 class Compressor(nn.Module):
     """Pools each m consecutive tokens into one entry: C = x W_kv, Z = x W_gate + position_bias[p
     mod m]; entry w = RMSNorm(sum_s softmax_s(Z) * C) over its tokens (per channel), roped at
@@ -261,10 +270,6 @@ class Compressor(nn.Module):
         self.gate_proj = Linear(hidden, self.coff * width, dtype=FP32)
         self.position_bias = _param(m, self.coff * width, dtype=FP32)
         self.kv_norm = RMSNorm32(width, eps)
-
-    @property
-    def state_shape(self) -> tuple[int, int]:
-        return (self.coff * self.m, 2 * self.coff * self.width)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every token of the step at once: x [N, H] -> its pre-pooling row [N, 2 coff width], C
@@ -775,12 +780,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         so every group's block is one engine block. The MTP layers (model layers num_hidden_layers
         + j, sliding) keep their window rows in the same group.
 
-        A compressor's state is a ring of its last rows (Compressor.compress) with room for
-        MAX_SPECULATIVE_TOKENS more: a verification's rejected drafts then write only rows no
-        later token reads, so rejecting them rolls nothing back (and every engine's spec is the
-        same, drafting or not)."""
+        A compressor's state is a ring of its last rows (`ring_shape`, Compressor.compress)."""
         v4 = cfg.v4
-        room = MAX_SPECULATIVE_TOKENS
         unit = math.lcm(v4.csa_rate, v4.hca_rate)
         bs = -(-block_size // unit) * unit
         layers = {t: tuple(i for i, lt in enumerate(v4.layer_types) if lt == t) for t in (CSA, HCA)}
@@ -815,9 +816,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                     **rope,
                 )
             )
-            states.append(StateSpec(STATE_CSA, layers[CSA], (2 * m + room, 4 * v4.head_dim), FP32))
+            states.append(StateSpec(STATE_CSA, layers[CSA], ring_shape(m, True, v4.head_dim), FP32))
             states.append(
-                StateSpec(STATE_CSA_INDEXER, layers[CSA], (2 * m + room, 4 * v4.index_head_dim), FP32)
+                StateSpec(STATE_CSA_INDEXER, layers[CSA], ring_shape(m, True, v4.index_head_dim), FP32)
             )
         if layers[HCA]:
             m = v4.hca_rate
@@ -832,7 +833,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                     **rope,
                 )
             )
-            states.append(StateSpec(STATE_HCA, layers[HCA], (m + room, 2 * v4.head_dim), FP32))
+            states.append(StateSpec(STATE_HCA, layers[HCA], ring_shape(m, False, v4.head_dim), FP32))
         return KVCacheSpec(tuple(groups), fingerprint, tuple(states))
 
     def __init__(
