@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,6 +47,33 @@ LONG_FILES = (
 def pytest_collection_modifyitems(session, config, items) -> None:
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+class _DroppedErrors(logging.Handler):
+    """asyncio's report of a future or task dropped with an exception nobody retrieved. Besides
+    hiding an error, the report formats its traceback when the future is collected, which can be
+    inside another test's `ast.parse` (Triton's interpreter parses every kernel): CPython 3.11's
+    parser then fails with "AST constructor recursion depth mismatch"."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "never retrieved" in record.getMessage():
+            self.messages.append(self.format(record))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_dropped_async_errors():
+    """Fails the session (at the teardown of its last test) if any test dropped an asyncio future
+    or task holding an exception: whoever awaits one takes its result or its exception."""
+    dropped = _DroppedErrors()
+    logging.getLogger("asyncio").addHandler(dropped)
+    yield
+    gc.collect()  # the futures held in reference cycles
+    logging.getLogger("asyncio").removeHandler(dropped)
+    assert not dropped.messages, "\n\n".join(dropped.messages)
 
 
 def pytest_sessionstart(session) -> None:

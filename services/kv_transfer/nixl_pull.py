@@ -298,6 +298,8 @@ async def pull(
         cancel.set()
         if read is not None:
             await asyncio.wait([read])  # the READ's handle is released before anyone releases the producer
+            if not read.cancelled():
+                read.exception()  # taken: what is raised below is e, the READ's error or its cause
         if isinstance(e, nixl.NixlCancelled) and expired.is_set():
             raise ServiceError(
                 f"NIXL READ of transfer {handle.transfer_id} outlasted the hold BeginRead granted",
