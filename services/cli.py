@@ -20,6 +20,7 @@ ENGINE_FLAGS: dict[str, dict] = {
     "max_num_batched_tokens": dict(type=int, default=2048),
     "max_model_len": dict(type=int, default=None),
     "num_kv_blocks": dict(type=int, default=None),
+    "kv_cache_memory_gib": dict(type=float, default=1.0, help="KV space when --num-kv-blocks is not given"),
     "num_threads": dict(type=int, default=None),
     "num_redundant_experts": dict(type=int, default=0),
     "expert_placement_file": dict(default=None),
@@ -415,9 +416,23 @@ def _serve_engine_args(args: argparse.Namespace) -> list[str]:
     engine_args = ["--dtype", args.dtype]
     if args.num_kv_blocks:
         engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_cache_memory_gib:
+        engine_args += ["--kv-cache-memory-gib", str(args.kv_cache_memory_gib)]
     if args.batch_invariant:
         engine_args.append("--batch-invariant")
     return engine_args + _spec_args(args)
+
+
+def _serve_roles(args: argparse.Namespace) -> dict[str, int]:
+    """How many workers of each role `pdserve serve` starts: --colocated N alone, else the prefill
+    and decode workers (at least one of each: the router hands a prompt from one to the other)."""
+    if args.colocated < 0 or args.num_prefill < 0 or args.num_decode < 0:
+        raise SystemExit("--colocated, --num-prefill and --num-decode count workers: 0 or more")
+    if args.colocated:
+        return {"prefill": 0, "decode": 0, "colocated": args.colocated}
+    if args.num_prefill < 1 or args.num_decode < 1:
+        raise SystemExit("a disaggregated stack needs --num-prefill and --num-decode >= 1 (or --colocated N)")
+    return {"prefill": args.num_prefill, "decode": args.num_decode, "colocated": 0}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -427,12 +442,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.launcher import Stack, StackConfig
 
     model = args.model or str(default_model(env.model_cache_dir()))
+    roles = _serve_roles(args)
     stack = Stack(
         StackConfig(
             model=model,
             host=args.host,
-            num_prefill=args.num_prefill,
-            num_decode=args.num_decode,
+            num_prefill=roles["prefill"],
+            num_decode=roles["decode"],
+            num_colocated=roles["colocated"],
             grpc_port=args.grpc_port,
             http_port=args.http_port,
             engine_args=_serve_engine_args(args),
@@ -445,10 +462,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(
-        f"starting a router, {args.num_prefill} prefill and {args.num_decode} decode worker(s) for {model} ...",
-        flush=True,
-    )
+    workers = ", ".join(f"{n} {role}" for role, n in roles.items() if n)
+    print(f"starting a router and {workers} worker(s) for {model} ...", flush=True)
     stack.start(on_wait=lambda line: print(line, flush=True))
     print(
         f"pdserve serving {model}\n  OpenAI HTTP: {stack.http_url}/v1\n  gRPC:        {stack.grpc_endpoint}",
@@ -724,7 +739,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tls_flags(p)
     p.set_defaults(func=cmd_router)
 
-    p = sub.add_parser("serve", help="start a router, a prefill and a decode worker on this machine")
+    p = sub.add_parser(
+        "serve",
+        help="start a router and its workers on this machine (a prefill and a decode worker, or --colocated)",
+    )
     p.add_argument("--model", default=None, help="HF-format model folder (default: the tiny model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--host", default="127.0.0.1")
@@ -732,7 +750,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N workers that each prefill and decode their own requests, instead of prefill and decode "
+        "workers (one machine's cores in one engine: no KV handover, no second process)",
+    )
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (else by memory)")
+    p.add_argument(
+        "--kv-cache-memory-gib", type=float, default=None, help="KV space per worker, GiB (default 1)"
+    )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--registry", default=None, help="redis://host:port/db (default: static, no Redis)")
     p.add_argument(

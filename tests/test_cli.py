@@ -170,3 +170,28 @@ def test_batch_invariant_flag_reaches_the_engine_config(tiny_model):
     )
     config = _engine_config(started)
     assert config.batch_invariant is True and config.num_kv_blocks == 64 and config.dtype == "bfloat16"
+
+
+def test_serve_starts_colocated_or_disaggregated_workers_with_their_kv_space(tiny_model):
+    """`pdserve serve --colocated N` starts N colocated workers and nothing else; a disaggregated
+    stack needs a prefill and a decode worker; --kv-cache-memory-gib sizes each worker's KV."""
+    from engine.config import EngineConfig
+    from services.cli import _engine_config, _serve_engine_args, _serve_roles, build_parser
+
+    def roles(*flags):
+        return _serve_roles(build_parser().parse_args(["serve", *flags]))
+
+    assert roles() == {"prefill": 1, "decode": 1, "colocated": 0}
+    assert roles("--colocated", "2") == {"prefill": 0, "decode": 0, "colocated": 2}
+    assert roles("--num-prefill", "2", "--num-decode", "3") == {"prefill": 2, "decode": 3, "colocated": 0}
+    for flags in (["--num-prefill", "0"], ["--num-decode", "0"], ["--colocated", "-1"]):
+        with pytest.raises(SystemExit, match="--num-prefill|--colocated"):
+            roles(*flags)
+    serve = build_parser().parse_args(["serve", "--colocated", "1", "--kv-cache-memory-gib", "0.5"])
+    worker = build_parser().parse_args(
+        ["worker", "--role", "colocated", "--model", tiny_model, *_serve_engine_args(serve)]
+    )
+    config = _engine_config(worker)
+    assert config.kv_cache_memory_gib == 0.5 and config.num_kv_blocks is None
+    with pytest.raises(ValueError, match="kv_cache_memory_gib must be > 0, got 0"):
+        EngineConfig(model=tiny_model, kv_cache_memory_gib=0)
