@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 2
 TORCH := $(shell sed -n 's/^ *"\(torch==[^"]*\)",.*/\1/p' pyproject.toml | head -n 1)
 NATIVE_SOURCES := $(wildcard kernels/native/*.h kernels/native/*.cpp kernels/native/build.py) engine/kv_cache/crc32c.c
 
-.PHONY: run test lint bench protos venv native clean
+.PHONY: run test lint bench bench-served-peers protos venv native clean
 
 # The install compiles the native CPU kernels for every ISA level (setup.py, about a minute on 2
 # cores), without build isolation: the venv's torch is the one they link against.
@@ -59,6 +59,13 @@ bench: venv
 	$(PY) benchmarks/ep_balance.py
 	$(PY) benchmarks/prefix_offload.py --model $(MODEL_DIR)/pdserve-bench
 	$(PY) benchmarks/serving.py --model $(MODEL_DIR)/pdserve-bench --rates 1,2 --num-requests 16
+
+# `pdserve serve` against `vllm serve` and llama.cpp's `llama-server` under one load generator, one
+# server at a time (about 1.5 h on 2 cores). The peers first, once: ../shared/peers/setup.sh, then
+# STEPS=llamaserver ../shared/peers/setup.sh. ENGINES=pdserve,llamacpp runs some.
+bench-served-peers: venv native
+	$(VENV)/bin/pdserve make-model bench --out $(MODEL_DIR)/pdserve-bench
+	$(PY) benchmarks/served_peers.py --model $(MODEL_DIR)/pdserve-bench $(if $(ENGINES),--engines $(ENGINES))
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) kernels/native/prebuilt build
