@@ -51,6 +51,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -64,7 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, RESULTS, hardware, hardware_slug  # noqa: E402
+from benchmarks.common import REPO, RESULTS, hardware, hardware_slug, sse_chunks  # noqa: E402
 from benchmarks.common import save as save_result  # noqa: E402
 
 PEERS_SCRIPTS = REPO.parent / "shared" / "peers"
@@ -140,24 +141,28 @@ def pdserve_server(args, colocated: bool) -> Server:
     from services.cli import model_name
 
     port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--model",
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--host",
-        "127.0.0.1",
-        "--http-port",
-        str(port),
-        "--grpc-port",
-        str(_free_port()),
-        "--kv-cache-memory-gib",
-        str(args.kv_gib),
-    ] + (["--colocated", "1"] if colocated else [])
+    command = (
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--model",
+            args.model,
+            "--dtype",
+            args.dtype,
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--grpc-port",
+            str(_free_port()),
+            "--kv-cache-memory-gib",
+            str(args.kv_gib),
+        ]
+        + (["--colocated", "1"] if colocated else [])
+        + shlex.split(args.pdserve_args)
+    )
     return Server(
         engine="pdserve-colocated" if colocated else "pdserve",
         command=command,
@@ -561,17 +566,14 @@ async def _builtin_point(server: Server, prompts: list[list[int]], output_len: i
                     if resp.status != 200:
                         sent.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                         return sent
-                    async for line in resp.content:
-                        if not line.startswith(b"data: "):
-                            continue
-                        data = line[len(b"data: ") :].strip()
-                        if data == b"[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if chunk.get("usage"):
-                            sent.tokens = chunk["usage"]["completion_tokens"]
-                        if chunk.get("choices") and chunk["choices"][0].get("text"):
-                            sent.chunks.append(time.perf_counter())
+                    try:
+                        async for chunk in sse_chunks(resp.content):
+                            if chunk.get("usage"):
+                                sent.tokens = chunk["usage"]["completion_tokens"]
+                            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                                sent.chunks.append(time.perf_counter())
+                    except RuntimeError as e:  # the server's error chunk
+                        sent.error = str(e)[:200]
                 return sent
 
         start = time.perf_counter()
@@ -637,6 +639,11 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
                 "num_prompts": n,
                 **{k: result.get(k) for k in ("completed", "failed", "total_output_tokens", "duration")},
                 **{k: result.get(k) for k in METRICS},
+                # Every request asked for output_len tokens, ignoring EOS: what each server made.
+                # The client's count (above) re-tokenizes the text of a server that reports no
+                # usage in its stream (llama-server), which can count more tokens than were made.
+                "client_output_throughput": result.get("output_throughput"),
+                "output_throughput": result["completed"] * args.output_len / result["duration"],
                 "peak_rss_mib": running.rss.take() / 2**20,
                 "server_cpu_s": running.rss.cpu_s() - server_cpu,
                 "client_cpu_s": client_cpu,
@@ -661,6 +668,7 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
         "env": server.env,
         "settings": server.settings,
         "client": args.client,
+        "threads": args.threads,
         "client_command": result.get("client_command") if points else None,
         "startup_s": running.startup_s,
         "exit_code": code,
@@ -776,9 +784,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--peers-dir", default=os.environ.get("PEERS_DIR", str(Path.home() / ".cache" / "pdserve-peers"))
     )
+    ap.add_argument("--pdserve-args", default="", help="more `pdserve serve` flags, e.g. '--max-num-seqs 64'")
     ap.add_argument("--gguf", default=None, help="llama-server's GGUF (default: converted from --model)")
     ap.add_argument("--ready-timeout-s", type=float, default=900.0)
     ap.add_argument("--out", default=None, help="results folder (default results/served_peers_<hw>_<date>)")
+    ap.add_argument("--table", default=None, metavar="DIR", help="only rebuild DIR's table and plot")
     args = ap.parse_args(argv)
     args.model = str(Path(args.model).resolve())
     args.engines = [e for e in args.engines.split(",") if e]
@@ -796,19 +806,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import datetime as dt
 
-    out_dir = Path(args.out or RESULTS / f"served_peers_{hardware_slug()}_{dt.date.today().isoformat()}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for engine in args.engines:
-        results[engine] = run_engine(args, engine, out_dir)
-        save_result(
-            "served_peers", {**results[engine], "hardware_cores": args.threads}, out_dir / f"{engine}.json"
-        )
-    text = table(results)
-    header = f"Served on {hardware()['cpu']} ({args.threads} threads), {args.input_len} tokens in, "
-    header += f"{args.output_len} out, client {args.client}, {time.strftime('%Y-%m-%d')}.\n\n"
-    (out_dir / "table.md").write_text(header + text)
-    print(header + text)
+    if args.table:
+        out_dir = Path(args.table)
+        results = {
+            e: json.loads((out_dir / f"{e}.json").read_text())
+            for e in ENGINES
+            if (out_dir / f"{e}.json").exists()
+        }
+    else:
+        out_dir = Path(args.out or RESULTS / f"served_peers_{hardware_slug()}_{dt.date.today().isoformat()}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        results = {}
+        for engine in args.engines:
+            results[engine] = run_engine(args, engine, out_dir)
+            save_result("served_peers", results[engine], out_dir / f"{engine}.json")
+    first = next(iter(results.values()))
+    header = f"Served on {hardware()['cpu']} ({first['threads']} threads), "
+    header += f"{first['input_len']} tokens in, {first['output_len']} out, client {first['client']}, "
+    header += f"{first.get('date', time.strftime('%Y-%m-%d'))[:10]}.\n\n"
+    text = header + table(results)
+    (out_dir / "table.md").write_text(text)
+    print(text)
     try:
         plot(results, out_dir / "served_peers.png")
     except ImportError:

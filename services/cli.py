@@ -17,7 +17,12 @@ ENGINE_FLAGS: dict[str, dict] = {
     "dtype": dict(default="bfloat16", choices=["bfloat16", "float16", "float32"]),
     "block_size": dict(type=int, default=16),
     "max_num_seqs": dict(type=int, default=256),
-    "max_num_batched_tokens": dict(type=int, default=2048),
+    "max_num_batched_tokens": dict(
+        type=int,
+        default=4096,
+        help="tokens a step computes (prompt chunks and decodes); a step that takes every prompt that "
+        "arrived together keeps their streams in step (vLLM-CPU's for MLA)",
+    ),
     "max_model_len": dict(type=int, default=None),
     "num_kv_blocks": dict(type=int, default=None),
     "kv_cache_memory_gib": dict(type=float, default=1.0, help="KV space when --num-kv-blocks is not given"),
@@ -410,16 +415,21 @@ def cmd_router(args: argparse.Namespace) -> int:
     return asyncio.run(serve(cfg))
 
 
+SERVE_ENGINE_FLAGS = {name: flag for name, flag in ENGINE_FLAGS.items() if name != "num_threads"}
+"""The engine flags `pdserve serve` takes and gives every worker (threads: --threads-per-worker)."""
+
+
 def _serve_engine_args(args: argparse.Namespace) -> list[str]:
-    """The engine flags `pdserve serve` gives every worker it starts (a prefill worker writes the
-    MTP layer's KV too, so the speculative flags go to all)."""
-    engine_args = ["--dtype", args.dtype]
-    if args.num_kv_blocks:
-        engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.kv_cache_memory_gib:
-        engine_args += ["--kv-cache-memory-gib", str(args.kv_cache_memory_gib)]
-    if args.batch_invariant:
-        engine_args.append("--batch-invariant")
+    """The engine flags `pdserve serve` gives every worker it starts: the dtype, and every other one
+    set to what is not its default (a prefill worker writes the MTP layer's KV too, so the
+    speculative flags go to all)."""
+    engine_args = []
+    for name, flag in SERVE_ENGINE_FLAGS.items():
+        value, switch = getattr(args, name), flag.get("action") == "store_true"
+        if value == flag.get("default", False if switch else None) and name != "dtype":
+            continue
+        option = "--" + name.replace("_", "-")
+        engine_args += [option] if switch else [option, str(value)]
     return engine_args + _spec_args(args)
 
 
@@ -744,7 +754,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a router and its workers on this machine (a prefill and a decode worker, or --colocated)",
     )
     p.add_argument("--model", default=None, help="HF-format model folder (default: the tiny model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -758,10 +767,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="N workers that each prefill and decode their own requests, instead of prefill and decode "
         "workers (one machine's cores in one engine: no KV handover, no second process)",
     )
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (else by memory)")
-    p.add_argument(
-        "--kv-cache-memory-gib", type=float, default=None, help="KV space per worker, GiB (default 1)"
-    )
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--registry", default=None, help="redis://host:port/db (default: static, no Redis)")
     p.add_argument(
@@ -769,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
     )
-    p.add_argument("--batch-invariant", **ENGINE_FLAGS["batch_invariant"])
+    _add_flags(p, SERVE_ENGINE_FLAGS)  # each worker's engine
     _add_stream_interval(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)

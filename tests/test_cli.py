@@ -174,7 +174,7 @@ def test_batch_invariant_flag_reaches_the_engine_config(tiny_model):
 
 def test_serve_starts_colocated_or_disaggregated_workers_with_their_kv_space(tiny_model):
     """`pdserve serve --colocated N` starts N colocated workers and nothing else; a disaggregated
-    stack needs a prefill and a decode worker; --kv-cache-memory-gib sizes each worker's KV."""
+    stack needs a prefill and a decode worker; every engine flag given reaches each worker."""
     from engine.config import EngineConfig
     from services.cli import _engine_config, _serve_engine_args, _serve_roles, build_parser
 
@@ -187,11 +187,14 @@ def test_serve_starts_colocated_or_disaggregated_workers_with_their_kv_space(tin
     for flags in (["--num-prefill", "0"], ["--num-decode", "0"], ["--colocated", "-1"]):
         with pytest.raises(SystemExit, match="--num-prefill|--colocated"):
             roles(*flags)
-    serve = build_parser().parse_args(["serve", "--colocated", "1", "--kv-cache-memory-gib", "0.5"])
+    assert _serve_engine_args(build_parser().parse_args(["serve"])) == ["--dtype", "bfloat16"]
+    flags = ["--kv-cache-memory-gib", "0.5", "--max-num-batched-tokens", "512", "--kv-offload", "host"]
+    serve = build_parser().parse_args(["serve", "--colocated", "1", *flags])
     worker = build_parser().parse_args(
         ["worker", "--role", "colocated", "--model", tiny_model, *_serve_engine_args(serve)]
     )
     config = _engine_config(worker)
     assert config.kv_cache_memory_gib == 0.5 and config.num_kv_blocks is None
+    assert config.max_num_batched_tokens == 512 and config.kv_offload == "host"
     with pytest.raises(ValueError, match="kv_cache_memory_gib must be > 0, got 0"):
         EngineConfig(model=tiny_model, kv_cache_memory_gib=0)
