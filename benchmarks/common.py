@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -79,6 +80,22 @@ def save(name: str, payload: dict, path: Path | None = None) -> Path:
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+async def sse_chunks(lines) -> AsyncIterator[dict]:
+    """The JSON chunks of an OpenAI-compatible server-sent event stream (aiohttp's `resp.content`)
+    up to `data: [DONE]`, each parsed with json.loads as vLLM's serving benchmark reads them;
+    RuntimeError on a chunk that reports an error."""
+    async for line in lines:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[len(b"data: ") :].strip()
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        yield chunk
 
 
 class Timer:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import sse_chunks  # noqa: E402
 from engine.gc_heap import freeze_startup_heap  # noqa: E402
 
 FIRST_TOKEN_ID = 16
@@ -240,15 +241,7 @@ async def _http_streams(
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[len(b"data: ") :].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
+            async for chunk in sse_chunks(resp.content):
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     seen.seen()
         return seen
