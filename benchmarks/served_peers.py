@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -65,7 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, RESULTS, hardware, hardware_slug, sse_chunks  # noqa: E402
+from benchmarks.common import REPO, RESULTS, git_revision, hardware, hardware_slug, sse_chunks  # noqa: E402
 from benchmarks.common import save as save_result  # noqa: E402
 
 PEERS_SCRIPTS = REPO.parent / "shared" / "peers"
@@ -169,7 +170,7 @@ def pdserve_server(args, colocated: bool) -> Server:
         env={},  # the workers take every core (pdserve serve shares them between its workers)
         url=f"http://127.0.0.1:{port}",
         model_name=model_name(args.model),
-        version=_git(),
+        version=f"pdserve {git_revision()}",
         settings={"roles": "router + 1 colocated" if colocated else "router + 1 prefill + 1 decode"},
     )
 
@@ -253,12 +254,6 @@ def gguf_for(args) -> str:
         check=True,
     )
     return out.stdout.strip().splitlines()[-1]
-
-
-def _git() -> str:
-    from benchmarks.common import git_revision
-
-    return f"pdserve {git_revision()}"
 
 
 def _version(args, engine: str) -> str:
@@ -624,16 +619,14 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
     points = []
     try:
         print(f"   ready after {running.startup_s:.1f} s", flush=True)
-        bench = builtin_bench if args.client == "builtin" else None
+        bench = builtin_bench if args.client == "builtin" else functools.partial(vllm_bench, out_dir=out_dir)
         warm = min(max(args.concurrency), 8)
-        run_point(args, server, warm, 2 * warm, seed=args.seed * 1000 + 999, out_dir=out_dir, bench=bench)
+        bench(args, server, warm, 2 * warm, args.seed * 1000 + 999)
         running.rss.take()
         for concurrency in args.concurrency:
             n = num_prompts(args, concurrency)
             server_cpu = running.rss.cpu_s()
-            result, client_cpu = run_point(
-                args, server, concurrency, n, point_seed(args, concurrency), out_dir, bench
-            )
+            result, client_cpu = bench(args, server, concurrency, n, point_seed(args, concurrency))
             point = {
                 "concurrency": concurrency,
                 "num_prompts": n,
@@ -677,12 +670,6 @@ def run_engine(args, engine: str, out_dir: Path) -> dict:
         "output_len": args.output_len,
         "points": points,
     }
-
-
-def run_point(args, server, concurrency, n, seed, out_dir, bench) -> tuple[dict, float]:
-    if bench is not None:
-        return bench(args, server, concurrency, n, seed)
-    return vllm_bench(args, server, concurrency, n, seed, out_dir)
 
 
 def _ms(value: float | None) -> str:

@@ -125,9 +125,8 @@ def step_medians(benches: dict, batch: int, context: int, rounds: int) -> dict[s
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="models/pdserve-bench-v32", help="a DeepSeek-V3.2 model folder")
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a decode-step benchmark: the points, the rounds, the engine's settings."""
     p.add_argument("--contexts", default="1024,4096,16384")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--rounds", type=int, default=5)
@@ -135,6 +134,12 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output", type=Path, default=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/pdserve-bench-v32", help="a DeepSeek-V3.2 model folder")
+    add_step_args(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

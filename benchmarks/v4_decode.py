@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import hardware, save  # noqa: E402
 from benchmarks.sparse_decode import Bench as V3Bench  # noqa: E402
-from benchmarks.sparse_decode import step_medians  # noqa: E402
+from benchmarks.sparse_decode import add_step_args, step_medians  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.forward_batch import DecodeGroup, ForwardBatch, TableInputs, block_table  # noqa: E402
@@ -161,13 +161,7 @@ def main() -> None:
         "--v3", default="models/pdserve-bench", help="a DeepSeek-V3 model folder (make-model bench)"
     )
     p.add_argument("--kv-contexts", default="4096,32768,131072")
-    p.add_argument("--contexts", default="1024,4096,16384")
-    p.add_argument("--batches", default="1,32")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output", type=Path, default=None)
+    add_step_args(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
