@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import itertools
 import logging
 import shlex
@@ -814,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     try:
         return args.func(args)
     except ValueError as e:

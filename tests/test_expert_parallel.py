@@ -248,7 +248,7 @@ def test_a_killed_rank_takes_the_worker_group_down_instead_of_hanging_it(tiny_mo
     del subprocess
 
 
-def test_ranks_started_separately_join_by_rank_offset(tiny_model, reference):
+def test_ranks_started_separately_join_by_rank_offset(tiny_model, reference, tmp_path):
     """How a multi-node group starts: one command per machine with its --dp-rank-offset and the
     shared master address; here two one-rank "machines" on loopback."""
     import subprocess
@@ -274,7 +274,9 @@ def test_ranks_started_separately_join_by_rank_offset(tiny_model, reference):
             str(master),
         ]
         cmd += ["--num-threads", "1", "--dtype", "float32", "--num-kv-blocks", "128"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        log = tmp_path / f"rank{offset}.log"
+        with log.open("w") as f:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
     try:
         for port, proc in zip(ports, procs, strict=True):
             wait_ready(f"127.0.0.1:{port}", 90, proc)
@@ -288,4 +290,8 @@ def test_ranks_started_separately_join_by_rank_offset(tiny_model, reference):
     finally:
         for proc in procs:
             proc.terminate()
-        assert [proc.wait(timeout=60) for proc in procs] == [0, 0]
+        codes = [proc.wait(timeout=90) for proc in procs]
+        logs = "\n".join(
+            f"--- rank {r} ---\n{(tmp_path / f'rank{r}.log').read_text()[-4000:]}" for r in range(2)
+        )
+        assert codes == [0, 0], logs

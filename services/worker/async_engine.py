@@ -92,10 +92,15 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def stop(self) -> None:
+        """End the engine thread. A rank of a group steps on until every rank asked to stop (a
+        peer may still be draining), so it waits as long as a collective may take."""
         self._stopping = True
         self._commands.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._thread is None:
+            return
+        self._thread.join(timeout=self.core.group.cfg.timeout_s + 10 if self.lockstep else 10)
+        if self._thread.is_alive():
+            logger.error("the engine thread did not stop; exiting with it still running")
 
     # ---- the loop side -----------------------------------------------------------------------
 
@@ -187,6 +192,8 @@ class AsyncEngine:
             self.error = e
         finally:
             self._fail_all(self.error or EngineDead("engine stopped"))
+            if self.lockstep:  # the thread that ran the collectives ends the group, before exit
+                self.core.group.close()
 
     def _drain_commands(self, wait_s: float) -> None:
         """Run every queued command, waiting up to wait_s for the first one when there is none."""
