@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import itertools
 import logging
 import shlex
@@ -812,10 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    with contextlib.suppress(io.UnsupportedOperation):  # stderr is no file (a test capturing it)
+        faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     try:
         return args.func(args)
     except ValueError as e:
