@@ -19,7 +19,10 @@ Engines (`--engines`):
 - `llamacpp`: llama.cpp's C++ `llama-server` (`$PEERS_DIR/llama-build/bin/llama-server`, built by
   `STEPS=llamaserver ../shared/peers/setup.sh`): continuous batching over one slot per stream of
   the largest concurrency, every thread, the GGUF bf16 converted from the same folder.
-pdserve gets the same KV space as vLLM (`--kv-cache-memory-gib`, per worker).
+pdserve and llama-server hold the same number of tokens of KV (`--kv-tokens`, by default
+max_model_len for each stream of the largest concurrency: llama-server's `--ctx-size`, and each
+pdserve worker's `--num-kv-blocks` x 16), so their peak RSS compares the same cache; vLLM keeps the
+space of its offline runs (`--kv-gib`).
 
 Load generators (`--client`):
 - `vllm-bench` (the default when the vLLM environment exists): `vllm bench serve --backend openai
@@ -139,6 +142,7 @@ def _peer_env(args) -> dict[str, str]:
 
 
 def pdserve_server(args, colocated: bool) -> Server:
+    from engine.config import EngineConfig
     from services.cli import model_name
 
     port = _free_port()
@@ -158,8 +162,8 @@ def pdserve_server(args, colocated: bool) -> Server:
             str(port),
             "--grpc-port",
             str(_free_port()),
-            "--kv-cache-memory-gib",
-            str(args.kv_gib),
+            "--num-kv-blocks",
+            str(-(-args.kv_tokens // EngineConfig.block_size)),
         ]
         + (["--colocated", "1"] if colocated else [])
         + shlex.split(args.pdserve_args)
@@ -222,7 +226,7 @@ def llamacpp_server(args) -> Server:
         "--parallel",
         str(slots),  # a slot per stream of the largest point
         "--ctx-size",
-        str(slots * args.max_model_len),  # max_model_len per slot
+        str(args.kv_tokens),  # max_model_len per slot by default
         "--cont-batching",
         "--threads",
         str(args.threads),
@@ -764,7 +768,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-model-len", type=int, default=1024, help="vLLM's, and each llama-server slot's context"
     )
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-gib", type=float, default=2.0, help="KV space: vLLM's, and each pdserve worker's")
+    ap.add_argument("--kv-gib", type=float, default=2.0, help="vLLM's KV space (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="tokens of KV in llama-server's context and in each pdserve worker's cache "
+        "(default max_model_len x the largest concurrency)",
+    )
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client", default=None, choices=["vllm-bench", "builtin"])
@@ -783,6 +794,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--engines: unknown {', '.join(unknown)} (of {', '.join(ENGINES)})")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.kv_tokens is None:
+        args.kv_tokens = args.max_model_len * max(args.concurrency)
     if args.client is None:
         have_vllm = Path(_vllm_python(args)).exists()
         args.client = "vllm-bench" if have_vllm else "builtin"

@@ -9,12 +9,14 @@ from tests.bench_testing import run_benchmark
 def test_the_served_benchmark_runs_pdserve_alone_and_reports_every_point(tiny_model, tmp_path):
     args = ["--model", tiny_model, "--engines", "pdserve-colocated", "--client", "builtin"]
     args += ["--concurrency", "1,2", "--num-prompts", "3", "--input-len", "12", "--output-len", "5"]
-    args += ["--dtype", "float32", "--kv-gib", "0.05", "--threads", "1", "--out", str(tmp_path)]
+    args += ["--dtype", "float32", "--kv-tokens", "4096", "--threads", "1", "--out", str(tmp_path)]
     proc = run_benchmark("served_peers.py", *args, timeout=240)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
 
     res = json.loads((tmp_path / "pdserve-colocated.json").read_text())
-    assert res["command"][-2:] == ["--colocated", "1"] and "--kv-cache-memory-gib" in res["command"]
+    assert res["command"][-2:] == ["--colocated", "1"]
+    blocks = res["command"][res["command"].index("--num-kv-blocks") + 1]
+    assert blocks == "256"  # --kv-tokens 4096 in blocks of 16
     assert res["exit_code"] == 0  # stopped by SIGTERM, cleanly
     assert [p["concurrency"] for p in res["points"]] == [1, 2]
     for p in res["points"]:
