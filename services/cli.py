@@ -386,6 +386,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     routing = RoutingConfig(
         colocate_max_tokens=args.colocate_max_tokens,
         colocate_cached_fraction=args.colocate_cached_fraction,
+        colocate_prefill_backlog=args.colocate_prefill_backlog,
     )
     settings = RouterSettings(
         model_name=args.served_model_name or model_name(args.model),
@@ -469,7 +470,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             registry=args.registry,
             threads_per_worker=args.threads_per_worker,
             api_key=args.api_key,
-            router_args=["--stream-interval", str(args.stream_interval)],
+            router_args=_router_flags(args),
         )
     )
     stop = threading.Event()
@@ -536,8 +537,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return serving_main(args.bench_args)
 
 
-def _add_stream_interval(p: argparse.ArgumentParser) -> None:
-    """The router's (`pdserve router`, and the router `pdserve serve` starts)."""
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    """The router's that `pdserve serve` passes on to the router it starts."""
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -545,6 +546,18 @@ def _add_stream_interval(p: argparse.ArgumentParser) -> None:
         help="tokens a stream's message gathers before it goes out (first and last at once); "
         "larger: less CPU per token in the router and the clients, later tokens",
     )
+    p.add_argument(
+        "--colocate-prefill-backlog",
+        type=int,
+        default=0,
+        help="prompt tokens in flight on every prefill worker past which a prompt runs colocated "
+        "on its decode worker, if fewer wait there (0: never)",
+    )
+
+
+def _router_flags(args: argparse.Namespace) -> list[str]:
+    backlog = ["--colocate-prefill-backlog", str(args.colocate_prefill_backlog)]
+    return ["--stream-interval", str(args.stream_interval), *backlog]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -734,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond those (then 429)")
     p.add_argument("--queue-timeout-s", type=float, default=60.0)
     p.add_argument("--max-attempts", type=int, default=3, help="tries on UNAVAILABLE before the first token")
-    _add_stream_interval(p)
+    _add_router_flags(p)
     p.add_argument(
         "--kv-redis-url", default=None, help="the workers' shared KV tier, for prefix-aware routing"
     )
@@ -778,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on the public API (or set PDSERVE_API_KEY); none: open",
     )
     _add_flags(p, SERVE_ENGINE_FLAGS)  # each worker's engine
-    _add_stream_interval(p)
+    _add_router_flags(p)
     _add_spec_flags(p)
     p.set_defaults(func=cmd_serve)
 

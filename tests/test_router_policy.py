@@ -71,6 +71,23 @@ def test_short_or_mostly_cached_prompts_run_colocated_on_the_decode_rank():
     assert _route(pool, mode=ServingMode.DISAGGREGATED).prefill.endpoint == "p0"
 
 
+def test_prompts_run_colocated_once_every_prefill_rank_is_backed_up():
+    cfg = RoutingConfig(colocate_max_tokens=0, colocate_prefill_backlog=1024)
+    pool = _pool(("p0", "prefill", 4), ("p1", "prefill", 1), ("d0", "decode", 0))
+    p0, p1, d0 = (pool.workers[e] for e in ("p0", "p1", "d0"))
+    p0.prompt_tokens_in_flight, p1.prompt_tokens_in_flight = 4096, 1023
+    assert _route(pool, cfg=cfg).prefill is p1  # one prefill rank has room
+    p1.prompt_tokens_in_flight = 1024
+    assert _route(pool, cfg=cfg).prefill is None  # every one is backed up: the decode rank prefills
+    d0.prompt_tokens_in_flight = 1024
+    assert _route(pool, cfg=cfg).prefill is p1  # as many wait there: no better
+    d0.prompt_tokens_in_flight = 0
+    assert _route(pool, cfg=NEVER_COLOCATE).prefill is p1  # off (0) by default
+    assert _route(pool, mode=ServingMode.DISAGGREGATED, cfg=cfg).prefill is p1  # asked for: kept
+    with pytest.raises(ValueError, match="colocate_prefill_backlog"):
+        RoutingConfig(colocate_prefill_backlog=-1)
+
+
 def test_modes_and_missing_roles():
     pool = _pool(("d0", "decode", 0))
     assert _route(pool).prefill is None  # AUTO without a prefill rank: colocated

@@ -766,3 +766,34 @@ def test_reflection_lists_the_services(stack, prefill_ep):
 
     assert {"pdserve.v1.Inference", "grpc.health.v1.Health"} <= services(stack.grpc_endpoint)
     assert {"pdserve.v1.Worker", "pdserve.v1.KvTransfer", "grpc.health.v1.Health"} <= services(prefill_ep)
+
+
+def test_a_burst_beyond_the_prefill_backlog_runs_partly_colocated(tiny_model, tmp_path, offline):
+    """--colocate-prefill-backlog 1: while a prompt waits on the prefill worker, the next runs
+    colocated on the decode worker (which has fewer waiting), so a burst is prefilled on both;
+    every output is still the offline engine's, and once the burst is over the router's counts
+    are back to zero: a lone prompt goes through the prefill worker again."""
+    st = start_stack(
+        tiny_model, tmp_path, router_args=["--colocate-max-tokens", "0", "--colocate-prefill-backlog", "1"]
+    )
+    try:
+        stub = inference(st)
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=6)
+        for burst in range(2):  # the second: nothing was left counted by the first
+            # 12 fresh prompts and a lone one (no prefix cached anywhere: none runs colocated for that)
+            prompts = [[(7 * i + 1000 * burst + j) % 4000 + 10 for j in range(160)] for i in range(13)]
+            refs = offline.generate(
+                prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=6)
+            )
+            results = _parallel(
+                lambda p: generate(stub, token_ids=pb.TokenIds(ids=p), sampling=sampling), prompts[:12]
+            )
+            tokens, msgs = generate(stub, token_ids=pb.TokenIds(ids=prompts[12]), sampling=sampling)
+            results.append((tokens, msgs))
+            assert [tokens for tokens, _ in results] == [r.token_ids for r in refs]
+            routes = [msgs[-1].disaggregated for _, msgs in results]
+            assert any(routes[:12]) and not all(routes[:12]), routes
+            assert routes[12]  # alone: through the prefill worker
+    finally:
+        codes = st.stop()
+    assert codes == {name: 0 for name in codes}, f"unclean exits: {codes}"

@@ -343,10 +343,18 @@ class RouterCore(Frontend):
                     yield delta
         else:
             decode_req = self._decode_request(rid, inp)
-            async for delta in self._decode(
-                route.decode, decode_req, deadline, usage, timings, prefilled=False, client=inp.client
-            ):
-                yield delta
+            w, waiting = route.decode, len(prompt)  # until the first token: the prompt's prefill
+            w.prompt_tokens_in_flight += waiting
+            try:
+                async for delta in self._decode(
+                    w, decode_req, deadline, usage, timings, prefilled=False, client=inp.client
+                ):
+                    if waiting and delta.token_ids:
+                        w.prompt_tokens_in_flight -= waiting
+                        waiting = 0
+                    yield delta
+            finally:
+                w.prompt_tokens_in_flight -= waiting
         route.decode.prefix.add(hashes)
 
     def _decode_request(self, rid: str, inp: GenerateInput) -> wpb.DecodeRequest:
@@ -369,6 +377,7 @@ class RouterCore(Frontend):
         p = route.prefill
         t0 = time.monotonic()
         p.in_flight += 1
+        p.prompt_tokens_in_flight += len(prompt)
         try:
             resp = await p.worker.Prefill(
                 wpb.PrefillRequest(
@@ -384,6 +393,7 @@ class RouterCore(Frontend):
             raise self._check_rpc_error(p, e) from None
         finally:
             p.in_flight -= 1
+            p.prompt_tokens_in_flight -= len(prompt)
         timings.prefill = time.monotonic() - t0
         p.prefix.add(hashes)
         first = await self._delta(inp.client, resp.output)

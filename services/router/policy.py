@@ -4,7 +4,10 @@ Prefill goes where the prompt's prefix is most likely cached when that saves at 
 `affinity_min_fraction` of the prompt, else to the least loaded prefill rank. Decode goes to the
 least loaded decode rank (prefix reuse breaks ties: cached blocks need not be transferred).
 A prompt runs colocated on its decode rank when it is short (at most `colocate_max_tokens`) or
-mostly cached there (`colocate_cached_fraction`), or when no prefill rank is healthy.
+mostly cached there (`colocate_cached_fraction`), or when no prefill rank is healthy; and, with
+`colocate_prefill_backlog`, when every prefill rank has that many prompt tokens waiting for their
+first token and the decode rank fewer (conditional disaggregation, as NVIDIA Dynamo's: a burst
+of prompts is prefilled on both sides instead of queueing behind the prefill ranks).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ class RoutingConfig:
     """AUTO mode: prompts at least this much cached on the decode rank run colocated there."""
     affinity_min_fraction: float = 0.25
     """Prefer a prefill rank holding at least this fraction of the prompt over a less loaded one."""
+    colocate_prefill_backlog: int = 0
+    """AUTO mode: when every prefill rank has at least this many prompt tokens in flight, a prompt
+    runs colocated on its decode rank if fewer wait there (0: never)."""
+
+    def __post_init__(self) -> None:
+        if self.colocate_prefill_backlog < 0:
+            raise ValueError(
+                f"colocate_prefill_backlog must be >= 0 tokens, got {self.colocate_prefill_backlog}"
+            )
 
 
 @dataclass
@@ -64,6 +76,9 @@ def choose(
     if mode is ServingMode.AUTO:
         cached = max(decode.prefix.match(hashes), shared_blocks) * block_size
         if num_tokens <= cfg.colocate_max_tokens or cached >= cfg.colocate_cached_fraction * num_tokens:
+            return Route(decode, None)
+        backlog = min(w.prompt_tokens_in_flight for w in prefillers)
+        if 0 < cfg.colocate_prefill_backlog <= backlog and decode.prompt_tokens_in_flight < backlog:
             return Route(decode, None)
     best = max(prefillers, key=lambda w: (w.prefix.match(hashes), -w.score))
     # Affinity only pays for what the shared tier does not already give every rank.

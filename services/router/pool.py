@@ -105,6 +105,9 @@ class WorkerHandle:
     healthy: bool = False
     in_flight: int = 0
     """Requests the router has on this worker now (fresher than the polled load)."""
+    prompt_tokens_in_flight: int = 0
+    """Prompt tokens the router sent here to prefill whose first token has not come back: a
+    prefill rank's queue, and a decode rank's colocated prompts."""
     prefix: PrefixIndex = field(default_factory=PrefixIndex)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     last_seen: float = 0.0
