@@ -154,6 +154,25 @@ def test_router_with_a_stream_interval_below_one_exits_2_naming_it(tiny_model):
     assert "Traceback" not in res.stderr
 
 
+def test_router_with_a_negative_prefill_backlog_exits_2_naming_it(tiny_model):
+    res = pdserve(
+        "router", "--model", tiny_model, "--workers", "127.0.0.1:1", "--colocate-prefill-backlog", "-1"
+    )
+    assert res.returncode == 2
+    assert _error_line(res.stderr) == "error: colocate_prefill_backlog must be >= 0 tokens, got -1"
+    assert "Traceback" not in res.stderr
+
+
+def test_serve_passes_its_router_flags_on():
+    from services.cli import _router_flags, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--stream-interval", "4", "--colocate-prefill-backlog", "4096"]
+    )
+    flags = build_parser().parse_args(["router", "--model", "m", *_router_flags(args)])
+    assert (flags.stream_interval, flags.colocate_prefill_backlog) == (4, 4096)
+
+
 def test_batch_invariant_flag_reaches_the_engine_config(tiny_model):
     """--batch-invariant: the worker's engine config has it; `pdserve serve` passes it to its workers."""
     from services.cli import _engine_config, _serve_engine_args, build_parser
