@@ -36,11 +36,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import numpy as np
 import tokenizers
 
 from engine.structured.params import ConstraintKind, StructuredOutputsParams
@@ -121,6 +120,15 @@ def vocabulary(
     )
 
 
+def _set_bits(mask: bytes) -> Iterator[int]:
+    """The token ids a bitmask allows (bit i of byte j: token 8j + i), in order."""
+    for j, byte in enumerate(mask):
+        while byte:
+            low = byte & -byte
+            yield 8 * j + low.bit_length() - 1
+            byte ^= low
+
+
 def build_matcher(tokenizer: llguidance.LLTokenizer, key: GrammarKey, where: str) -> llguidance.LLMatcher:
     """The constraint's matcher under LIMITS, or a ValueError naming `where` (the field holding the
     constraint's value): the grammar refused, past the limits when built (its lexer's cost), failing
@@ -140,9 +148,8 @@ def build_matcher(tokenizer: llguidance.LLTokenizer, key: GrammarKey, where: str
     mask = matcher.compute_bitmask()  # the first token's; the template matcher stays at the start
     if matcher.is_error():
         raise _field_error(where, kind, f"fails at its first token: {matcher.get_error()}")
-    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little"))
     eos = set(tokenizer.eos_tokens)
-    first = next((int(t) for t in allowed if int(t) not in eos), None)
+    first = next((t for t in _set_bits(mask) if t not in eos), None)
     if first is None:
         raise _field_error(where, kind, "it accepts only the empty string")
     # One step on a throw-away copy: the per-step limits bite as the first token is taken
