@@ -948,14 +948,18 @@ def test_mtp_input_refuses_ids_out_of_range_and_leaves_many_rows_to_the_caller(l
     assert (got is None) == (many > native.max_rows())
 
 
-def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0, quant: str | None = None):
+def _small_model(
+    v2: bool, seed: int, rope: int = 16, mtp: int = 0, quant: str | None = None, index_topk: int | None = None
+):
     """A three-layer model with random bf16 weights: a dense first layer, then two MoE layers; V3's
     routing (sigmoid, bias, groups) and q_lora, or V2's (softmax, greedy) without. rope 32 makes
     the cache rows 96 wide, which the AMX tile attention takes. quant "fp8": every projection kept
     FP8 with 32 x 32 block scales (partial blocks: 80 and 48 are not multiples of 32); "mxfp4": the
-    routed experts MXFP4 besides."""
+    routed experts MXFP4 besides. index_topk: DeepSeek-V3.2, with a lightning indexer of 5 heads of
+    40 (its leading `rope` roped) choosing that many keys (its wq_b and wk FP8 with quant)."""
     from engine.config import ModelConfig
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 
     raw = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 80,
@@ -971,12 +975,18 @@ def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0, quant: str |
             architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
             topk_method="greedy", scoring_func="softmax", n_shared_experts=2, routed_scaling_factor=1.0,
         )  # fmt: skip
+    if index_topk is not None:
+        raw.update(
+            architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_n_heads=5,
+            index_head_dim=40, index_topk=index_topk,
+        )  # fmt: skip
     if quant is not None:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}
         if quant == "mxfp4":
             raw["expert_dtype"] = "fp4"
     cfg = ModelConfig.from_dict(raw)
-    model = DeepseekV2ForCausalLM(cfg, dtype=torch.bfloat16, max_positions=256, num_mtp_layers=mtp)
+    cls = DeepseekV2ForCausalLM if index_topk is None else DeepseekV32ForCausalLM
+    model = cls(cfg, dtype=torch.bfloat16, max_positions=256, num_mtp_layers=mtp)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -996,11 +1006,12 @@ def _small_model(v2: bool, seed: int, rope: int = 16, mtp: int = 0, quant: str |
     return cfg, model
 
 
-def _decode_batch(seqs: int, s_q: int, block_size: int, blocks: int, vocab: int, gen):
-    """One decode group of `seqs` sequences of s_q new tokens each, at scattered cache blocks."""
+def _decode_batch(seqs: int, s_q: int, block_size: int, blocks: int, vocab: int, gen, first_len: int = 9):
+    """One decode group of `seqs` sequences of s_q new tokens each, at scattered cache blocks, the
+    first `first_len` tokens long, each next 6 longer."""
     from engine.forward_batch import DecodeGroup, ForwardBatch
 
-    lens = [9 + 6 * i for i in range(seqs)]
+    lens = [first_len + 6 * i for i in range(seqs)]
     per_seq = -(-max(lens) // block_size)
     tables = torch.randperm(blocks, generator=gen)[: seqs * per_seq].view(seqs, per_seq)
     positions = [lens[b] - s_q + i for b in range(seqs) for i in range(s_q)]
@@ -1046,7 +1057,7 @@ def test_the_whole_stack_in_one_call_is_the_bits_of_the_layers_calls(loaded, pro
     calls = []
     real = native.decode_stack
     try:
-        native.decode_stack = lambda *a: calls.append(a[1].shape[0]) or real(*a)
+        native.decode_stack = lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k)
         one_call = [c.clone() for c in caches]
         got = model(batch, mla_caches(one_call))
     finally:
@@ -1089,6 +1100,73 @@ def test_the_mtp_layer_in_one_call_is_the_bits_of_its_calls(loaded, products, se
     want = model.mtp_forward(batch.input_ids, hidden, batch, layer_calls)
     model.mtp_stack = stack
     assert torch.equal(got, want) and torch.equal(one_call, layer_calls) and not torch.equal(one_call, cache)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "seqs, s_q, first_len",
+    [(1, 1, 20), (1, 1, 9), (4, 1, 8), (1, 3, 13), (2, 2, 10)],
+    ids=["sparse", "dense", "mixed", "verify-across-topk", "two-verifying"],
+)
+@torch.inference_mode()
+def test_v32_sparse_decode_in_one_call_is_the_bits_of_the_layers_calls(
+    loaded, products, quant, seqs, s_q, first_len
+):
+    """DeepSeek-V3.2's decode with the indexer inside the native calls (each layer's keys stored,
+    its queries scored, the top index_topk=12 chosen, sparse MLA over them; a token whose context
+    fits in 12 dense), as the whole stack in one call and as a call per layer's attention, against
+    the model's Python path (indexer, native indexer_topk and sparse_mla_decode called one by one):
+    the same hidden states and the same latent and indexer-key rows written, bit for bit, for
+    contexts beyond topk, within it, both in one step and across a verification's tokens."""
+    from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+    cfg, model = _small_model(False, seqs * 10 + s_q, quant=quant, index_topk=12)
+    if not loaded:
+        assert model.native_stack is None
+        return
+    assert model.native_stack is not None and all(model.native_stack.indexed)
+    spec = DeepseekV32ForCausalLM.kv_cache_spec(
+        cfg, num_mtp_layers=0, block_size=4, dtype=torch.bfloat16, fingerprint="test"
+    )
+    gen = torch.Generator().manual_seed(seqs + s_q)
+    caches = spec.allocate(seqs * 8 + 3, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    batch = _decode_batch(seqs, s_q, 4, caches[0].shape[0], cfg.vocab_size, gen, first_len)
+    sparse = any(int(n) > 12 for n in batch.decodes[0].per_token[1])
+
+    def run(route: str) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
+        calls, real = [], (native.decode_stack, native.mla_attention, native.indexer_topk)
+        stack, weights = model.native_stack, [layer.self_attn.native_weights for layer in model.layers]
+        if route != "stack":
+            model.native_stack = None
+        if route == "python":
+            for layer in model.layers:
+                layer.self_attn.native_weights = None
+        mine = spec.allocate(caches[0].shape[0], "cpu")
+        for a, b in zip(mine, caches, strict=True):
+            a.copy_(b)
+        try:
+            native.decode_stack = lambda *a, **k: calls.append("stack") or real[0](*a, **k)
+            native.mla_attention = lambda *a, **k: calls.append("layer") or real[1](*a, **k)
+            native.indexer_topk = lambda *a, **k: calls.append("topk") or real[2](*a, **k)
+            hidden = model(batch, mine)
+        finally:
+            native.decode_stack, native.mla_attention, native.indexer_topk = real
+            model.native_stack = stack
+            for layer, w in zip(model.layers, weights, strict=True):
+                layer.self_attn.native_weights = w
+        return hidden, list(mine), calls
+
+    got, got_caches, calls = run("stack")
+    assert calls == ["stack"]
+    per_layer, per_layer_caches, calls = run("layer")
+    assert calls == ["layer"] * 3
+    want, want_caches, calls = run("python")
+    assert calls == ["topk"] * (3 if sparse else 0)
+    assert torch.equal(got, want) and torch.equal(per_layer, want)
+    for a, b, c, before in zip(got_caches, per_layer_caches, want_caches, caches, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c) and not torch.equal(c, before)
 
 
 @torch.inference_mode()

@@ -124,3 +124,63 @@ def test_bad_operands_are_refused_by_name(loaded):
         native.indexer_topk(qi, w, keys, table, torch.tensor([20, 20], dtype=torch.int32), 8, 0.1)
     with pytest.raises(ValueError, match="weights \\[T, nI\\] float32"):
         native.indexer_topk(qi, w.bfloat16(), keys, table, torch.tensor([2, 2], dtype=torch.int32), 8, 0.1)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 128), (3, 40), (17, 7)], ids=str)
+def test_layer_norm_is_within_one_rounding_of_float64(loaded, rows, dim):
+    """The indexer keys' LayerNorm (with a bias) in float32: within one bf16 rounding of the float64
+    result, and of torch's float32 layer_norm; the engine's LayerNorm takes it for bf16 rows."""
+    from engine.models.layers import LayerNorm
+
+    if not loaded:
+        return
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3 + 1).bfloat16()
+    weight, bias = (torch.randn(dim, generator=gen).bfloat16() for _ in range(2))
+    got = native.layer_norm(x, weight, bias, 1e-6)
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True)
+    exact = (xd - mean) / torch.sqrt(
+        ((xd - mean) ** 2).mean(-1, keepdim=True) + 1e-6
+    ) * weight.double() + bias.double()
+    ulp = exact.abs().bfloat16().double() * 2**-7 + 1e-30  # one bf16 rounding, relative
+    assert ((got.double() - exact).abs() <= ulp).all()
+    torch_ = torch.nn.functional.layer_norm(x.float(), (dim,), weight.float(), bias.float(), 1e-6).bfloat16()
+    assert ((got.double() - torch_.double()).abs() <= ulp).all()
+    norm = LayerNorm(dim, 1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight), norm.bias.copy_(bias)
+    assert torch.equal(norm(x), got)
+    with pytest.raises(ValueError, match=r"weight and bias \[D\]"):
+        native.layer_norm(x, weight[:-1], bias, 1e-6)
+    with pytest.raises(ValueError, match="CPU bfloat16"):
+        native.layer_norm(x.float(), weight, bias, 1e-6)
+
+
+def test_one_call_with_an_indexer_needs_its_key_cache(loaded):
+    """mla_attention and decode_stack refuse a V3.2 layer without its indexer-key cache (or with one
+    of another geometry), by name, before anything runs. The MTP layer drafts layer by layer: no
+    one-call MTP stack or speculative step (they take no indexer keys)."""
+    from tests.test_native_kernels import _decode_batch, _small_model
+
+    cfg, model = _small_model(False, 1, mtp=1, index_topk=12)
+    if not loaded:
+        return
+    assert model.mtp_stack is None and model.mtp_drafter is None
+    layer = model.layers[0]
+    spec = type(model).kv_cache_spec(
+        cfg, num_mtp_layers=0, block_size=4, dtype=torch.bfloat16, fingerprint="t"
+    )
+    caches = spec.allocate(8, "cpu")
+    batch = _decode_batch(1, 1, 4, 8, cfg.vocab_size, torch.Generator().manual_seed(0))
+    tables, lens = batch.decodes[0].per_token
+    x = torch.randn(1, cfg.hidden_size).bfloat16()
+    cos, sin = model.rope_cos[batch.positions], model.rope_sin[batch.positions]
+    latents, keys = model.layer_caches(caches)[0]
+    args = (x, layer.self_attn.native_weights, cos, sin, latents, batch.slot_mapping, tables, lens)
+    for bad in (None, keys[:4], keys.float()):
+        with pytest.raises(ValueError, match="needs its key cache"):
+            native.mla_attention(*args, key_cache=bad)
+    stack_args = (model.native_stack, batch.input_ids, cos, sin, [c for c, _ in model.layer_caches(caches)])
+    with pytest.raises(ValueError, match="needs a key cache per layer"):
+        native.decode_stack(*stack_args, batch.slot_mapping, tables, lens)

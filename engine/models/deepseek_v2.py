@@ -250,6 +250,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer's cache (model layer num_hidden_layers, as the checkpoint numbers it)."""
         return kv_caches.layer(CacheKind.MTP_LATENT, len(self.layers))
 
+    def stack_key_caches(self, kv_caches: KVCaches) -> list[torch.Tensor] | None:
+        """The layers' indexer-key caches as decode_stack takes them (DeepSeek-V3.2's), or None."""
+        return None
+
     def layer_caches(self, kv_caches: KVCaches) -> list:
         """What each decoder layer's attention takes as its cache: its latent cache."""
         return kv_caches.group(CacheKind.LATENT)
@@ -260,7 +264,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         if self.runs_in_one_call(batch, kv_caches):
             tables, lens = batch.decodes[0].per_token
             ids, slots, layer_caches = batch.input_ids, batch.slot_mapping, kv_caches.group(CacheKind.LATENT)
-            return native.decode_stack(self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens)
+            return native.decode_stack(
+                self.native_stack, ids, cos, sin, layer_caches, slots, tables, lens,
+                key_caches=self.stack_key_caches(kv_caches),
+            )  # fmt: skip
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer, kv_cache in zip(self.layers, self.layer_caches(kv_caches), strict=True):
             x, residual = layer(x, residual, cos, sin, batch, kv_cache)

@@ -17,6 +17,7 @@ slots their indexer chose (as DeepSeek's sparse kernels run prefill and decode a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -100,11 +101,33 @@ class SparseMLAttention(MLAttention):
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
     ) -> None:
+        """MLA's, and the indexer's weights for the one-call native decode beside MLA's (where the
+        kernels take them as they are)."""
         super().process_weights(place)
-        self.native_weights = None  # the one-call native decode stores no indexer keys
+        ix = self.indexer
+        if self.native_weights is None or not (
+            all(native.takes_weight(m.w) for m in (ix.wq_b, ix.wk, ix.weights_proj))
+            and native.takes(ix.k_norm.weight, ix.k_norm.bias)
+        ):
+            self.native_weights = None
+            return
+        indexer = native.IndexerWeights(
+            wq=ix.wq_b.w,
+            wk=ix.wk.w,
+            k_norm=ix.k_norm.weight,
+            k_bias=ix.k_norm.bias,
+            k_eps=ix.k_norm.eps,
+            weights_proj=ix.weights_proj.w,
+            heads=ix.n_heads,
+            dim=ix.head_dim,
+            rope=ix.rope_dim,
+            topk=ix.topk,
+            scale=ix.scale,
+        )
+        self.native_weights = dataclasses.replace(self.native_weights, indexer=indexer)
 
-    def takes_in_one_call(self, batch: ForwardBatch, n: int, kv_cache) -> bool:
-        return False
+    def split_cache(self, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache  # (latent cache, indexer-key cache)
 
     def store_cache(self, x, cos, sin, slots: torch.Tensor, kv_cache) -> None:
         latent_cache, key_cache = kv_cache
@@ -232,6 +255,17 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
             rope_offset=0,
         )
         return KVCacheSpec((*base.groups, keys), fingerprint)
+
+    def process_weights(
+        self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
+    ) -> None:
+        """As V3's, but the MTP layer drafts layer by layer (its attention still one native call):
+        the MTP stack and the greedy speculative step in one call take no indexer keys yet."""
+        super().process_weights(place)
+        self.mtp_stack = self.mtp_drafter = None
+
+    def stack_key_caches(self, kv_caches: KVCaches) -> list[torch.Tensor]:
+        return kv_caches.group(CacheKind.INDEXER_KEYS)[: len(self.layers)]
 
     def layer_caches(self, kv_caches: KVCaches) -> list:
         """Each layer's (latent cache, indexer-key cache)."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quant import QuantSpec
+from kernels import native
 from kernels.linear import linear
 from kernels.moe import swiglu
 from kernels.norm import rms_norm
@@ -80,7 +81,8 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a bias (DeepSeek-V3.2's indexer keys), computed in float32."""
+    """LayerNorm with a bias (DeepSeek-V3.2's indexer keys), computed in float32: bf16 rows through
+    the native kernel where it is loaded (the one-call decode's, so both paths share its bits)."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype):
         super().__init__()
@@ -89,6 +91,8 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and native.loaded() and native.takes(x, self.weight, self.bias):
+            return native.layer_norm(x, self.weight, self.bias, self.eps)
         y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
 

@@ -186,8 +186,13 @@ class MLAttention(nn.Module):
             and len(batch.decodes) == 1
             and n <= NATIVE_MAX_BATCH
             and self.native_weights.takes_rows(n)
-            and native.takes(kv_cache)
+            and native.takes(*self.split_cache(kv_cache))
         )
+
+    def split_cache(self, kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the layer's cache holds as the one-call decode takes it: (its latent cache, its
+        indexer-key cache or None)."""
+        return kv_cache, None
 
     def one_call(
         self,
@@ -205,17 +210,19 @@ class MLAttention(nn.Module):
         layer_norms = (
             None if norms is None else (norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps)
         )
+        latent_cache, key_cache = self.split_cache(kv_cache)
         return native.mla_attention(
             x,
             self.native_weights,
             cos,
             sin,
-            kv_cache,
+            latent_cache,
             batch.slot_mapping,
             tables,
             lens,
             layer_norms,
             residual,
+            key_cache,
         )
 
     def store_cache(self, x, cos, sin, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:

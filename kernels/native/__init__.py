@@ -646,6 +646,28 @@ def rms_norm(
     return y if summed is None else (y, summed)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, D] bf16 (unit stride along D), weight and bias [D] bf16 -> LayerNorm(x) [M, D] bf16,
+    in float32 (layer.h layer_norm: within one bf16 rounding of torch's float32 layer_norm).
+    Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or bias.shape != weight.shape:
+        raise ValueError(
+            f"x must be [M, D] with weight and bias [D], got {tuple(x.shape)}, {tuple(weight.shape)} "
+            f"and {tuple(bias.shape)}"
+        )
+    if not takes(x, weight, bias):
+        raise ValueError("x, weight and bias must be CPU bfloat16 with unit stride along D")
+    rows, dim = x.shape
+    weight, bias = weight.contiguous(), bias.contiguous()
+    y = torch.empty(rows, dim, dtype=_BF16)
+    if rows and dim:
+        _library.layer_norm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), dim, rows, dim, eps
+        )  # fmt: skip
+    return y
+
+
 def v4_attention(
     q: torch.Tensor,
     window: torch.Tensor,
@@ -854,6 +876,7 @@ def mtp_input(
 # The calls that take a whole block of a layer (its attention, its routing, its experts).
 from kernels.native.blocks import (  # noqa: E402, F401
     DecodeStack,
+    IndexerWeights,
     MLAWeights,
     MoEWeights,
     MTPDrafter,

@@ -10,12 +10,81 @@ BLAS). Re-exported by kernels/native, whose `load` loads them; each requires `na
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels import native
 from kernels.quant import QuantWeight
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    """DeepSeek-V3.2's lightning indexer of one layer as mla_attention takes it (layer.h
+    IndexerPlan): wq [nI*dI, q_lora] and wk [dI, hidden] (bf16 or kept quantized), the key
+    LayerNorm's weight and bias [dI] and eps, weights_proj [nI, hidden], the leading `rope`
+    elements of keys and query heads roped in halves, the best `topk` keys chosen at `scale`; the
+    head weights scaled by nI^-1/2. Built by engine/models/deepseek_v32.py; `plan` is the row of
+    pointers and sizes the native call reads (filled once, by the native field names)."""
+
+    wq: torch.Tensor | QuantWeight
+    wk: torch.Tensor | QuantWeight
+    k_norm: torch.Tensor
+    k_bias: torch.Tensor
+    k_eps: float
+    weights_proj: torch.Tensor | QuantWeight
+    heads: int
+    dim: int
+    rope: int
+    topk: int
+    scale: float
+    plan: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        heads, dim = self.heads, self.dim
+        if (
+            self.wq.shape[0] != heads * dim
+            or self.wk.shape[0] != dim
+            or self.weights_proj.shape != (heads, self.wk.shape[1])
+            or self.k_norm.shape != (dim,)
+            or self.k_bias.shape != (dim,)
+            or not 0 < self.rope <= dim
+            or self.rope % 2
+            or self.topk < 1
+        ):
+            raise ValueError(
+                f"an indexer needs wq [nI*dI={heads * dim}, q_lora], wk [dI={dim}, hidden], weights_proj "
+                f"[nI, hidden], its key norm [dI], an even rope width in (0, dI] and topk >= 1"
+            )
+        if not (
+            all(native.takes_weight(w) for w in (self.wq, self.wk, self.weights_proj))
+            and native.takes(self.k_norm, self.k_bias)
+            and self.k_norm.is_contiguous()
+            and self.k_bias.is_contiguous()
+        ):
+            raise ValueError(
+                "an indexer's weights must be CPU bfloat16 (or kept quantized), its key norm contiguous"
+            )
+        values = dict(
+            **_plan_weight("wq", self.wq), **_plan_weight("wk", self.wk), **_plan_weight("wp", self.weights_proj),
+            k_norm=self.k_norm.data_ptr(), k_bias=self.k_bias.data_ptr(), heads=heads, dim=dim, rope=self.rope,
+            topk=self.topk, k_eps=self.k_eps, scale=self.scale, w_scale=heads**-0.5,
+        )  # fmt: skip
+        object.__setattr__(self, "plan", _plan_row(native._library.indexer_plan_fields(), values))
+
+
+def _plan_row(fields: list[tuple[str, bool]], values: dict[str, int | float]) -> torch.Tensor:
+    """A native plan struct's row (every field 8 bytes, int64 or double, in `fields`' order) filled
+    from values by name; every field must be given, and nothing else."""
+    row = torch.zeros(len(fields), dtype=torch.int64)
+    reals = row.view(torch.float64)
+    for i, (name, real) in enumerate(fields):
+        if real:
+            reals[i] = values.pop(name)
+        else:
+            row[i] = values.pop(name)
+    assert not values, f"fields the native plan lacks: {sorted(values)}"
+    return row
 
 
 @dataclass(frozen=True)
@@ -43,6 +112,11 @@ class MLAWeights:
     kv_eps: float
     scale: float
     interleaved: bool
+    indexer: IndexerWeights | None = None  # DeepSeek-V3.2's sparse MLA (it needs q_a)
+
+    def __post_init__(self):
+        if self.indexer is not None and (self.q_a is None or self.indexer.wq.shape[1] != self.q_a.shape[0]):
+            raise ValueError("an indexer's queries come from the query latent: it needs q_a [q_lora, hidden]")
 
     @property
     def q_lora_rank(self) -> int:
@@ -215,6 +289,7 @@ def mla_attention(
     seq_lens: torch.Tensor,
     norms: tuple[torch.Tensor, float, torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    key_cache: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One MLA layer's attention for the M decode tokens x [M, hidden] (bf16), each its own
     sequence of block_table [M, max_blocks] / seq_lens [M] (int32), whose cache rows it writes at
@@ -223,7 +298,11 @@ def mla_attention(
     -> [M, hidden] bf16. norms (the decoder layer's input and post-attention RMSNorms: weight [hidden],
     eps, weight, eps): x is then the layer's input before its norm, added to `residual` (None in the
     first layer) as DecoderLayer does, and -> (the post-attention norm's output, the new residual
-    stream), the bits of the two norms' own calls. Requires `loaded()`."""
+    stream), the bits of the two norms' own calls. With an indexer in the weights (DeepSeek-V3.2),
+    key_cache [blocks, block_size, dI] bf16 contiguous is the layer's indexer-key cache: each
+    token's key is stored there, and a token whose context is longer than the indexer's topk
+    attends over the slots it chose (engine/models/deepseek_v32.py's path, its bits). Requires
+    `loaded()`."""
     assert native._library is not None, "kernels.native.load() first"
     w = weights
     rows, hidden = x.shape
@@ -251,6 +330,7 @@ def mla_attention(
         raise ValueError(
             f"the norms' weights must be [hidden={hidden}] and the residual like x, CPU bfloat16"
         )
+    _check_key_caches(w.indexer, [key_cache], kv_cache.shape)
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(rows, hidden, dtype=torch.bfloat16)
@@ -270,12 +350,29 @@ def mla_attention(
         out.data_ptr(), heads, w.nope_dim, w.rope_dim, latent, w.v_dim, w.scale,
         0 if pre is None else pre.data_ptr(), pre_eps, 0 if residual is None else residual.data_ptr(),
         0 if post is None else post.data_ptr(), post_eps, 0 if stream is None else stream.data_ptr(),
+        0 if w.indexer is None else w.indexer.plan.data_ptr(), 0 if w.indexer is None else key_cache.data_ptr(),
     )  # fmt: skip
     if bad:
         raise ValueError(
             f"{bad} block ids or slots lie outside the cache's {num_blocks} blocks of {block_size}"
         )
     return out if stream is None else (out, stream)
+
+
+def _check_key_caches(indexer: IndexerWeights | None, key_caches: list, latent_shape: torch.Size) -> None:
+    """A layer with an indexer needs its key cache: contiguous CPU bf16 [blocks, block_size, dI],
+    the latent cache's blocks (the same block table addresses both); a layer without one, none."""
+    if indexer is None:
+        if any(c is not None for c in key_caches):
+            raise ValueError("a key cache was given to a layer without an indexer")
+        return
+    want = (latent_shape[0], latent_shape[1], indexer.dim)
+    for cache in key_caches:
+        if cache is None or cache.shape != want or not (native.takes(cache) and cache.is_contiguous()):
+            raise ValueError(
+                f"a layer with an indexer needs its key cache, contiguous CPU bfloat16 {want}, got "
+                f"{None if cache is None else (cache.dtype, tuple(cache.shape))}"
+            )
 
 
 def _check_routing(num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
@@ -415,16 +512,10 @@ class DecodeStack:
         self.embed, self.norm = embed, norm
         self.layers = layers
         fields = native._library.layer_plan_fields()
-        self.plan = torch.zeros(len(layers), len(fields), dtype=torch.int64)
-        for row, layer in zip(self.plan, layers, strict=True):
-            values = self._fields(layer)
-            reals = row.view(torch.float64)
-            for i, (name, real) in enumerate(fields):
-                if real:
-                    reals[i] = values.pop(name)
-                else:
-                    row[i] = values.pop(name)
-            assert not values, f"fields the native LayerPlan lacks: {sorted(values)}"
+        self.plan = torch.stack([_plan_row(fields, self._fields(layer)) for layer in layers])
+        self.indexed = [layer.attention.indexer is not None for layer in layers]
+        if any(self.indexed) and not all(self.indexed):
+            raise ValueError("a stack's layers must all have an indexer, or none")
         self._kv: tuple[tuple[int, ...], torch.Tensor] = ((), torch.empty(0, dtype=torch.int64))
 
     def _fields(self, layer: StackLayer) -> dict[str, int | float]:
@@ -449,6 +540,7 @@ class DecodeStack:
             wuk=w.w_uk_t.data_ptr(), wuv=w.w_uv.data_ptr(), wuv_h=w.w_uv.stride(0),
             heads=w.heads, nope=w.nope_dim, rope=w.rope_dim, latent=w.kv_lora_rank, v=w.v_dim,
             interleaved=int(w.interleaved), pre_norm=pre.data_ptr(), post_norm=post.data_ptr(),
+            indexer=0 if w.indexer is None else w.indexer.plan.data_ptr(),
             q_eps=w.q_eps, kv_eps=w.kv_eps, scale=w.scale, pre_eps=pre_eps, post_eps=post_eps,
         )  # fmt: skip
         routed = dict.fromkeys(_ROUTED_FIELDS, 0)
@@ -494,10 +586,11 @@ class DecodeStack:
         return native._few_enough(rows)
 
     def kv_pointers(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The layers' caches' addresses, int64 [layers] (the last step's, when they are the same)."""
+        """The layers' caches' addresses, int64 [layers] (or [2, layers] with their key caches, the
+        last step's when they are the same)."""
         pointers = tuple(c.data_ptr() for c in kv_caches)
         if pointers != self._kv[0]:
-            self._kv = (pointers, torch.tensor(pointers, dtype=torch.int64))
+            self._kv = (pointers, torch.tensor(pointers, dtype=torch.int64).view(-1, len(self.layers)))
         return self._kv[1]
 
 
@@ -528,13 +621,15 @@ def decode_stack(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     x: torch.Tensor | None = None,
+    key_caches: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The model's forward for M decode tokens in one call: embedding, every layer (mla_attention
     with the layer's norms, then moe_block or the dense MLP), the final norm -> hidden states [M,
     hidden] bf16, the layer by layer calls' bits. ids [M] int64, or None and x [M, hidden] bf16 the
     first layer's input (an MTP layer's u); cos, sin, slots, block_table and seq_lens as
     mla_attention takes them; kv_caches: a cache per layer, each contiguous bf16 [blocks,
-    block_size, L+R] and all alike. Requires `loaded()`."""
+    block_size, L+R] and all alike; key_caches: where the layers have indexers (DeepSeek-V3.2), a
+    key cache per layer as mla_attention takes it. Requires `loaded()`."""
     assert native._library is not None, "kernels.native.load() first"
     if (ids is None) == (x is None):
         raise ValueError("give ids or x, not both")
@@ -554,6 +649,12 @@ def decode_stack(
         )
     _check_step(rows, cos, sin, slots, block_table, seq_lens)
     shape = _check_caches(stack, kv_caches)
+    indexed = any(stack.indexed)
+    if indexed and (key_caches is None or len(key_caches) != len(kv_caches)):
+        raise ValueError(f"a stack with indexers needs a key cache per layer ({len(kv_caches)})")
+    for layer, cache in zip(stack.layers, key_caches or [None] * len(kv_caches), strict=True):
+        _check_key_caches(layer.attention.indexer, [cache], shape)
+    pointers = stack.kv_pointers([*kv_caches, *(key_caches if indexed else [])])
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     ids, x = (None if t is None else t.contiguous() for t in (ids, x))
@@ -564,7 +665,8 @@ def decode_stack(
     bad = native._library.decode_stack(
         stack.plan.data_ptr(), len(stack.layers), 0 if ids is None else ids.data_ptr(),
         0 if x is None else x.data_ptr(), stack.embed.data_ptr(), stack.vocab, rows,
-        stack.hidden, cos.data_ptr(), sin.data_ptr(), stack.kv_pointers(kv_caches).data_ptr(), shape[0], shape[1],
+        stack.hidden, cos.data_ptr(), sin.data_ptr(), pointers[0].data_ptr(),
+        pointers[1].data_ptr() if indexed else 0, shape[0], shape[1],
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(),
         norm_eps, out.data_ptr(),
     )  # fmt: skip
@@ -657,6 +759,8 @@ def greedy_spec_step(
     drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache
     rows, bit for bit."""
     assert native._library is not None, "kernels.native.load() first"
+    if any(target.indexed) or any(drafter.stack.indexed):
+        raise ValueError("greedy_spec_step takes no indexer (DeepSeek-V3.2's layers) yet")
     rows, requests = ids.shape[0], len(caps)
     if ids.shape != (rows,) or positions.shape != (rows,) or not ids.dtype == positions.dtype == torch.int64:
         raise ValueError(

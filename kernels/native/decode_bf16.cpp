@@ -2,7 +2,7 @@
 // emulates it elsewhere): the few-row product (linear_bf16), the routed experts of a few tokens
 // (moe_pairs, moe_topk), MLA decode attention over the paged
 // cache (mla_decode; on the AMX tile unit, for any batch, where it can), RMSNorm with its residual
-// add (rms_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
+// add (rms_norm), LayerNorm with a bias (layer_norm), rotary embedding (rotary), the MTP layer's input (mtp_input), and a layer's
 // attention and MoE block in one call each (mla_attention, moe_block), a decode step's whole
 // stack of layers in one (decode_stack), greedy sampling's argmax over bf16 logits (argmax_bf16), and
 // a greedy speculative step with MTP drafts in one (greedy_spec_step), and DeepSeek-V3.2's
@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route", &route);
   m.def("moe_block", &moe_block_py, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("layer_plan_fields", &layer_plan_fields);
+  m.def("indexer_plan_fields", &indexer_plan_fields);
+  m.def("layer_norm", &layer_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_stack", &decode_stack, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("argmax_bf16", &argmax_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("greedy_spec_step", &greedy_spec_step, pybind11::call_guard<pybind11::gil_scoped_release>());

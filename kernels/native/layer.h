@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "experts.h"
+#include "sparse.h"
 
 namespace {
 
@@ -63,6 +64,36 @@ void rms_norm(int64_t x_ptr, int64_t ldx, int64_t res_ptr, int64_t ldr, int64_t 
   }, ROWS_OMP_MIN_BYTES);
 }
 
+
+// LayerNorm of bf16 rows with a bias (DeepSeek-V3.2's indexer keys; engine/models/layers.py
+// LayerNorm takes it for bf16 rows, so its Python and one-call paths share these bits), in
+// float32, a row at a time in one order: mean = sum(x) / D, var = sum((x - mean)^2) / D,
+//   y = bf16((x - mean) * (1 / sqrt(var + eps)) * weight + bias)
+// (torch's float32 layer_norm sums in another order: the output agrees to one bf16 rounding).
+// Rows are few (a step's tokens) and short (d_I = 128): scalar, shared over threads from a
+// prefill's thousands of rows on. y may be x.
+void layer_norm(int64_t x_ptr, int64_t ldx, int64_t w_ptr, int64_t b_ptr, int64_t y_ptr, int64_t ldy, int64_t M,
+                int64_t D, double eps) {
+  const auto* x = reinterpret_cast<const uint16_t*>(x_ptr);
+  const auto* w = reinterpret_cast<const uint16_t*>(w_ptr);
+  const auto* b = reinterpret_cast<const uint16_t*>(b_ptr);
+  auto* y = reinterpret_cast<uint16_t*>(y_ptr);
+  maybe_parallel(M, 16, M * D * 2, [&](int64_t m0, int64_t m1) {
+    std::vector<float> h(D);
+    for (int64_t m = m0; m < m1; ++m) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) sum += (h[d] = from_bf16(x[m * ldx + d]));
+      const float mean = sum / float(D);
+      float squares = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        h[d] -= mean;
+        squares += h[d] * h[d];
+      }
+      const float rstd = 1.0f / std::sqrt(squares / float(D) + float(eps));
+      for (int64_t d = 0; d < D; ++d) y[m * ldy + d] = to_bf16(h[d] * rstd * from_bf16(w[d]) + from_bf16(b[d]));
+    }
+  }, ROWS_OMP_MIN_BYTES);
+}
 
 // Rotary embedding of bf16 rows x [N, G, R] (G heads, or 1) at each token's cos/sin [N, R/2]
 // (float32), in kernels/rotary.py's reference roundings: cos and sin rounded to bf16, every
@@ -134,6 +165,119 @@ int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, const QW& kva, i
 }
 
 
+// A plan's weight (a LayerPlan's, an IndexerPlan's): the fields of a WeightArgs (data, ld, scale,
+// lds, block_k, fmt), and them as one.
+#define PDSERVE_WEIGHT(INT, w) INT(w) INT(w##_ld) INT(w##_scale) INT(w##_lds) INT(w##_block) INT(w##_fmt)
+#define PLAN_WEIGHT(p, w) WeightArgs{(p).w, (p).w##_ld, (p).w##_scale, (p).w##_lds, (p).w##_block, (p).w##_fmt}
+
+// DeepSeek-V3.2's lightning indexer of one layer, as mla_attention takes it (engine/models/
+// deepseek_v32.py Indexer): wq [nI * dI, q_lora] from the query latent, wk [dI, hidden] and the
+// key LayerNorm (k_norm, k_bias, k_eps), weights_proj wp [nI, hidden] (scaled by w_scale =
+// nI^-1/2), the leading `rope` elements of every key and query head roped in halves, the best
+// `topk` keys chosen (scale: dI^-1/2). A row of an int64 tensor filled by kernels/native/blocks.py
+// IndexerWeights by the field names indexer_plan_fields() gives.
+#define PDSERVE_INDEXER_PLAN(INT, REAL)                                                           \
+  PDSERVE_WEIGHT(INT, wq) PDSERVE_WEIGHT(INT, wk) INT(k_norm) INT(k_bias) PDSERVE_WEIGHT(INT, wp) \
+  INT(heads) INT(dim) INT(rope) INT(topk) REAL(k_eps) REAL(scale) REAL(w_scale)
+
+struct IndexerPlan {  // every field 8 bytes, in the macro's order
+#define PDSERVE_INT_FIELD(name) int64_t name;
+#define PDSERVE_REAL_FIELD(name) double name;
+  PDSERVE_INDEXER_PLAN(PDSERVE_INT_FIELD, PDSERVE_REAL_FIELD)
+#undef PDSERVE_INT_FIELD
+#undef PDSERVE_REAL_FIELD
+};
+
+std::vector<std::pair<std::string, bool>> indexer_plan_fields() {
+#define PDSERVE_INT_NAME(name) {#name, false},
+#define PDSERVE_REAL_NAME(name) {#name, true},
+  return {PDSERVE_INDEXER_PLAN(PDSERVE_INT_NAME, PDSERVE_REAL_NAME)};
+#undef PDSERVE_INT_NAME
+#undef PDSERVE_REAL_NAME
+}
+
+// The rope of the leading R elements of G heads of dI in rows x [M, G * dI], in place: the
+// indexer's `_rope` (rotary into a buffer, copied back), in halves.
+void rope_leading(uint16_t* x, int64_t M, int64_t G, int64_t dI, int64_t R, int64_t cos_ptr, int64_t sin_ptr,
+                  std::vector<uint16_t>& kept) {
+  uint16_t* roped = scratch(kept, M * G * R);
+  rotary(int64_t(x), G * dI, dI, cos_ptr, sin_ptr, R / 2, int64_t(roped), M, G, R, false);
+  for (int64_t r = 0; r < M * G; ++r) std::memcpy(x + r * dI, roped + r * R, R * 2);
+}
+
+// The indexer's part of a decode step (SparseMLAttention's store_cache and choose): every token's
+// key LayerNorm(x wk), roped, stored at its slot of the key cache [num_blocks, block_size, dI];
+// then, where some token's context is longer than topk, the queries (wq of the query latent
+// q_an, roped), the head weights and the cache slots each token attends to -> chosen [M, topk]
+// (-1: none). x is the layer's normed input. Returns the block ids outside the cache its tables
+// reach (0: fine).
+int64_t indexer_step(const IndexerPlan& ix, int64_t x_ptr, int64_t hidden, int64_t q_an_ptr, int64_t q_lora,
+                     int64_t M, int64_t cos_ptr, int64_t sin_ptr, int64_t keys_ptr, int64_t num_blocks,
+                     int64_t block_size, const int64_t* slots, int64_t table_ptr, int64_t max_blocks,
+                     const int32_t* lens, bool any_sparse, int64_t* chosen) {
+  struct Kept {
+    std::vector<uint16_t> k, kn, q, roped, w;
+    std::vector<float> weights;
+  };
+  thread_local Kept kept;
+  const int64_t nI = ix.heads, dI = ix.dim;
+  uint16_t *k = scratch(kept.k, M * dI), *kn = scratch(kept.kn, M * dI);
+  linear_w(x_ptr, hidden, weight_of(PLAN_WEIGHT(ix, wk)), int64_t(k), dI, M, dI, hidden);
+  layer_norm(int64_t(k), dI, ix.k_norm, ix.k_bias, int64_t(kn), dI, M, dI, ix.k_eps);
+  rope_leading(kn, M, 1, dI, ix.rope, cos_ptr, sin_ptr, kept.roped);
+  auto* keys = reinterpret_cast<uint16_t*>(keys_ptr);
+  for (int64_t i = 0; i < M; ++i)  // slots were checked against the (same-sized) latent cache
+    if (slots[i] >= 0 && slots[i] < num_blocks * block_size) std::memcpy(keys + slots[i] * dI, kn + i * dI, dI * 2);
+  if (!any_sparse) return 0;
+  uint16_t *q = scratch(kept.q, M * nI * dI), *w = scratch(kept.w, M * nI);
+  linear_w(q_an_ptr, q_lora, weight_of(PLAN_WEIGHT(ix, wq)), int64_t(q), nI * dI, M, nI * dI, q_lora);
+  rope_leading(q, M, nI, dI, ix.rope, cos_ptr, sin_ptr, kept.roped);
+  linear_w(x_ptr, hidden, weight_of(PLAN_WEIGHT(ix, wp)), int64_t(w), nI, M, nI, hidden);
+  float* weights = scratch(kept.weights, M * nI);
+  for (int64_t i = 0; i < M * nI; ++i) weights[i] = from_bf16(w[i]) * float(ix.w_scale);
+  return indexer_topk(int64_t(q), nI * dI, dI, int64_t(weights), nI, keys_ptr, block_size * dI, dI, num_blocks,
+                      block_size, table_ptr, max_blocks, max_blocks, int64_t(lens), int64_t(chosen), ix.topk, M, nI,
+                      dI, ix.topk, ix.scale);
+}
+
+// Sparse MLA for M decode tokens (SparseMLAttention.forward's attention): a token whose context
+// fits in topk attends densely over it (mla_decode), the others over their chosen cache slots
+// (sparse_mla_decode), each kind in one call over its tokens' rows (gathered where the step holds
+// both). q [M, H, W], o [M, H, L]. -> the block ids or slots outside the cache (0: fine).
+int64_t attend_chosen(const uint16_t* q, int64_t kv_ptr, int64_t num_blocks, int64_t block_size, int64_t table_ptr,
+                      int64_t max_blocks, const int32_t* lens, const int64_t* chosen, int64_t topk, uint16_t* o,
+                      int64_t M, int64_t H, int64_t W, int64_t L, double scale) {
+  std::vector<int64_t> dense, sparse;
+  for (int64_t i = 0; i < M; ++i) (lens[i] <= topk ? dense : sparse).push_back(i);
+  const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
+  if (dense.empty())
+    return sparse_mla_decode(int64_t(q), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size, int64_t(chosen),
+                             topk, topk, int64_t(o), H * L, L, M, H, W, L, scale);
+  const int64_t nd = int64_t(dense.size()), ns = int64_t(sparse.size());
+  std::vector<uint16_t> qg(M * H * W), og(M * H * L);  // the dense rows, then the sparse ones
+  std::vector<int32_t> table_d(nd * max_blocks), lens_d(nd);
+  std::vector<int64_t> chosen_s(ns * topk);
+  for (int64_t j = 0; j < M; ++j) {
+    const int64_t i = j < nd ? dense[j] : sparse[j - nd];
+    std::memcpy(&qg[j * H * W], q + i * H * W, H * W * 2);
+    if (j < nd) {
+      std::memcpy(&table_d[j * max_blocks], table + i * max_blocks, max_blocks * 4);
+      lens_d[j] = lens[i];
+    } else {
+      std::memcpy(&chosen_s[(j - nd) * topk], chosen + i * topk, topk * 8);
+    }
+  }
+  int64_t bad = mla_decode(int64_t(qg.data()), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size,
+                           int64_t(table_d.data()), max_blocks, max_blocks, int64_t(lens_d.data()), int64_t(og.data()),
+                           H * L, L, nd, H, W, L, scale);
+  if (bad == 0 && ns > 0)
+    bad = sparse_mla_decode(int64_t(&qg[nd * H * W]), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size,
+                            int64_t(chosen_s.data()), topk, topk, int64_t(&og[nd * H * L]), H * L, L, ns, H, W, L,
+                            scale);
+  for (int64_t j = 0; j < M; ++j) std::memcpy(o + (j < nd ? dense[j] : sparse[j - nd]) * H * L, &og[j * H * L], H * L * 2);
+  return bad;
+}
+
 // One MLA layer's attention for M decode tokens (a batch-1 decode, a verification's tokens) in
 // one call: MLAttention.forward's native calls (with store_latents and _decode), in its order
 // and through the same functions here, so the bits are the Python path's; what it saves is the
@@ -149,8 +293,11 @@ int64_t store_latents(int64_t x_ptr, int64_t M, int64_t hidden, const QW& kva, i
 // layer's norms (pre_norm_ptr, post_norm_ptr), x is the layer's input before its norm, res the
 // residual stream it is added to (0 in the first layer: x is the stream), and out gets the
 // post-attention norm of (attention + stream), res_out the new stream: DecoderLayer's rms_norm
-// calls around the attention. Returns the count of block ids and slots outside the cache (0:
-// fine; the caller raises).
+// calls around the attention. With an indexer (indexer_ptr: an IndexerPlan; DeepSeek-V3.2's
+// SparseMLAttention), each token's indexer key is stored too (keys_ptr: the layer's key cache,
+// [num_blocks, block_size, dI]) and a token whose context is longer than its topk attends over
+// the slots the indexer chose (indexer_step, attend_chosen). Returns the count of block ids and
+// slots outside the cache (0: fine; the caller raises).
 int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs& qa_args, int64_t qa_norm_ptr,
                       int64_t q_lora, double q_eps, const WeightArgs& qb_args, const WeightArgs& kva_args,
                       int64_t kva_norm_ptr, double kv_eps, int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h,
@@ -158,11 +305,13 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs
                       int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks, int64_t block_size,
                       int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t out_ptr,
                       int64_t H, int64_t nope, int64_t R, int64_t L, int64_t v, double scale, int64_t pre_norm_ptr,
-                      double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr) {
+                      double pre_eps, int64_t res_ptr, int64_t post_norm_ptr, double post_eps, int64_t res_out_ptr,
+                      int64_t indexer_ptr, int64_t keys_ptr) {
   const int64_t qk = nope + R, W = L + R;
   const QW qa = weight_of(qa_args), qb = weight_of(qb_args), kva = weight_of(kva_args), o = weight_of(o_args);
   struct Kept {
     std::vector<uint16_t> q, q_pe, q_lat, q_full, o_lat, o_v, o_heads, normed, attended, q_a, q_an;
+    std::vector<int64_t> chosen;
   };
   thread_local Kept kept;  // every buffer below is written whole before it is read
   uint16_t *q = scratch(kept.q, M * H * qk), *q_pe = scratch(kept.q_pe, M * H * R),
@@ -180,8 +329,10 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs
   }
   const int64_t final_out = out_ptr;
   if (post_norm_ptr != 0) out_ptr = at(scratch(kept.attended, M * hidden));
+  uint16_t* q_an = nullptr;  // the query latent
   if (qa.data != nullptr) {
-    uint16_t *q_a = scratch(kept.q_a, M * q_lora), *q_an = scratch(kept.q_an, M * q_lora);
+    uint16_t* q_a = scratch(kept.q_a, M * q_lora);
+    q_an = scratch(kept.q_an, M * q_lora);
     linear_w(x_ptr, hidden, qa, at(q_a), q_lora, M, q_lora, hidden);
     rms_norm(at(q_a), q_lora, 0, 0, qa_norm_ptr, at(q_an), q_lora, 0, q_lora, M, q_lora, q_eps);
     linear_w(at(q_an), q_lora, qb, at(q), H * qk, M, H * qk, q_lora);
@@ -199,9 +350,20 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs
       std::memcpy(&q_full[(i * H + h) * W], &q_lat[(h * M + i) * L], L * 2);
       std::memcpy(&q_full[(i * H + h) * W + L], &q_pe[(i * H + h) * R], R * 2);
     }
-  if (bad == 0)
+  const auto* ix = reinterpret_cast<const IndexerPlan*>(indexer_ptr);
+  const auto* lens = reinterpret_cast<const int32_t*>(lens_ptr);
+  bool any_sparse = false;  // a token whose context is longer than the indexer's topk
+  for (int64_t i = 0; ix != nullptr && i < M; ++i) any_sparse |= lens[i] > ix->topk;
+  int64_t* chosen = any_sparse ? scratch(kept.chosen, M * ix->topk) : nullptr;
+  if (bad == 0 && ix != nullptr)
+    bad = indexer_step(*ix, x_ptr, hidden, at(q_an), q_lora, M, cos_ptr, sin_ptr, keys_ptr, num_blocks, block_size,
+                       reinterpret_cast<const int64_t*>(slots_ptr), table_ptr, max_blocks, lens, any_sparse, chosen);
+  if (bad == 0 && !any_sparse)
     bad = mla_decode(at(q_full), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size, table_ptr, max_blocks,
                      max_blocks, lens_ptr, at(o_lat), H * L, L, M, H, W, L, scale);
+  else if (bad == 0)
+    bad = attend_chosen(q_full, kv_ptr, num_blocks, block_size, table_ptr, max_blocks, lens, chosen, ix->topk, o_lat,
+                        M, H, W, L, scale);
   if (bad != 0) return bad;
   linear_bf16(at(o_lat), L, H * L, wuv_ptr, wuv_h, L, at(o_v), M * v, v, H, M, v, L);
   for (int64_t i = 0; i < M; ++i)
@@ -354,7 +516,6 @@ int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t 
 // by the field names layer_plan_fields() gives. A layer's MLP is its MoE block (moe != 0) or a
 // dense SwiGLU MLP (gate_up s13 [2Is, H], down s2 [H, Is]; swiglu's products and roundings). A
 // weight's fields are a WeightArgs' (PDSERVE_WEIGHT: data, ld, scale, lds, block_k, fmt).
-#define PDSERVE_WEIGHT(INT, w) INT(w) INT(w##_ld) INT(w##_scale) INT(w##_lds) INT(w##_block) INT(w##_fmt)
 #define PDSERVE_LAYER_PLAN(INT, REAL)                                                                      \
   PDSERVE_WEIGHT(INT, qa) INT(qa_norm) INT(q_lora) PDSERVE_WEIGHT(INT, qb) PDSERVE_WEIGHT(INT, kva)        \
   INT(kva_norm) INT(wuk) INT(wuv) INT(wuv_h) PDSERVE_WEIGHT(INT, o)                                        \
@@ -362,7 +523,7 @@ int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t 
   INT(moe) INT(gate) INT(ld_gate) INT(bias) INT(experts) INT(softmax) INT(n_group) INT(topk_group)        \
   INT(top_k) INT(norm_topk_prob) PDSERVE_WEIGHT(INT, w13) INT(w13_expert) INT(w13_scale_expert)           \
   PDSERVE_WEIGHT(INT, w2) INT(w2_expert) INT(w2_scale_expert) INT(inter)                                  \
-  PDSERVE_WEIGHT(INT, s13) PDSERVE_WEIGHT(INT, s2) INT(shared_inter)                                      \
+  PDSERVE_WEIGHT(INT, s13) PDSERVE_WEIGHT(INT, s2) INT(shared_inter) INT(indexer)                         \
   REAL(q_eps) REAL(kv_eps) REAL(scale) REAL(pre_eps) REAL(post_eps) REAL(routed_scaling_factor)
 
 struct LayerPlan {  // every field 8 bytes, in the macro's order: a row of an int64 tensor
@@ -370,9 +531,6 @@ struct LayerPlan {  // every field 8 bytes, in the macro's order: a row of an in
 #define PDSERVE_REAL_FIELD(name) double name;
   PDSERVE_LAYER_PLAN(PDSERVE_INT_FIELD, PDSERVE_REAL_FIELD)
 };
-
-// A plan's weight w as a WeightArgs.
-#define PLAN_WEIGHT(p, w) WeightArgs{(p).w, (p).w##_ld, (p).w##_scale, (p).w##_lds, (p).w##_block, (p).w##_fmt}
 
 // LayerPlan's fields in order, each (name, whether it is a double).
 std::vector<std::pair<std::string, bool>> layer_plan_fields() {
@@ -383,17 +541,20 @@ std::vector<std::pair<std::string, bool>> layer_plan_fields() {
 
 // The stack for M decode tokens ids [M] (int64): embedding rows (embed [V, H] contiguous), or the
 // rows of input [M, H] (contiguous; ids_ptr 0: an MTP layer's u), then each layer over its own
-// cache (kv_ptrs [layers] int64, every cache [num_blocks, block_size, L+R]), then the final norm
+// cache (kv_ptrs [layers] int64, every cache [num_blocks, block_size, L+R]; a layer with an
+// indexer also its key cache, keys_ptrs [layers], [num_blocks, block_size, dI]), then the final norm
 // into out [M, H]: the hidden states compute_logits takes. Slots, table, lens, cos and sin as
 // mla_attention takes them. -> 0; the count of block ids and slots outside the cache (the first
 // layer's: nothing after it ran); or minus the count of ids outside [0, V) (nothing ran).
 int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t input_ptr, int64_t embed_ptr,
                      int64_t V, int64_t M, int64_t hidden, int64_t cos_ptr, int64_t sin_ptr, int64_t kv_ptrs_ptr,
-                     int64_t num_blocks, int64_t block_size, int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks,
-                     int64_t lens_ptr, int64_t norm_ptr, double norm_eps, int64_t out_ptr) {
+                     int64_t keys_ptrs_ptr, int64_t num_blocks, int64_t block_size, int64_t slots_ptr,
+                     int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t norm_ptr, double norm_eps,
+                     int64_t out_ptr) {
   const auto* plans = reinterpret_cast<const LayerPlan*>(plan_ptr);
   const auto* ids = reinterpret_cast<const int64_t*>(ids_ptr);
   const auto* kv_ptrs = reinterpret_cast<const int64_t*>(kv_ptrs_ptr);
+  const auto* keys_ptrs = reinterpret_cast<const int64_t*>(keys_ptrs_ptr);  // or null: no layer has an indexer
   int64_t bad = 0;
   if (ids != nullptr)
     for (int64_t m = 0; m < M; ++m) bad += ids[m] < 0 || ids[m] >= V;
@@ -412,7 +573,7 @@ int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int6
                         PLAN_WEIGHT(p, kva), p.kva_norm, p.kv_eps, p.wuk, p.wuv, p.wuv_h, PLAN_WEIGHT(p, o), cos_ptr, sin_ptr, p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
                         slots_ptr, table_ptr, max_blocks, lens_ptr, at(normed), p.heads, p.nope, p.rope, p.latent, p.v,
                         p.scale, p.pre_norm, p.pre_eps, l == 0 ? 0 : at(residual), p.post_norm, p.post_eps,
-                        at(residual));
+                        at(residual), p.indexer, p.indexer != 0 ? keys_ptrs[l] : 0);
     if (bad) return bad;
     if (p.moe) {
       std::fill(x.begin(), x.end(), uint16_t(0));

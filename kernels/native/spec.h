@@ -98,7 +98,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
   }
   std::vector<uint16_t> hidden(M * H);
   bad = decode_stack(plan_ptr, num_layers, ids_ptr, 0, embed_ptr, V, M, H, int64_t(cos.data()), int64_t(sin.data()),
-                     kv_ptrs_ptr, num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr,
+                     kv_ptrs_ptr, 0, num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr,
                      norm_eps, int64_t(hidden.data()));
   if (bad) return bad;
   greedy_rows(hidden.data(), M, H, lm_ptr, lm_rows, vocab, tokens);
@@ -142,7 +142,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     mtp_input(int64_t(rows.ids.data()), embed_ptr, H, V, int64_t(rows.h.data()), H, enorm_ptr, e_eps, hnorm_ptr,
               h_eps, eh_ptr, int64_t(u.data()), n, H);
     bad = decode_stack(mtp_plan_ptr, 1, 0, int64_t(u.data()), embed_ptr, V, n, H, int64_t(rows.cos.data()),
-                       int64_t(rows.sin.data()), int64_t(&mtp_kv), num_blocks, block_size, int64_t(rows.slots.data()),
+                       int64_t(rows.sin.data()), int64_t(&mtp_kv), 0, num_blocks, block_size, int64_t(rows.slots.data()),
                        int64_t(rows.table.data()), max_blocks, int64_t(rows.lens.data()), mtp_norm_ptr,
                        mtp_norm_eps, int64_t(g.data()));
     if (bad) return bad;
