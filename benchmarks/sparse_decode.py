@@ -137,6 +137,36 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Path, default=None)
 
 
+def plot(rows: list[dict], png: Path) -> Path:
+    """The curve: V3.2's decode step time over V3's against context, a line per batch (one call
+    solid, layer by layer dashed), 1.0 where sparse and dense cost the same. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted({r["batch"] for r in rows}):
+        mine = [r for r in rows if r["batch"] == batch]
+        xs = [r["context"] for r in mine]
+        ax.plot(xs, [r["sparse_over_dense_time"] for r in mine], marker="o", label=f"B={batch}, one call")
+        ax.plot(
+            xs, [r["sparse_over_dense_per_layer_time"] for r in mine], marker="x", linestyle="--",
+            label=f"B={batch}, layer by layer",
+        )  # fmt: skip
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens in each sequence's cache)")
+    ax.set_ylabel("step time, V3.2 sparse / V3 dense")
+    ax.set_title(f"DeepSeek-V3.2 vs V3 decode, top-{rows[0].get('index_topk', '')} ({hardware()['cpu']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/pdserve-bench-v32", help="a DeepSeek-V3.2 model folder")
@@ -181,7 +211,9 @@ def main() -> None:
         "args": vars(args) | {"output": None},
         "rows": rows,
     }
-    print(save("sparse_decode", payload, args.output))
+    path = save("sparse_decode", payload, args.output)
+    print(path)
+    print(plot([r | {"index_topk": topk} for r in rows], path.with_suffix(".png")))
 
 
 if __name__ == "__main__":
