@@ -159,17 +159,17 @@ def test_layer_norm_is_within_one_rounding_of_float64(loaded, rows, dim):
 
 def test_one_call_with_an_indexer_needs_its_key_cache(loaded):
     """mla_attention and decode_stack refuse a V3.2 layer without its indexer-key cache (or with one
-    of another geometry), by name, before anything runs. The MTP layer drafts layer by layer: no
-    one-call MTP stack or speculative step (they take no indexer keys)."""
+    of another geometry), by name, before anything runs; so does greedy_spec_step, for the layers'
+    and for the MTP layer's."""
     from tests.test_native_kernels import _decode_batch, _small_model
 
     cfg, model = _small_model(False, 1, mtp=1, index_topk=12)
     if not loaded:
         return
-    assert model.mtp_stack is None and model.mtp_drafter is None
+    assert all(model.mtp_stack.indexed) and model.mtp_drafter is not None
     layer = model.layers[0]
     spec = type(model).kv_cache_spec(
-        cfg, num_mtp_layers=0, block_size=4, dtype=torch.bfloat16, fingerprint="t"
+        cfg, num_mtp_layers=1, block_size=4, dtype=torch.bfloat16, fingerprint="t"
     )
     caches = spec.allocate(8, "cpu")
     batch = _decode_batch(1, 1, 4, 8, cfg.vocab_size, torch.Generator().manual_seed(0))
@@ -184,3 +184,22 @@ def test_one_call_with_an_indexer_needs_its_key_cache(loaded):
     stack_args = (model.native_stack, batch.input_ids, cos, sin, [c for c, _ in model.layer_caches(caches)])
     with pytest.raises(ValueError, match="needs a key cache per layer"):
         native.decode_stack(*stack_args, batch.slot_mapping, tables, lens)
+    mtp_latents, mtp_keys = model.mtp_cache(caches)
+    spec_args = (
+        model.native_stack,
+        model.mtp_drafter,
+        batch.input_ids,
+        batch.positions,
+        stack_args[-1],
+        mtp_latents,
+    )
+    spec_args += (batch.slot_mapping, tables, lens, 1, [4], 1)
+    key_caches = model.stack_key_caches(caches)
+    with pytest.raises(ValueError, match="needs a key cache per layer"):
+        native.greedy_spec_step(*spec_args, mtp_key_cache=mtp_keys)
+    with pytest.raises(ValueError, match="needs a key cache per layer"):
+        native.greedy_spec_step(*spec_args, key_caches=key_caches)
+    tokens, accepted, drafts = native.greedy_spec_step(
+        *spec_args, key_caches=key_caches, mtp_key_cache=mtp_keys
+    )
+    assert accepted.tolist() == [0] and drafts.shape == (1, 1) and mtp_keys.abs().sum() > 0

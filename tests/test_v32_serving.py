@@ -471,6 +471,49 @@ def test_mtp_speculation_matches_greedy_without_it(mtp_model, mtp_reference, k, 
     assert mtp_keys.abs().sum() > 0
 
 
+@pytest.mark.parametrize("k, prompts", [(1, 1), (3, 3)], ids=["k1", "k3-batch3"])
+def test_one_call_spec_step_keeps_tokens_drafts_and_caches(mtp_model, k, prompts, monkeypatch):
+    """In bf16 with the native kernels, a step of greedy decodes that all speculate runs as one
+    native call (the target's verification with each layer's indexer inside, the MTP layer's
+    latent and indexer-key rows, its drafts): every step's tokens and drafts, and every cache (the
+    layers' latents and keys, the MTP layer's), bit for bit what the forward, verify_greedy and
+    draft_with_mtp give one by one, with contexts past index_topk. Without the kernels (float32)
+    every step declines."""
+    import torch
+
+    from engine.platform import use_native_kernels
+    from engine.runner import ModelRunner
+
+    native = use_native_kernels(torch.bfloat16, torch.device("cpu"))
+    engine = dict(ENGINE, dtype="bfloat16" if native else "float32")
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    real_execute, real_step = ModelRunner.execute, ModelRunner._greedy_spec_step
+    runs = {}
+    for one_call in (False, True):
+        steps, taken = [], []
+
+        def execute(self, sched, steps=steps):
+            out = real_execute(self, sched)
+            steps.append((dict(out.sampled), dict(out.drafts)))
+            return out
+
+        def one_call_step(self, *args, one_call=one_call, taken=taken):
+            out = real_step(self, *args) if one_call else None
+            taken.append(out is not None)
+            return out
+
+        monkeypatch.setattr(ModelRunner, "execute", execute)
+        monkeypatch.setattr(ModelRunner, "_greedy_spec_step", one_call_step)
+        llm = LLM(mtp_model, speculative_config=spec, **engine)
+        tokens = _tokens(llm, PROMPTS[-prompts:], MAX_TOKENS[-prompts:])
+        runs[one_call] = (tokens, steps, [c.clone() for c in llm.engine.runner.kv_caches])
+        assert any(taken) == (one_call and native)
+    (tokens, steps, caches), (tokens_1, steps_1, caches_1) = runs[False], runs[True]
+    assert tokens_1 == tokens and steps_1 == steps
+    assert any(drafts for _, drafts in steps)
+    assert all(torch.equal(a, b) for a, b in zip(caches, caches_1, strict=True))
+
+
 def test_fp8_checkpoint_in_deepseeks_own_names_loads_the_same(model, fp8_model, fp8_reference, tmp_path):
     """The same FP8 checkpoint with DeepSeek's tensor names (`layers.N.attn.indexer.wq_b.scale`,
     `layers.N.attn.wq_b.weight` for MLA's q_b_proj): the same tokens, so the indexer's wq_b is not

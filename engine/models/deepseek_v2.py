@@ -205,12 +205,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         """The first MTP layer over the batch: next_ids [N] (t_{i+1}), hidden [N, H] (h_i, after
         the final norm) -> g [N, H]; compute_logits(g) predicts t_{i+2}."""
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
-        if self._takes(self.mtp_stack, batch, kv_cache):  # its input, then the layer and norm in one call
+        latent, keys = self.mtp[0].self_attn.split_cache(kv_cache)
+        if self._takes(self.mtp_stack, batch, latent):  # its input, then the layer and norm in one call
             u = self.mtp[0].layer_input(next_ids, hidden, self.embed_tokens)
             tables, lens = batch.decodes[0].per_token
             return native.decode_stack(
-                self.mtp_stack, None, cos, sin, [kv_cache], batch.slot_mapping, tables, lens, u
-            )
+                self.mtp_stack, None, cos, sin, [latent], batch.slot_mapping, tables, lens, u,
+                key_caches=None if keys is None else [keys],
+            )  # fmt: skip
         return self.mtp[0].draft(next_ids, hidden, self.embed_tokens, cos, sin, batch, kv_cache)
 
     def greedy_spec_step(
@@ -226,10 +228,11 @@ class DeepseekV2ForCausalLM(nn.Module):
             return None
         group = batch.decodes[0]
         tables, lens = group.per_token
-        layer_caches, mtp_cache = kv_caches.group(CacheKind.LATENT), self.mtp_cache(kv_caches)
+        mtp_latent, mtp_keys = self.mtp[0].self_attn.split_cache(self.mtp_cache(kv_caches))
         result = native.greedy_spec_step(
-            self.native_stack, drafter, batch.input_ids, batch.positions, layer_caches, mtp_cache,
-            batch.slot_mapping, tables, lens, group.query_len, caps, k,
+            self.native_stack, drafter, batch.input_ids, batch.positions, kv_caches.group(CacheKind.LATENT),
+            mtp_latent, batch.slot_mapping, tables, lens, group.query_len, caps, k,
+            key_caches=self.stack_key_caches(kv_caches), mtp_key_cache=mtp_keys,
         )  # fmt: skip
         return tuple(t.tolist() for t in result)
 

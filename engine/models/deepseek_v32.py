@@ -256,14 +256,6 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
         )
         return KVCacheSpec((*base.groups, keys), fingerprint)
 
-    def process_weights(
-        self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
-    ) -> None:
-        """As V3's, but the MTP layer drafts layer by layer (its attention still one native call):
-        the MTP stack and the greedy speculative step in one call take no indexer keys yet."""
-        super().process_weights(place)
-        self.mtp_stack = self.mtp_drafter = None
-
     def stack_key_caches(self, kv_caches: KVCaches) -> list[torch.Tensor]:
         return kv_caches.group(CacheKind.INDEXER_KEYS)[: len(self.layers)]
 

@@ -611,6 +611,23 @@ def _check_caches(stack: DecodeStack, kv_caches: list[torch.Tensor]) -> torch.Si
     return shape
 
 
+def _cache_pointers(
+    stack: DecodeStack,
+    kv_caches: list[torch.Tensor],
+    key_caches: list[torch.Tensor] | None,
+    shape: torch.Size,
+) -> tuple[int, int]:
+    """The addresses of the arrays of the stack's layers' latent caches and of their indexer-key
+    caches (0 where the layers have no indexer), each key cache checked against its layer."""
+    indexed = any(stack.indexed)
+    if indexed and (key_caches is None or len(key_caches) != len(kv_caches)):
+        raise ValueError(f"a stack with indexers needs a key cache per layer ({len(kv_caches)})")
+    for layer, cache in zip(stack.layers, key_caches or [None] * len(kv_caches), strict=True):
+        _check_key_caches(layer.attention.indexer, [cache], shape)
+    pointers = stack.kv_pointers([*kv_caches, *(key_caches if indexed else [])])
+    return pointers[0].data_ptr(), pointers[1].data_ptr() if indexed else 0
+
+
 def decode_stack(
     stack: DecodeStack,
     ids: torch.Tensor | None,
@@ -649,12 +666,7 @@ def decode_stack(
         )
     _check_step(rows, cos, sin, slots, block_table, seq_lens)
     shape = _check_caches(stack, kv_caches)
-    indexed = any(stack.indexed)
-    if indexed and (key_caches is None or len(key_caches) != len(kv_caches)):
-        raise ValueError(f"a stack with indexers needs a key cache per layer ({len(kv_caches)})")
-    for layer, cache in zip(stack.layers, key_caches or [None] * len(kv_caches), strict=True):
-        _check_key_caches(layer.attention.indexer, [cache], shape)
-    pointers = stack.kv_pointers([*kv_caches, *(key_caches if indexed else [])])
+    kv_ptrs, keys_ptrs = _cache_pointers(stack, kv_caches, key_caches, shape)
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     ids, x = (None if t is None else t.contiguous() for t in (ids, x))
@@ -665,8 +677,7 @@ def decode_stack(
     bad = native._library.decode_stack(
         stack.plan.data_ptr(), len(stack.layers), 0 if ids is None else ids.data_ptr(),
         0 if x is None else x.data_ptr(), stack.embed.data_ptr(), stack.vocab, rows,
-        stack.hidden, cos.data_ptr(), sin.data_ptr(), pointers[0].data_ptr(),
-        pointers[1].data_ptr() if indexed else 0, shape[0], shape[1],
+        stack.hidden, cos.data_ptr(), sin.data_ptr(), kv_ptrs, keys_ptrs, shape[0], shape[1],
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(),
         norm_eps, out.data_ptr(),
     )  # fmt: skip
@@ -746,6 +757,8 @@ def greedy_spec_step(
     query_len: int,
     caps: list[int],
     k: int,
+    key_caches: list[torch.Tensor] | None = None,
+    mtp_key_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A greedy speculative decode step in one call: R = len(caps) requests, each query_len rows
     of ids [M = R * query_len] (its last known token, then the drafts it verifies) at positions
@@ -757,10 +770,9 @@ def greedy_spec_step(
     -> (tokens [M]: the target's greedy token after each row; accepted [R]: the drafts accepted,
     a, so request r emits tokens[r * query_len : r * query_len + a + 1]; drafts [R, k]: its next
     drafts, -1 past its room), all int64: verify_greedy's and draft_with_mtp's tokens and cache
-    rows, bit for bit."""
+    rows, bit for bit. With indexers (DeepSeek-V3.2), key_caches and mtp_key_cache are the layers'
+    and the MTP layer's indexer-key caches, as decode_stack takes them."""
     assert native._library is not None, "kernels.native.load() first"
-    if any(target.indexed) or any(drafter.stack.indexed):
-        raise ValueError("greedy_spec_step takes no indexer (DeepSeek-V3.2's layers) yet")
     rows, requests = ids.shape[0], len(caps)
     if ids.shape != (rows,) or positions.shape != (rows,) or not ids.dtype == positions.dtype == torch.int64:
         raise ValueError(
@@ -776,6 +788,9 @@ def greedy_spec_step(
     shape = _check_caches(target, kv_caches)
     if _check_caches(drafter.stack, [mtp_cache]) != shape:
         raise ValueError("the MTP layer's cache must be like the target's")
+    kv_ptrs, keys_ptrs = _cache_pointers(target, kv_caches, key_caches, shape)
+    mtp_keys = None if mtp_key_cache is None else [mtp_key_cache]
+    mtp_kv_ptrs, mtp_keys_ptrs = _cache_pointers(drafter.stack, [mtp_cache], mtp_keys, shape)
     ids, positions, slots, block_table, seq_lens = (
         t.contiguous() for t in (ids, positions, slots, block_table, seq_lens)
     )
@@ -794,10 +809,10 @@ def greedy_spec_step(
         draft_ids = drafter.draft_ids.data_ptr()
     bad = native._library.greedy_spec_step(
         target.plan.data_ptr(), len(target.layers), ids.data_ptr(), target.embed.data_ptr(), target.vocab, rows,
-        target.hidden, target.kv_pointers(kv_caches).data_ptr(), shape[0], shape[1], slots.data_ptr(),
+        target.hidden, kv_ptrs, keys_ptrs, mtp_keys_ptrs, shape[0], shape[1], slots.data_ptr(),
         block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), norm.data_ptr(), norm_eps,
         drafter.lm_head.data_ptr(), drafter.lm_head.shape[0], drafter.vocab, drafter.stack.plan.data_ptr(),
-        drafter.stack.kv_pointers([mtp_cache]).data_ptr(), mtp_norm.data_ptr(), mtp_eps,
+        mtp_kv_ptrs, mtp_norm.data_ptr(), mtp_eps,
         drafter.enorm[0].data_ptr(), drafter.enorm[1], drafter.hnorm[0].data_ptr(), drafter.hnorm[1],
         drafter.eh_proj.data_ptr(), drafter.rope_cos.data_ptr(), drafter.rope_sin.data_ptr(),
         drafter.rope_cos.shape[0], target.rope_dim // 2, requests, query_len, positions.data_ptr(),

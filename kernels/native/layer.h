@@ -205,29 +205,42 @@ void rope_leading(uint16_t* x, int64_t M, int64_t G, int64_t dI, int64_t R, int6
   for (int64_t r = 0; r < M * G; ++r) std::memcpy(x + r * dI, roped + r * R, R * 2);
 }
 
+// Every token's indexer key LayerNorm(x wk), roped, stored at its slot of the key cache
+// [num_blocks, block_size, dI] (Indexer.store_keys); x is the layer's normed input. Slots outside
+// the cache are skipped (the latent cache's store, the same size, counts them).
+void store_indexer_keys(const IndexerPlan& ix, int64_t x_ptr, int64_t hidden, int64_t M, int64_t cos_ptr,
+                        int64_t sin_ptr, int64_t keys_ptr, int64_t num_blocks, int64_t block_size,
+                        const int64_t* slots) {
+  struct Kept {
+    std::vector<uint16_t> k, kn, roped;
+  };
+  thread_local Kept kept;
+  const int64_t dI = ix.dim;
+  uint16_t *k = scratch(kept.k, M * dI), *kn = scratch(kept.kn, M * dI);
+  linear_w(x_ptr, hidden, weight_of(PLAN_WEIGHT(ix, wk)), int64_t(k), dI, M, dI, hidden);
+  layer_norm(int64_t(k), dI, ix.k_norm, ix.k_bias, int64_t(kn), dI, M, dI, ix.k_eps);
+  rope_leading(kn, M, 1, dI, ix.rope, cos_ptr, sin_ptr, kept.roped);
+  auto* keys = reinterpret_cast<uint16_t*>(keys_ptr);
+  for (int64_t i = 0; i < M; ++i)
+    if (slots[i] >= 0 && slots[i] < num_blocks * block_size) std::memcpy(keys + slots[i] * dI, kn + i * dI, dI * 2);
+}
+
 // The indexer's part of a decode step (SparseMLAttention's store_cache and choose): every token's
-// key LayerNorm(x wk), roped, stored at its slot of the key cache [num_blocks, block_size, dI];
-// then, where some token's context is longer than topk, the queries (wq of the query latent
-// q_an, roped), the head weights and the cache slots each token attends to -> chosen [M, topk]
-// (-1: none). x is the layer's normed input. Returns the block ids outside the cache its tables
+// key stored (store_indexer_keys); then, where some token's context is longer than topk, the
+// queries (wq of the query latent q_an, roped), the head weights and the cache slots each token
+// attends to -> chosen [M, topk] (-1: none). Returns the block ids outside the cache its tables
 // reach (0: fine).
 int64_t indexer_step(const IndexerPlan& ix, int64_t x_ptr, int64_t hidden, int64_t q_an_ptr, int64_t q_lora,
                      int64_t M, int64_t cos_ptr, int64_t sin_ptr, int64_t keys_ptr, int64_t num_blocks,
                      int64_t block_size, const int64_t* slots, int64_t table_ptr, int64_t max_blocks,
                      const int32_t* lens, bool any_sparse, int64_t* chosen) {
   struct Kept {
-    std::vector<uint16_t> k, kn, q, roped, w;
+    std::vector<uint16_t> q, roped, w;
     std::vector<float> weights;
   };
   thread_local Kept kept;
   const int64_t nI = ix.heads, dI = ix.dim;
-  uint16_t *k = scratch(kept.k, M * dI), *kn = scratch(kept.kn, M * dI);
-  linear_w(x_ptr, hidden, weight_of(PLAN_WEIGHT(ix, wk)), int64_t(k), dI, M, dI, hidden);
-  layer_norm(int64_t(k), dI, ix.k_norm, ix.k_bias, int64_t(kn), dI, M, dI, ix.k_eps);
-  rope_leading(kn, M, 1, dI, ix.rope, cos_ptr, sin_ptr, kept.roped);
-  auto* keys = reinterpret_cast<uint16_t*>(keys_ptr);
-  for (int64_t i = 0; i < M; ++i)  // slots were checked against the (same-sized) latent cache
-    if (slots[i] >= 0 && slots[i] < num_blocks * block_size) std::memcpy(keys + slots[i] * dI, kn + i * dI, dI * 2);
+  store_indexer_keys(ix, x_ptr, hidden, M, cos_ptr, sin_ptr, keys_ptr, num_blocks, block_size, slots);
   if (!any_sparse) return 0;
   uint16_t *q = scratch(kept.q, M * nI * dI), *w = scratch(kept.w, M * nI);
   linear_w(q_an_ptr, q_lora, weight_of(PLAN_WEIGHT(ix, wq)), int64_t(q), nI * dI, M, nI * dI, q_lora);

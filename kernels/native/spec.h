@@ -63,9 +63,13 @@ struct MtpRows {
 // are given (0: the row is the token). drafts [R, K] gets them, -1 past room.
 // -> 0; the count of block ids and slots outside the cache (nothing after it ran), or of positions
 // past the rope tables (nothing ran) or the block table (a draft's: the passes before it ran); or
-// minus the count of ids outside [0, V) (nothing ran).
+// minus the count of ids outside [0, V) (nothing ran). With indexers (DeepSeek-V3.2), keys_ptrs
+// [layers] and mtp_keys_ptrs [1] name the layers' and the MTP layer's indexer-key caches
+// (decode_stack's keys_ptrs; 0 without), and the rows that only store MTP cache rows store the MTP
+// layer's indexer keys too (SparseMLAttention.store_cache).
 int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int64_t embed_ptr, int64_t V,
-                         int64_t M, int64_t H, int64_t kv_ptrs_ptr, int64_t num_blocks, int64_t block_size,
+                         int64_t M, int64_t H, int64_t kv_ptrs_ptr, int64_t keys_ptrs_ptr, int64_t mtp_keys_ptrs_ptr,
+                         int64_t num_blocks, int64_t block_size,
                          int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t norm_ptr,
                          double norm_eps, int64_t lm_ptr, int64_t lm_rows, int64_t vocab, int64_t mtp_plan_ptr,
                          int64_t mtp_kv_ptrs_ptr, int64_t mtp_norm_ptr, double mtp_norm_eps, int64_t enorm_ptr,
@@ -98,7 +102,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
   }
   std::vector<uint16_t> hidden(M * H);
   bad = decode_stack(plan_ptr, num_layers, ids_ptr, 0, embed_ptr, V, M, H, int64_t(cos.data()), int64_t(sin.data()),
-                     kv_ptrs_ptr, 0, num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr,
+                     kv_ptrs_ptr, keys_ptrs_ptr, num_blocks, block_size, slots_ptr, table_ptr, max_blocks, lens_ptr, norm_ptr,
                      norm_eps, int64_t(hidden.data()));
   if (bad) return bad;
   greedy_rows(hidden.data(), M, H, lm_ptr, lm_rows, vocab, tokens);
@@ -131,6 +135,11 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
                         int64_t(stored.sin.data()), p.interleaved != 0, mtp_kv, num_blocks, block_size,
                         int64_t(stored.slots.data()), p.rope, p.latent);
     if (bad) return bad;
+    if (p.indexer != 0)
+      store_indexer_keys(*reinterpret_cast<const IndexerPlan*>(p.indexer), int64_t(normed.data()), H, n_stored,
+                         int64_t(stored.cos.data()), int64_t(stored.sin.data()),
+                         reinterpret_cast<const int64_t*>(mtp_keys_ptrs_ptr)[0], num_blocks, block_size,
+                         stored.slots.data());
   }
 
   // Pass j drafts token j of every request with room > j, one row each; g [rows, H] its output.
@@ -142,7 +151,7 @@ int64_t greedy_spec_step(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, 
     mtp_input(int64_t(rows.ids.data()), embed_ptr, H, V, int64_t(rows.h.data()), H, enorm_ptr, e_eps, hnorm_ptr,
               h_eps, eh_ptr, int64_t(u.data()), n, H);
     bad = decode_stack(mtp_plan_ptr, 1, 0, int64_t(u.data()), embed_ptr, V, n, H, int64_t(rows.cos.data()),
-                       int64_t(rows.sin.data()), int64_t(&mtp_kv), 0, num_blocks, block_size, int64_t(rows.slots.data()),
+                       int64_t(rows.sin.data()), int64_t(&mtp_kv), mtp_keys_ptrs_ptr, num_blocks, block_size, int64_t(rows.slots.data()),
                        int64_t(rows.table.data()), max_blocks, int64_t(rows.lens.data()), mtp_norm_ptr,
                        mtp_norm_eps, int64_t(g.data()));
     if (bad) return bad;
