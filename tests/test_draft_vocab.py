@@ -12,7 +12,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.platform import use_native_kernels
-from engine.runner import ModelRunner
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_vocab import (
     MAX_FILE_BYTES,
@@ -24,33 +23,17 @@ from engine.spec_decode.draft_vocab import (
 )
 from engine.tokenizer import Tokenizer
 from services.cli import _spec_args, _spec_config, build_parser
+from tests.test_spec_decode import watch_steps
 
 TRAINED = "assets/pdserve-tiny"
 TEXTS = ["The module provides", "This function returns a", "def main():"]
 MAX_TOKENS = (21, 13, 17)
-REAL_EXECUTE, REAL_STEP = ModelRunner.execute, ModelRunner._greedy_spec_step
 
 
 def _run(vocab: str | None, one_call: bool, monkeypatch, k: int = 2):
     """The texts' greedy tokens with k MTP drafts, and every step's (sampled, drafts), on the
     one-call native step or step by step."""
-    steps = []
-    real_execute, real_step = REAL_EXECUTE, REAL_STEP
-
-    def execute(self, sched):
-        out = real_execute(self, sched)
-        steps.append((dict(out.sampled), dict(out.drafts)))
-        return out
-
-    taken = []
-
-    def step(self, *args):
-        out = real_step(self, *args) if one_call else None
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(ModelRunner, "execute", execute)
-    monkeypatch.setattr(ModelRunner, "_greedy_spec_step", step)
+    steps, taken = watch_steps(monkeypatch, one_call)
     spec = {"method": "mtp", "num_speculative_tokens": k, "draft_vocab": vocab}
     on = use_native_kernels(torch.bfloat16, torch.device("cpu"))  # what the engine will run
     dtype = "bfloat16" if on else "float32"

@@ -482,6 +482,30 @@ def test_batch1_bf16_drafts_keep_the_tokens_bitwise(k):
     assert llm.engine.spec_stats.num_drafts > 0
 
 
+REAL_EXECUTE, REAL_GREEDY_SPEC_STEP = ModelRunner.execute, ModelRunner._greedy_spec_step
+
+
+def watch_steps(monkeypatch, one_call: bool) -> tuple[list[tuple[dict, dict]], list[bool]]:
+    """The runner's steps from here on, watched: -> (each step's (sampled, drafts), whether each
+    greedy speculative step ran as one native call), the one-call step taken where it can be
+    (one_call) or declined every time."""
+    steps, taken = [], []
+
+    def execute(self, sched):
+        out = REAL_EXECUTE(self, sched)
+        steps.append((dict(out.sampled), dict(out.drafts)))
+        return out
+
+    def one_call_step(self, *args):
+        out = REAL_GREEDY_SPEC_STEP(self, *args) if one_call else None
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "_greedy_spec_step", one_call_step)
+    return steps, taken
+
+
 @pytest.mark.parametrize(
     "k, prompts, limit",
     [(1, 1, None), (2, 1, None), (3, 3, None), (2, 3, 3)],
@@ -502,22 +526,8 @@ def test_one_call_spec_step_keeps_tokens_drafts_and_caches(monkeypatch, k, promp
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 13, 17)[:prompts]]
     spec = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit}
     runs = {}
-    real_execute, real_step = ModelRunner.execute, ModelRunner._greedy_spec_step
     for one_call in (False, True):
-        steps, taken = [], []
-
-        def execute(self, sched, steps=steps):
-            out = real_execute(self, sched)
-            steps.append((dict(out.sampled), dict(out.drafts)))
-            return out
-
-        def one_call_step(self, *args, one_call=one_call, taken=taken):
-            out = real_step(self, *args) if one_call else None
-            taken.append(out is not None)
-            return out
-
-        monkeypatch.setattr(ModelRunner, "execute", execute)
-        monkeypatch.setattr(ModelRunner, "_greedy_spec_step", one_call_step)
+        steps, taken = watch_steps(monkeypatch, one_call)
         llm = LLM(
             TRAINED, dtype=dtype, num_kv_blocks=64, block_size=16, num_threads=1, speculative_config=spec
         )

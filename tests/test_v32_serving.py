@@ -482,28 +482,14 @@ def test_one_call_spec_step_keeps_tokens_drafts_and_caches(mtp_model, k, prompts
     import torch
 
     from engine.platform import use_native_kernels
-    from engine.runner import ModelRunner
+    from tests.test_spec_decode import watch_steps
 
     native = use_native_kernels(torch.bfloat16, torch.device("cpu"))
     engine = dict(ENGINE, dtype="bfloat16" if native else "float32")
     spec = {"method": "mtp", "num_speculative_tokens": k}
-    real_execute, real_step = ModelRunner.execute, ModelRunner._greedy_spec_step
     runs = {}
     for one_call in (False, True):
-        steps, taken = [], []
-
-        def execute(self, sched, steps=steps):
-            out = real_execute(self, sched)
-            steps.append((dict(out.sampled), dict(out.drafts)))
-            return out
-
-        def one_call_step(self, *args, one_call=one_call, taken=taken):
-            out = real_step(self, *args) if one_call else None
-            taken.append(out is not None)
-            return out
-
-        monkeypatch.setattr(ModelRunner, "execute", execute)
-        monkeypatch.setattr(ModelRunner, "_greedy_spec_step", one_call_step)
+        steps, taken = watch_steps(monkeypatch, one_call)
         llm = LLM(mtp_model, speculative_config=spec, **engine)
         tokens = _tokens(llm, PROMPTS[-prompts:], MAX_TOKENS[-prompts:])
         runs[one_call] = (tokens, steps, [c.clone() for c in llm.engine.runner.kv_caches])
