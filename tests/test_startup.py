@@ -19,7 +19,7 @@ import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.launcher import Stack, free_port, wait_ready
-from tests.service_testing import stack_config, wait_until
+from tests.service_testing import ENGINE_ARGS, stack_config, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -121,3 +121,24 @@ def test_loading_a_checkpoint_reports_how_much_is_read(tiny_model, caplog, monke
 
 def _bytes(value: str, unit: str) -> float:
     return float(value) * {"MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_a_worker_whose_metrics_port_is_taken_says_so_before_loading(tiny_model, tmp_path):
+    """A worker binds its metrics port with its gRPC port, before it loads the model (a port picked
+    for it is held the sooner: picked, then bound only after the load, another process's
+    connection once took it in between). One already held stops it there: exit 1, a line naming
+    the address, nothing loaded."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        stack = Stack(
+            stack_config(tiny_model, tmp_path, engine_args=[*ENGINE_ARGS, "--metrics-port", str(taken)])
+        )
+        proc = stack.start_worker("decode", 0)
+        assert proc.popen.wait(timeout=120) == 1
+    log = proc.log_path.read_text()
+    assert f"cannot serve metrics on 127.0.0.1:{taken}" in log, log
+    assert "worker listening on" not in log and "worker ready on" not in log, log

@@ -148,6 +148,14 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     health = add_health_and_reflection(server, ["pdserve.v1.Worker", "pdserve.v1.KvTransfer"])
     await set_health(health, live=True, ready=False)
     await server.start()
+    try:  # with the gRPC port, before loading: a port picked for it is taken the sooner
+        metrics_runner = (
+            await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+        )
+    except OSError as e:
+        logger.error("cannot serve metrics on %s:%s: %s", cfg.host, cfg.metrics_port, e)
+        await server.stop(0)
+        return 1
     if on_bound is not None:
         on_bound(port)
     logger.info("%s worker listening on %s (loading %s)", settings.role, endpoint, cfg.engine.model)
@@ -161,6 +169,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
     except Exception:
         await set_health(health, live=False, ready=False)
         await server.stop(0)
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         return 1
     try:  # on the loop, before it serves again: GetEngineInfo never answers without the agent
         agent = start_nixl(
@@ -175,6 +185,8 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
         await set_health(health, live=False, ready=False)
         await server.stop(0)
         engine.stop()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         return 1
     service.engine_ready(core.kv_spec, core.kv_port, agent)
     kv_service.engine_ready(core.kv_port, nixl=agent is not None)
@@ -243,9 +255,6 @@ async def serve(cfg: WorkerServerConfig, on_bound=None) -> int:
                 eplb.last_rank_load[settings.dp_rank] if len(eplb.last_rank_load) > settings.dp_rank else 0.0
             ),
         )
-    metrics_runner = (
-        await _metrics_http(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
-    )
     freeze_startup_heap()  # the engine, its services and their imports: kept until exit
     if not stop.is_set():  # a Drain that came while loading: never turn ready
         await set_health(health, live=True, ready=True)
