@@ -330,7 +330,7 @@ def mla_attention(
         raise ValueError(
             f"the norms' weights must be [hidden={hidden}] and the residual like x, CPU bfloat16"
         )
-    _check_key_caches(w.indexer, [key_cache], kv_cache.shape)
+    _check_key_cache(w.indexer, key_cache, kv_cache.shape)
     slots, block_table, seq_lens = slots.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(rows, hidden, dtype=torch.bfloat16)
@@ -359,20 +359,21 @@ def mla_attention(
     return out if stream is None else (out, stream)
 
 
-def _check_key_caches(indexer: IndexerWeights | None, key_caches: list, latent_shape: torch.Size) -> None:
+def _check_key_cache(
+    indexer: IndexerWeights | None, cache: torch.Tensor | None, latent_shape: torch.Size
+) -> None:
     """A layer with an indexer needs its key cache: contiguous CPU bf16 [blocks, block_size, dI],
     the latent cache's blocks (the same block table addresses both); a layer without one, none."""
     if indexer is None:
-        if any(c is not None for c in key_caches):
+        if cache is not None:
             raise ValueError("a key cache was given to a layer without an indexer")
         return
     want = (latent_shape[0], latent_shape[1], indexer.dim)
-    for cache in key_caches:
-        if cache is None or cache.shape != want or not (native.takes(cache) and cache.is_contiguous()):
-            raise ValueError(
-                f"a layer with an indexer needs its key cache, contiguous CPU bfloat16 {want}, got "
-                f"{None if cache is None else (cache.dtype, tuple(cache.shape))}"
-            )
+    if cache is None or cache.shape != want or not (native.takes(cache) and cache.is_contiguous()):
+        raise ValueError(
+            f"a layer with an indexer needs its key cache, contiguous CPU bfloat16 {want}, got "
+            f"{None if cache is None else (cache.dtype, tuple(cache.shape))}"
+        )
 
 
 def _check_routing(num_experts: int, n_group: int, topk_group: int, top_k: int) -> None:
@@ -623,7 +624,7 @@ def _cache_pointers(
     if indexed and (key_caches is None or len(key_caches) != len(kv_caches)):
         raise ValueError(f"a stack with indexers needs a key cache per layer ({len(kv_caches)})")
     for layer, cache in zip(stack.layers, key_caches or [None] * len(kv_caches), strict=True):
-        _check_key_caches(layer.attention.indexer, [cache], shape)
+        _check_key_cache(layer.attention.indexer, cache, shape)
     pointers = stack.kv_pointers([*kv_caches, *(key_caches if indexed else [])])
     return pointers[0].data_ptr(), pointers[1].data_ptr() if indexed else 0
 
