@@ -1121,6 +1121,73 @@ def test_the_mtp_layer_in_one_call_is_the_bits_of_its_calls(loaded, products, se
         assert torch.equal(a, b) and not torch.equal(a, before)
 
 
+@pytest.mark.parametrize("quant", [None, "fp8"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "seqs, s_q, first_len",
+    [(1, 1, 20), (1, 1, 9), (4, 1, 8), (1, 3, 13), (2, 2, 10)],
+    ids=["sparse", "dense", "mixed", "verify-across-topk", "two-verifying"],
+)
+@torch.inference_mode()
+def test_v32_sparse_decode_in_one_call_is_the_bits_of_the_layers_calls(
+    loaded, products, quant, seqs, s_q, first_len
+):
+    """DeepSeek-V3.2's decode with the indexer inside the native calls (each layer's keys stored,
+    its queries scored, the top index_topk=12 chosen, sparse MLA over them; a token whose context
+    fits in 12 dense), as the whole stack in one call and as a call per layer's attention, against
+    the model's Python path (indexer, native indexer_topk and sparse_mla_decode called one by one):
+    the same hidden states and the same latent and indexer-key rows written, bit for bit, for
+    contexts beyond topk, within it, both in one step and across a verification's tokens."""
+    from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+    cfg, model = _small_model(False, seqs * 10 + s_q, quant=quant, index_topk=12)
+    if not loaded:
+        assert model.native_stack is None
+        return
+    assert model.native_stack is not None and all(model.native_stack.indexed)
+    spec = DeepseekV32ForCausalLM.kv_cache_spec(
+        cfg, num_mtp_layers=0, block_size=4, dtype=torch.bfloat16, fingerprint="test"
+    )
+    gen = torch.Generator().manual_seed(seqs + s_q)
+    caches = spec.allocate(seqs * 8 + 3, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=gen))
+    batch = _decode_batch(seqs, s_q, 4, caches[0].shape[0], cfg.vocab_size, gen, first_len)
+    sparse = any(int(n) > 12 for n in batch.decodes[0].per_token[1])
+
+    def run(route: str) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
+        calls, real = [], (native.decode_stack, native.mla_attention, native.indexer_topk)
+        stack, weights = model.native_stack, [layer.self_attn.native_weights for layer in model.layers]
+        if route != "stack":
+            model.native_stack = None
+        if route == "python":
+            for layer in model.layers:
+                layer.self_attn.native_weights = None
+        mine = spec.allocate(caches[0].shape[0], "cpu")
+        for a, b in zip(mine, caches, strict=True):
+            a.copy_(b)
+        try:
+            native.decode_stack = lambda *a, **k: calls.append("stack") or real[0](*a, **k)
+            native.mla_attention = lambda *a, **k: calls.append("layer") or real[1](*a, **k)
+            native.indexer_topk = lambda *a, **k: calls.append("topk") or real[2](*a, **k)
+            hidden = model(batch, mine)
+        finally:
+            native.decode_stack, native.mla_attention, native.indexer_topk = real
+            model.native_stack = stack
+            for layer, w in zip(model.layers, weights, strict=True):
+                layer.self_attn.native_weights = w
+        return hidden, list(mine), calls
+
+    got, got_caches, calls = run("stack")
+    assert calls == ["stack"]
+    per_layer, per_layer_caches, calls = run("layer")
+    assert calls == ["layer"] * 3
+    want, want_caches, calls = run("python")
+    assert calls == ["topk"] * (3 if sparse else 0)
+    assert torch.equal(got, want) and torch.equal(per_layer, want)
+    for a, b, c, before in zip(got_caches, per_layer_caches, want_caches, caches, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c) and not torch.equal(c, before)
+
+
 @torch.inference_mode()
 def test_a_batch_in_one_call_gives_each_sequence_its_own_bits(loaded, products):
     """A decode step of up to max_rows() sequences runs as one call (on the AMX tile unit or
