@@ -50,6 +50,8 @@ def _madvise():
 
 
 _MADVISE = _madvise()
+refused_errno = 0
+"""The errno of the last madvise(MADV_HUGEPAGE) the kernel refused (0: none yet), for diagnosis."""
 
 
 def _span(nbytes: int) -> int:
@@ -63,7 +65,9 @@ def _advised(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     offset = -raw.data_ptr() % HUGE_PAGE
     region = raw[offset : offset + span]
     if span and _MADVISE is not None and _MADVISE(region.data_ptr(), span, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+        global refused_errno
+        refused_errno = ctypes.get_errno()
+        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", refused_errno)
     return region[:nbytes]
 
 
