@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,22 +33,52 @@ from engine import env as env_vars
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset(), count: int = 1) -> int:
-    """A port free on host now and not in `taken` (ports handed out but not bound yet: the
-    system may offer a port again until its process binds it). With count > 1, the first of
-    `count` consecutive ports all free now (a worker group binds `--port + i` for each rank)."""
+PICK_FROM = 10000
+"""free_port's own picks lie from here up to the kernel's ephemeral range (below: well-known and
+commonly configured ports)."""
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range, where it takes the local ports of outgoing
+    connections and of binds to port 0 (Linux: ip_local_port_range, 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _offered(host: str) -> Iterator[int]:
+    """Ports for free_port to try: random ones below the ephemeral range (while it leaves room), then
+    the system's own choices (a bind to port 0, released)."""
+    end = _ephemeral_start()
+    if end - PICK_FROM >= 1000:
+        for _ in range(64):
+            yield random.randrange(PICK_FROM, end)
     while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        yield port
+
+
+def free_port(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset(), count: int = 1) -> int:
+    """A port free on host now and not in `taken` (ports handed out but not bound yet). With count
+    > 1, the first of `count` consecutive ports all free now (a worker group binds `--port + i` for
+    each rank). Picked below the kernel's ephemeral range where it can be: between this pick and its
+    process's bind (a worker's start-up), the system never hands such a port to another process's
+    outgoing connection or bind to port 0 -- one from the range itself was taken so once, while
+    its worker started."""
+    for port in _offered(host):
+        if taken.intersection(range(port, port + count)):
+            continue
         with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket())
-            first.bind((host, 0))
-            port = first.getsockname()[1]
             try:
-                for i in range(1, count):
+                for i in range(count):
                     held.enter_context(socket.socket()).bind((host, port + i))
             except (OSError, OverflowError):  # held, or past 65535
                 continue
-        if not taken.intersection(range(port, port + count)):
-            return port
+        return port
+    raise AssertionError("unreachable: _offered never ends")
 
 
 def _serving(stub: health_pb2_grpc.HealthStub, service: str) -> bool:

@@ -74,10 +74,8 @@ def test_a_write_style_stream_error_is_mapped_to_its_status():
     assert details == "service must be known, got 'nope'"
 
 
-def fake_socket(offered: list[int], busy: frozenset[int] = frozenset()) -> type:
-    """A socket class whose bind to port 0 takes the next of `offered`, and whose bind to a port
-    in `busy` fails as a held one does."""
-    ports = iter(offered)
+def fake_socket(busy: frozenset[int] = frozenset()) -> type:
+    """A socket class whose bind to a port in `busy` fails as a held one does."""
 
     class FakeSocket:
         def __enter__(self):
@@ -87,13 +85,8 @@ def fake_socket(offered: list[int], busy: frozenset[int] = frozenset()) -> type:
             return False
 
         def bind(self, address):
-            if address[1] == 0:
-                self.port = next(ports)
-            elif address[1] in busy:
+            if address[1] in busy:
                 raise OSError("address in use")
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
 
     return FakeSocket
 
@@ -103,7 +96,9 @@ def test_free_port_skips_ports_already_handed_out(monkeypatch):
     first and bound last, was once offered to its decode worker): a stack never hands one out twice."""
     import services.launcher as launcher
 
-    monkeypatch.setattr(launcher.socket, "socket", fake_socket([5000, 5000, 5000, 5001, 5001, 5002]))
+    offered = iter([5000, 5000, 5000, 5001, 5001, 5002])
+    monkeypatch.setattr(launcher, "_offered", lambda host: offered)
+    monkeypatch.setattr(launcher.socket, "socket", fake_socket())
     assert free_port() == 5000
     stack = launcher.Stack(launcher.StackConfig(model="unused", http_port=None))
     assert stack.grpc_port == 5000
@@ -122,5 +117,20 @@ def test_free_port_count_gives_a_run_of_free_ports(monkeypatch):
         for i in range(3):
             held.enter_context(socket.socket()).bind(("127.0.0.1", port + i))
 
-    monkeypatch.setattr(launcher.socket, "socket", fake_socket([6000, 6010], frozenset({6001})))
+    monkeypatch.setattr(launcher, "_offered", lambda host: iter([6000, 6010]))
+    monkeypatch.setattr(launcher.socket, "socket", fake_socket(frozenset({6001})))
     assert free_port(count=2) == 6010
+
+
+def test_free_port_picks_below_the_ephemeral_range(monkeypatch):
+    """Its ports lie below the range the kernel takes outgoing connections' local ports from (a
+    worker's metrics port from that range was once taken by another process's connection before
+    the worker bound it); where the range leaves no room below, the system's choice."""
+    import services.launcher as launcher
+
+    start = launcher._ephemeral_start()
+    assert 1024 < start <= 65535
+    ports = [free_port() for _ in range(20)]
+    assert all(launcher.PICK_FROM <= p < start for p in ports) or start - launcher.PICK_FROM < 1000, ports
+    monkeypatch.setattr(launcher, "_ephemeral_start", lambda: launcher.PICK_FROM + 10)
+    assert free_port() >= start  # bind(0)'s, from the system's range
