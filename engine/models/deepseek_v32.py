@@ -257,12 +257,12 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
         return KVCacheSpec((*base.groups, keys), fingerprint)
 
     def stack_key_caches(self, kv_caches: KVCaches) -> list[torch.Tensor]:
+        """The decoder layers' indexer-key caches (the MTP layers' follow them in the group)."""
         return kv_caches.group(CacheKind.INDEXER_KEYS)[: len(self.layers)]
 
     def layer_caches(self, kv_caches: KVCaches) -> list:
         """Each layer's (latent cache, indexer-key cache)."""
-        keys = kv_caches.group(CacheKind.INDEXER_KEYS)[: len(self.layers)]
-        return list(zip(kv_caches.group(CacheKind.LATENT), keys, strict=True))
+        return list(zip(kv_caches.group(CacheKind.LATENT), self.stack_key_caches(kv_caches), strict=True))
 
     def mtp_cache(self, kv_caches: KVCaches) -> tuple[torch.Tensor, torch.Tensor]:
         """The first MTP layer's (latent cache, indexer-key cache): model layer num_hidden_layers."""

@@ -260,34 +260,40 @@ int64_t indexer_step(const IndexerPlan& ix, int64_t x_ptr, int64_t hidden, int64
 int64_t attend_chosen(const uint16_t* q, int64_t kv_ptr, int64_t num_blocks, int64_t block_size, int64_t table_ptr,
                       int64_t max_blocks, const int32_t* lens, const int64_t* chosen, int64_t topk, uint16_t* o,
                       int64_t M, int64_t H, int64_t W, int64_t L, double scale) {
-  std::vector<int64_t> dense, sparse;
+  struct Kept {
+    std::vector<int64_t> dense, sparse, chosen;
+    std::vector<uint16_t> q, o;
+    std::vector<int32_t> table, lens;
+  };
+  thread_local Kept kept;  // a step's gathered rows: written whole before they are read
+  std::vector<int64_t>&dense = kept.dense, &sparse = kept.sparse;
+  dense.clear(), sparse.clear();
   for (int64_t i = 0; i < M; ++i) (lens[i] <= topk ? dense : sparse).push_back(i);
   const auto* table = reinterpret_cast<const int32_t*>(table_ptr);
   if (dense.empty())
     return sparse_mla_decode(int64_t(q), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size, int64_t(chosen),
                              topk, topk, int64_t(o), H * L, L, M, H, W, L, scale);
   const int64_t nd = int64_t(dense.size()), ns = int64_t(sparse.size());
-  std::vector<uint16_t> qg(M * H * W), og(M * H * L);  // the dense rows, then the sparse ones
-  std::vector<int32_t> table_d(nd * max_blocks), lens_d(nd);
-  std::vector<int64_t> chosen_s(ns * topk);
+  // The dense rows, then the sparse ones.
+  uint16_t *qg = scratch(kept.q, M * H * W), *og = scratch(kept.o, M * H * L);
+  int32_t *table_d = scratch(kept.table, nd * max_blocks), *lens_d = scratch(kept.lens, nd);
+  int64_t* chosen_s = scratch(kept.chosen, ns * topk);
   for (int64_t j = 0; j < M; ++j) {
     const int64_t i = j < nd ? dense[j] : sparse[j - nd];
-    std::memcpy(&qg[j * H * W], q + i * H * W, H * W * 2);
+    std::memcpy(qg + j * H * W, q + i * H * W, H * W * 2);
     if (j < nd) {
-      std::memcpy(&table_d[j * max_blocks], table + i * max_blocks, max_blocks * 4);
+      std::memcpy(table_d + j * max_blocks, table + i * max_blocks, max_blocks * 4);
       lens_d[j] = lens[i];
     } else {
-      std::memcpy(&chosen_s[(j - nd) * topk], chosen + i * topk, topk * 8);
+      std::memcpy(chosen_s + (j - nd) * topk, chosen + i * topk, topk * 8);
     }
   }
-  int64_t bad = mla_decode(int64_t(qg.data()), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size,
-                           int64_t(table_d.data()), max_blocks, max_blocks, int64_t(lens_d.data()), int64_t(og.data()),
-                           H * L, L, nd, H, W, L, scale);
+  int64_t bad = mla_decode(int64_t(qg), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size, int64_t(table_d),
+                           max_blocks, max_blocks, int64_t(lens_d), int64_t(og), H * L, L, nd, H, W, L, scale);
   if (bad == 0 && ns > 0)
-    bad = sparse_mla_decode(int64_t(&qg[nd * H * W]), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size,
-                            int64_t(chosen_s.data()), topk, topk, int64_t(&og[nd * H * L]), H * L, L, ns, H, W, L,
-                            scale);
-  for (int64_t j = 0; j < M; ++j) std::memcpy(o + (j < nd ? dense[j] : sparse[j - nd]) * H * L, &og[j * H * L], H * L * 2);
+    bad = sparse_mla_decode(int64_t(qg + nd * H * W), H * W, W, kv_ptr, block_size * W, W, num_blocks, block_size,
+                            int64_t(chosen_s), topk, topk, int64_t(og + nd * H * L), H * L, L, ns, H, W, L, scale);
+  for (int64_t j = 0; j < M; ++j) std::memcpy(o + (j < nd ? dense[j] : sparse[j - nd]) * H * L, og + j * H * L, H * L * 2);
   return bad;
 }
 
