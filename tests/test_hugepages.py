@@ -194,7 +194,7 @@ def test_engine_weights_and_cache_are_advised_and_tokens_unchanged(tiny_model, m
     regions = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(regions) == 1  # the tiny model's weights fit one 64 MiB region
     attn = model.layers[0].self_attn
-    assert advised(attn.w_uk) and advised(attn.w_uv_t)  # derived at load, placed too
+    assert advised(attn.w_uk_t) and advised(attn.w_uv)  # derived at load (a copy, a view), placed too
     assert all(c.numel() * 2 >= HUGE_PAGE and advised(c) for c in runner.kv_caches)  # 2.5 MiB a layer
     assert all(int(c.abs().sum()) == 0 for c in runner.kv_caches)  # zeroed
     assert all(resident_bytes(c) < HUGE_PAGE for c in runner.kv_caches)  # nothing written yet

@@ -122,6 +122,28 @@ def test_shapes_the_kernels_do_not_take_go_to_torch(loaded):
     assert native.few_rows_quant_linear(torch.randn(2, 32).bfloat16(), fp8_weight(w, 32)) is None  # K differs
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_per_head_products_match_the_reference_and_each_heads_own_call(form, rows):
+    """linear_heads (MLA's absorbed products with kv_b_proj kept FP8): every head's weight a strided
+    view of one kv_b-like weight, as W_UV is ([H, v, L] of [H, nope + v, L]), x a transposed view as
+    the queries are ([H, M, K] of [M, H, K]): each head against float64 from the stored bytes, and
+    bit for bit the one-head product of that head's weight alone."""
+    g = torch.Generator().manual_seed(rows)
+    heads, nope, v, k = 3, 32, 48, 160
+    kv_b = fp8_weight(torch.randn(heads * (nope + v), k, generator=g), 32)
+    data, scale = kv_b.data.view(heads, nope + v, k), kv_b.scale.view(heads, nope + v, -1)
+    w = QuantWeight("fp8", data[:, nope:], scale[:, nope:], 32)  # [H, v, K], heads (nope + v) rows apart
+    x = torch.randn(rows, heads, k, generator=g).bfloat16().transpose(0, 1)  # [H, M, K]
+    y = native.linear_heads(x, w)
+    assert y.shape == (heads, rows, v) and y.dtype is torch.bfloat16
+    for h in range(heads):
+        check_close(y[h], x[h], w[h])
+        alone = native.few_rows_quant_linear(x[h].contiguous(), QuantWeight("fp8", w.data[h], w.scale[h], 32))
+        assert torch.equal(y[h], alone)
+    with pytest.raises(ValueError, match="share B and K"):
+        native.linear_heads(x[:2], w)
+
+
 def experts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> QuantWeight:
     w = torch.randn(e * n, k, generator=g) / k**0.5
     one = mxfp4_weight(w) if fmt == "mxfp4" else fp8_weight(w, 128)
@@ -161,3 +183,57 @@ def test_moe_matches_the_torch_loop_and_keeps_a_tokens_bits(form, fmt):
     bad[4, 0] = num_experts
     with pytest.raises(ValueError, match="expert ids"):
         native.moe_topk(x, w13, w2, out, bad, weights, None)
+
+
+@pytest.mark.parametrize(
+    "nope, v, block, kept",
+    [(32, 32, 32, True), (64, 64, 128, True), (128, 128, 128, True), (32, 16, 32, False)],
+    ids=["32x32-grid", "bench-like", "v3-like", "heads-across-blocks"],
+)
+@torch.inference_mode()
+def test_mla_keeps_kv_b_fp8_for_its_absorbed_products(loaded, nope, v, block, kept):
+    """MLA's absorbed products read kv_b_proj's FP8 bytes (W_UK transposed with its scales, W_UV a
+    view) where each head's nope rows sit in whole row blocks of the grid, and dequantize it once
+    where they do not (a head starting mid-block): either way the matrices are kv_b_proj's
+    values, and absorb / unabsorb agree with float64 products of them."""
+    from engine.config import ModelConfig
+    from engine.models.mla import MLAttention
+
+    heads, latent = 3, 160
+    cfg = ModelConfig.from_dict({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 64,
+        "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "kv_lora_rank": latent, "q_lora_rank": 64, "qk_nope_head_dim": nope, "qk_rope_head_dim": 16,
+        "v_head_dim": v, "max_position_embeddings": 64,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]},
+    })  # fmt: skip
+    attn = MLAttention(cfg, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(nope + v)
+    kv_b = fp8_weight(torch.randn(heads * (nope + v), latent, generator=g), block)
+    attn.kv_b_proj.weight.copy_(kv_b.data)
+    attn.kv_b_proj.weight_scale.copy_(kv_b.scale)
+    attn.process_weights()
+    assert isinstance(attn.w_uk_t, QuantWeight) == kept and isinstance(attn.w_uv, QuantWeight) == kept
+    values = kv_b.dequantize(torch.float64).view(heads, nope + v, latent)
+    if not kept:  # dequantized once, to bf16
+        values = values.bfloat16().double()
+
+    def dense(w):
+        return w.dequantize(torch.float64) if isinstance(w, QuantWeight) else w.double()
+
+    assert torch.equal(dense(attn.w_uk_t), values[:, :nope].transpose(1, 2))
+    assert torch.equal(dense(attn.w_uv), values[:, nope:])
+    if kept:  # W_UV is kv_b_proj's own bytes
+        assert (
+            attn.w_uv.data.untyped_storage().data_ptr() == attn.kv_b_proj.weight.untyped_storage().data_ptr()
+        )
+    q_nope = torch.randn(2, heads, nope, generator=g).bfloat16()
+    o_lat = torch.randn(2, heads, latent, generator=g).bfloat16()
+    assert attn.absorbs_natively(q_nope)
+    for got, x, w in (
+        (attn.absorb(q_nope, True), q_nope, values[:, :nope]),  # q_lat = q_nope @ W_UK
+        (attn.unabsorb(o_lat, True), o_lat, values[:, nope:].transpose(1, 2)),  # o = o_lat @ W_UV^T
+    ):
+        ref = torch.einsum("nhk,hkj->nhj", x.double(), w)
+        bound = ref.abs() * 2.0**-8 + torch.einsum("nhk,hkj->nhj", x.double().abs(), w.abs()) * 2.0**-16
+        assert ((got.double() - ref).abs() <= bound).all()

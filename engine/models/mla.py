@@ -25,6 +25,7 @@ from kernels import native
 from kernels.attention import extend_attention
 from kernels.kv_store import store_kv
 from kernels.mla import NATIVE_MAX_BATCH, mla_decode
+from kernels.quant import QuantWeight
 from kernels.rotary import apply_rotary
 
 
@@ -54,29 +55,60 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim), dtype=dtype, quant=q)
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=cfg.attention_bias, dtype=dtype, quant=q)
         self.dtype = dtype
-        self.w_uk: torch.Tensor | None = None  # [H, nope, L], set by process_weights
-        self.w_uv_t: torch.Tensor | None = None  # [H, L, v]
-        self.w_uk_t: torch.Tensor | None = None  # [H, L, nope], for the native few-token products
-        self.w_uv: torch.Tensor | None = None  # [H, v, L], a view of kv_b_proj's weight
+        # The absorbed form's per-head matrices, set by process_weights: W_UK transposed [H, L, nope]
+        # (a copy) and W_UV [H, v, L] (a view of kv_b_proj's weight), bf16 or kept FP8.
+        self.w_uk_t: torch.Tensor | QuantWeight | None = None
+        self.w_uv: torch.Tensor | QuantWeight | None = None
         self.native_weights: native.MLAWeights | None = None  # the one-call decode's, set by process_weights
 
     def process_weights(
         self, place: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
     ) -> None:
-        """Split kv_b_proj into the absorbed-form matrices once the weights are loaded. place(t):
-        a contiguous copy of t where the derived matrices should live (the model's arena). A
-        quantized kv_b_proj is dequantized for them once, here (as vLLM does: the absorbed
-        products take it per head); the prefill's up-projection keeps reading it quantized."""
-        weight = self.kv_b_proj.weight
-        if self.kv_b_proj.quant is not None:
-            weight = place(self.kv_b_proj.dense(self.dtype))
-        w = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = place(w[:, : self.nope_dim])
-        self.w_uv_t = place(w[:, self.nope_dim :].transpose(1, 2))
-        if native.loaded() and native.takes(w):  # one decode token: per-head products as GEMVs
-            self.w_uk_t = place(w[:, : self.nope_dim].transpose(1, 2))
-            self.w_uv = w[:, self.nope_dim :]
+        """Split kv_b_proj into the absorbed form's per-head matrices once the weights are loaded.
+        place(t): a contiguous copy of t where the derived matrices should live (the model's
+        arena). A kv_b_proj kept FP8 stays FP8 for them where the native kernels run (W_UK's bytes
+        transposed, with its scales; W_UV a view), else it is dequantized once, here (as vLLM
+        does); the prefill's up-projection reads it as kept."""
+        H, nope, v, L = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        kv_b = self.kv_b_proj
+        kept = self._fp8_heads(place) if kv_b.quant is not None and self.dtype == torch.bfloat16 else None
+        if kept is not None:
+            self.w_uk_t, self.w_uv = kept
+        else:
+            weight = kv_b.weight if kv_b.quant is None else place(kv_b.dense(self.dtype))
+            w = weight.view(H, nope + v, L)
+            self.w_uk_t = place(w[:, :nope].transpose(1, 2))
+            self.w_uv = w[:, nope:]
+        if native.loaded() and native.takes_weight(self.w_uk_t) and native.takes_weight(self.w_uv):
             self.native_weights = self._native_weights()
+
+    def _fp8_heads(
+        self, place: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[QuantWeight, QuantWeight] | None:
+        """kv_b_proj's FP8 weight as the absorbed form's (W_UK^T [H, L, nope], W_UV [H, v, L]), where
+        the native kernels take them: W_UK^T's scales run along nope, so each head's nope rows must
+        fall in row blocks of the checkpoint's grid (a block of 32, 64, ... of nope, one scale per
+        block) -- true of DeepSeek's 128 x 128 grid with 128-row heads and of 32 x 32; else None."""
+        kv_b = self.kv_b_proj.w
+        if not (native.loaded() and kv_b.fmt == "fp8"):
+            return None
+        H, nope, v, L = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        data, scale = kv_b.data.view(H, nope + v, L), kv_b.scale.view(H, nope + v, -1)
+        uk_scale = scale[:, :nope]  # [H, nope, L / block_k]: row d's scale of each block of L
+        for block in (-(-nope // 32) * 32, 128, 64, 32):
+            firsts = uk_scale[:, ::block]  # [H, ceil(nope / block), L / block_k]
+            if block <= -(-nope // 32) * 32 and bool(
+                (uk_scale == firsts.repeat_interleave(block, dim=1)[:, :nope]).all()
+            ):
+                break
+        else:
+            return None
+        columns = torch.arange(L) // kv_b.block_k  # W_UK^T row c takes its column block's scales
+        uk_scale = torch.empty(H, L, firsts.shape[1])  # unit stride along K even with one block
+        uk_scale.copy_(firsts[:, :, columns].transpose(1, 2))
+        uk_t = place(data[:, :nope].view(torch.uint8).transpose(1, 2)).view(data.dtype)
+        uk_t = QuantWeight("fp8", uk_t, place(uk_scale), block)
+        return uk_t, QuantWeight("fp8", data[:, nope:], scale[:, nope:], kv_b.block_k)
 
     def _native_weights(self) -> native.MLAWeights | None:
         """The weights of the one-call native decode (native.mla_attention), or None where it
@@ -107,10 +139,11 @@ class MLAttention(nn.Module):
             interleaved=self.interleaved,
         )
         projections = [t for t in (weights.q_a, weights.q_b, weights.kv_a, weights.o_proj) if t is not None]
-        tensors = [t for t in (weights.q_a_norm, weights.kv_a_norm, weights.w_uk_t) if t is not None]
+        projections += [weights.w_uk_t, weights.w_uv]
+        norms = [t for t in (weights.q_a_norm, weights.kv_a_norm) if t is not None]
         if not (
-            native.takes(*tensors, weights.w_uv)
-            and all(t.is_contiguous() for t in tensors)
+            native.takes(*norms)
+            and all(t.is_contiguous() for t in norms)
             and all(native.takes_weight(p) for p in projections)
         ):
             return None
@@ -273,18 +306,23 @@ class MLAttention(nn.Module):
     def absorbs_natively(self, q_nope: torch.Tensor) -> bool:
         """Whether the absorbed form's per-head products of these query rows go native (a few
         bf16 rows: per-head GEMVs), else torch's batched GEMMs."""
-        return self.w_uk_t is not None and native.takes_rows(q_nope.transpose(0, 1), self.w_uk_t[0])
+        heads = (self.w_uk_t, self.w_uv)
+        return native.takes_rows(q_nope.transpose(0, 1), None) and all(map(native.takes_weight, heads))
 
     def absorb(self, q_nope: torch.Tensor, few: bool) -> torch.Tensor:
         """W_UK folded into the query: q_nope [n, H, nope] -> q_lat [n, H, L]."""
         per_head = q_nope.transpose(0, 1)  # [H, n, nope]
         if few:
-            return native.linear_bf16(per_head, self.w_uk_t).transpose(0, 1)
-        return torch.bmm(per_head, self.w_uk).transpose(0, 1)
+            return native.linear_heads(per_head, self.w_uk_t).transpose(0, 1)
+        return torch.bmm(per_head, self._dense(self.w_uk_t).transpose(1, 2)).transpose(0, 1)
 
     def unabsorb(self, o_lat: torch.Tensor, few: bool) -> torch.Tensor:
         """W_UV applied after attention: o_lat [n, H, L] -> [n, H, v]."""
         per_head = o_lat.transpose(0, 1)  # [H, n, L]
         if few:
-            return native.linear_bf16(per_head, self.w_uv).transpose(0, 1)
-        return torch.bmm(per_head, self.w_uv_t).transpose(0, 1)
+            return native.linear_heads(per_head, self.w_uv).transpose(0, 1)
+        return torch.bmm(per_head, self._dense(self.w_uv).transpose(1, 2)).transpose(0, 1)
+
+    def _dense(self, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """A per-head matrix for torch's batched products: as it is, or a kept FP8 one widened."""
+        return w.dequantize(self.dtype) if isinstance(w, QuantWeight) else w

@@ -394,7 +394,44 @@ def few_rows_quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | Non
         return None
     y = torch.empty((rows, n), dtype=_BF16)
     if n and rows:
-        _library.linear_q(x.data_ptr(), x.stride(0), *weight_args(w), y.data_ptr(), n, rows, n, k)
+        _library.linear_q(
+            x.data_ptr(), 0, x.stride(0), weight_args(w), 0, 0, y.data_ptr(), 0, n, 1, rows, n, k
+        )
+    return y
+
+
+def batch_strides(w: torch.Tensor | QuantWeight) -> tuple[int, int]:
+    """A batched weight [B, N, K]'s strides from one product's weight to the next, in data units
+    (bf16 values, or bytes) and in scales (0 for bf16)."""
+    if not isinstance(w, QuantWeight):
+        return w.stride(0), 0
+    return w.data.stride(0), w.scale.stride(0)
+
+
+def linear_heads(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+    """x [B, M, K] @ w[b]^T per b -> [B, M, N], w [B, N, K] bf16 (linear_bf16's batched product) or
+    kept quantized (FP8 or MXFP4, widened as it is read): MLA's absorbed per-head products. x bf16
+    with unit stride along K; as many rows as the native products take (`_few_enough`). Requires
+    `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if not isinstance(w, QuantWeight):
+        return linear_bf16(x, w)
+    (b, rows, k), (b_w, n, k_w) = x.shape, w.shape
+    if b != b_w or k != k_w:
+        raise ValueError(
+            f"x [B, M, K] and w [B, N, K] must share B and K, got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
+    if not (x.dtype is _BF16 and x.is_cpu and x.stride(2) == 1 and takes_weight(w)):
+        raise ValueError(
+            f"x must be CPU bfloat16 with unit stride along K and w a CPU QuantWeight the kernels take, "
+            f"got {x.dtype} {tuple(x.stride())} on {x.device}"
+        )
+    y = torch.empty(b, rows, n, dtype=_BF16)
+    if b and rows and n:
+        _library.linear_q(
+            x.data_ptr(), x.stride(0), x.stride(1), weight_args(w), *batch_strides(w),
+            y.data_ptr(), y.stride(0), y.stride(1), b, rows, n, k,
+        )  # fmt: skip
     return y
 
 

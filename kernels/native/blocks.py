@@ -90,8 +90,8 @@ def _plan_row(fields: list[tuple[str, bool]], values: dict[str, int | float]) ->
 @dataclass(frozen=True)
 class MLAWeights:
     """One MLA layer's decode weights as mla_attention takes them: bf16, contiguous rows, no biases;
-    the four projections may be kept quantized (kernels/quant.py; native.takes_weight). Built by
-    engine/models/mla.py once the weights are loaded."""
+    the projections, the absorbed per-head ones too, may be kept quantized (kernels/quant.py;
+    native.takes_weight). Built by engine/models/mla.py once the weights are loaded."""
 
     q_a: (
         torch.Tensor | QuantWeight | None
@@ -100,8 +100,8 @@ class MLAWeights:
     q_b: torch.Tensor | QuantWeight  # [H*(nope+R), q_lora]
     kv_a: torch.Tensor | QuantWeight  # [L+R, hidden]
     kv_a_norm: torch.Tensor  # [L]
-    w_uk_t: torch.Tensor  # [H, L, nope] contiguous
-    w_uv: torch.Tensor  # [H, v, L], rows L apart (a view of kv_b_proj's weight)
+    w_uk_t: torch.Tensor | QuantWeight  # [H, L, nope], unit stride along nope
+    w_uv: torch.Tensor | QuantWeight  # [H, v, L], unit stride along L (a view of kv_b_proj's weight)
     o_proj: torch.Tensor | QuantWeight  # [hidden, H*v]
     heads: int
     nope_dim: int
@@ -343,7 +343,8 @@ def mla_attention(
         native.weight_args(w.q_a), 0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
         w.q_lora_rank, w.q_eps, native.weight_args(w.q_b),
         native.weight_args(w.kv_a), w.kv_a_norm.data_ptr(), w.kv_eps,
-        w.w_uk_t.data_ptr(), w.w_uv.data_ptr(), w.w_uv.stride(0), native.weight_args(w.o_proj),
+        native.weight_args(w.w_uk_t), *native.batch_strides(w.w_uk_t),
+        native.weight_args(w.w_uv), *native.batch_strides(w.w_uv), native.weight_args(w.o_proj),
         cos.data_ptr(), sin.data_ptr(), w.interleaved,
         kv_cache.data_ptr(), num_blocks, block_size,
         slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(),
@@ -538,7 +539,9 @@ class DecodeStack:
             **_plan_weight("o", w.o_proj),
             qa_norm=0 if w.q_a_norm is None else w.q_a_norm.data_ptr(),
             q_lora=w.q_lora_rank, kva_norm=w.kv_a_norm.data_ptr(),
-            wuk=w.w_uk_t.data_ptr(), wuv=w.w_uv.data_ptr(), wuv_h=w.w_uv.stride(0),
+            **_plan_weight("wuk", w.w_uk_t), **_plan_weight("wuv", w.w_uv),
+            **dict(zip(("wuk_h", "wuk_scale_h"), native.batch_strides(w.w_uk_t), strict=True)),
+            **dict(zip(("wuv_h", "wuv_scale_h"), native.batch_strides(w.w_uv), strict=True)),
             heads=w.heads, nope=w.nope_dim, rope=w.rope_dim, latent=w.kv_lora_rank, v=w.v_dim,
             interleaved=int(w.interleaved), pre_norm=pre.data_ptr(), post_norm=post.data_ptr(),
             indexer=0 if w.indexer is None else w.indexer.plan.data_ptr(),

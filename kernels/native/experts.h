@@ -150,14 +150,6 @@ void moe_pairs(int64_t x_ptr, int64_t ldx, int64_t w13_ptr, int64_t w13_expert, 
             reinterpret_cast<uint16_t*>(out_ptr), ldo, experts, tokens, weights, H);
 }
 
-// A weight from Python as (data, ld, scale, lds, block_k, fmt): kernels/native weight_args.
-using WeightArgs = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
-
-inline QW weight_of(const WeightArgs& a) {
-  const auto [data, ld, scale, lds, block_k, fmt] = a;
-  return QW{reinterpret_cast<const void*>(data), ld, reinterpret_cast<const void*>(scale), lds, block_k, fmt};
-}
-
 // Experts in any format from Python's arguments: w13 and w2 with their per-expert (data, scale)
 // strides; the shared expert's with s13's data 0 for none.
 inline Experts experts_of(const WeightArgs& w13, int64_t w13_expert, int64_t w13_scale_expert, const WeightArgs& w2,

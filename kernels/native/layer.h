@@ -304,9 +304,10 @@ int64_t attend_chosen(const uint16_t* q, int64_t kv_ptr, int64_t num_blocks, int
 //   q      = q_b(norm(q_a(x)))  (or q_proj(x) when qa_ptr is 0)    [M, H, nope + R]
 //   q_pe   = rotary(q[..., nope:])                                   [M, H, R]
 //   kv_a   = kv_a(x); c = norm(kv_a[:, :L]); k_pe = rotary(kv_a[:, L:]); cache[slot] = (c, k_pe)
-//   q_lat  = q_nope @ w_uk[h] per head (w_uk_t [H, L, nope])         [M, H, L]
+//   q_lat  = q_nope @ w_uk[h] per head (w_uk_t [H, L, nope], heads wuk_h apart)   [M, H, L]
 //   o_lat  = mla_decode([q_lat, q_pe]) over the paged cache           [M, H, L]
 //   out    = o_proj(o_lat @ w_uv[h]^T per head)  (w_uv [H, v, L], heads wuv_h apart)   [M, hidden]
+// Every projection, the per-head ones too, bf16 or kept quantized (a head's scales *_scale_h apart).
 // Token i is sequence i of table [M, max_blocks] / lens [M] (a verification's tokens come
 // expanded, as kernels/mla.py passes them); slots [M] int64, -1 to skip. With the decoder
 // layer's norms (pre_norm_ptr, post_norm_ptr), x is the layer's input before its norm, res the
@@ -319,7 +320,8 @@ int64_t attend_chosen(const uint16_t* q, int64_t kv_ptr, int64_t num_blocks, int
 // slots outside the cache (0: fine; the caller raises).
 int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs& qa_args, int64_t qa_norm_ptr,
                       int64_t q_lora, double q_eps, const WeightArgs& qb_args, const WeightArgs& kva_args,
-                      int64_t kva_norm_ptr, double kv_eps, int64_t wuk_ptr, int64_t wuv_ptr, int64_t wuv_h,
+                      int64_t kva_norm_ptr, double kv_eps, const WeightArgs& wuk_args, int64_t wuk_h,
+                      int64_t wuk_scale_h, const WeightArgs& wuv_args, int64_t wuv_h, int64_t wuv_scale_h,
                       const WeightArgs& o_args, int64_t cos_ptr,
                       int64_t sin_ptr, bool interleaved, int64_t kv_ptr, int64_t num_blocks, int64_t block_size,
                       int64_t slots_ptr, int64_t table_ptr, int64_t max_blocks, int64_t lens_ptr, int64_t out_ptr,
@@ -363,7 +365,7 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs
   int64_t bad = store_latents(x_ptr, M, hidden, kva, kva_norm_ptr, kv_eps, cos_ptr, sin_ptr, interleaved, kv_ptr,
                               num_blocks, block_size, slots_ptr, R, L);
 
-  linear_bf16(at(q), qk, H * qk, wuk_ptr, L * nope, nope, at(q_lat), M * L, L, H, M, L, nope);
+  linear_w(at(q), qk, H * qk, weight_of(wuk_args), wuk_h, wuk_scale_h, at(q_lat), M * L, L, H, M, L, nope);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t h = 0; h < H; ++h) {
       std::memcpy(&q_full[(i * H + h) * W], &q_lat[(h * M + i) * L], L * 2);
@@ -384,7 +386,7 @@ int64_t mla_attention(int64_t x_ptr, int64_t M, int64_t hidden, const WeightArgs
     bad = attend_chosen(q_full, kv_ptr, num_blocks, block_size, table_ptr, max_blocks, lens, chosen, ix->topk, o_lat,
                         M, H, W, L, scale);
   if (bad != 0) return bad;
-  linear_bf16(at(o_lat), L, H * L, wuv_ptr, wuv_h, L, at(o_v), M * v, v, H, M, v, L);
+  linear_w(at(o_lat), L, H * L, weight_of(wuv_args), wuv_h, wuv_scale_h, at(o_v), M * v, v, H, M, v, L);
   for (int64_t i = 0; i < M; ++i)
     for (int64_t h = 0; h < H; ++h) std::memcpy(&o_heads[(i * H + h) * v], &o_v[(h * M + i) * v], v * 2);
   linear_w(at(o_heads), H * v, o, out_ptr, hidden, M, hidden, H * v);
@@ -537,7 +539,8 @@ int64_t mtp_input(int64_t ids_ptr, int64_t embed_ptr, int64_t ld_embed, int64_t 
 // weight's fields are a WeightArgs' (PDSERVE_WEIGHT: data, ld, scale, lds, block_k, fmt).
 #define PDSERVE_LAYER_PLAN(INT, REAL)                                                                      \
   PDSERVE_WEIGHT(INT, qa) INT(qa_norm) INT(q_lora) PDSERVE_WEIGHT(INT, qb) PDSERVE_WEIGHT(INT, kva)        \
-  INT(kva_norm) INT(wuk) INT(wuv) INT(wuv_h) PDSERVE_WEIGHT(INT, o)                                        \
+  INT(kva_norm) PDSERVE_WEIGHT(INT, wuk) INT(wuk_h) INT(wuk_scale_h) PDSERVE_WEIGHT(INT, wuv) INT(wuv_h)    \
+  INT(wuv_scale_h) PDSERVE_WEIGHT(INT, o)                                                                  \
   INT(heads) INT(nope) INT(rope) INT(latent) INT(v) INT(interleaved) INT(pre_norm) INT(post_norm)          \
   INT(moe) INT(gate) INT(ld_gate) INT(bias) INT(experts) INT(softmax) INT(n_group) INT(topk_group)        \
   INT(top_k) INT(norm_topk_prob) PDSERVE_WEIGHT(INT, w13) INT(w13_expert) INT(w13_scale_expert)           \
@@ -589,7 +592,9 @@ int64_t decode_stack(int64_t plan_ptr, int64_t num_layers, int64_t ids_ptr, int6
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerPlan& p = plans[l];
     bad = mla_attention(at(x), M, H, PLAN_WEIGHT(p, qa), p.qa_norm, p.q_lora, p.q_eps, PLAN_WEIGHT(p, qb),
-                        PLAN_WEIGHT(p, kva), p.kva_norm, p.kv_eps, p.wuk, p.wuv, p.wuv_h, PLAN_WEIGHT(p, o), cos_ptr, sin_ptr, p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
+                        PLAN_WEIGHT(p, kva), p.kva_norm, p.kv_eps, PLAN_WEIGHT(p, wuk), p.wuk_h, p.wuk_scale_h,
+                        PLAN_WEIGHT(p, wuv), p.wuv_h, p.wuv_scale_h, PLAN_WEIGHT(p, o), cos_ptr, sin_ptr,
+                        p.interleaved != 0, kv_ptrs[l], num_blocks, block_size,
                         slots_ptr, table_ptr, max_blocks, lens_ptr, at(normed), p.heads, p.nope, p.rope, p.latent, p.v,
                         p.scale, p.pre_norm, p.pre_eps, l == 0 ? 0 : at(residual), p.post_norm, p.post_eps,
                         at(residual), p.indexer, p.indexer != 0 ? keys_ptrs[l] : 0);

@@ -436,12 +436,15 @@ void product(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int64_t l
   qcolumns_512(x, ldx, w, y, ldy, M, K, n0, n1);
 }
 
-// y [M, N] = x [M, K] @ w^T, w in any format, its columns shared over the threads in chunks of
-// about CHUNK_BYTES of weight; rows in blocks of ROW_BLOCK (each x block widened once, in the AVX2
-// build, for all its chunks).
-void linear_w(int64_t x_ptr, int64_t ldx, const QW& w, int64_t y_ptr, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+// y[b] [M, N] = x[b] [M, K] @ w[b]^T for b < B, w in any format (w[b]: w offset by b * w_batch of
+// data units and b * s_batch of scales; x[b] and y[b] b * x_batch and b * y_batch bf16 values on):
+// the products' columns shared over the threads in chunks of about CHUNK_BYTES of weight; rows in
+// blocks of ROW_BLOCK (each x[b] block widened once, in the AVX2 build, for all its chunks). A bf16
+// w takes linear_bf16 (its bits).
+void linear_w(int64_t x_ptr, int64_t x_batch, int64_t ldx, const QW& w, int64_t w_batch, int64_t s_batch,
+              int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
   if (w.fmt == W_BF16)
-    return linear_bf16(x_ptr, 0, ldx, int64_t(w.data), 0, w.ld, y_ptr, 0, ldy, 1, M, N, K);
+    return linear_bf16(x_ptr, x_batch, ldx, int64_t(w.data), w_batch, w.ld, y_ptr, y_batch, ldy, B, M, N, K);
   const int64_t step = 16, steps = (N + step - 1) / step;
   const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (step * w.row_bytes(K)));
   for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
@@ -450,23 +453,46 @@ void linear_w(int64_t x_ptr, int64_t ldx, const QW& w, int64_t y_ptr, int64_t ld
     auto* y = reinterpret_cast<uint16_t*>(y_ptr) + m0 * ldy;
 #ifdef __AVX512F__
     const float* split = nullptr;
+    const int64_t split_size = 0;
 #else
+    const int64_t split_size = rows * split_width(K);
     thread_local std::vector<float> kept;
     float* split = nullptr;
-    if (!g_quant_generic) split = scratch(kept, rows * split_width(K)), widen_rows(x, ldx, rows, K, split, w.fmt);
+    if (!g_quant_generic) {
+      split = scratch(kept, B * split_size);
+      for (int64_t b = 0; b < B; ++b) widen_rows(x + b * x_batch, ldx, rows, K, split + b * split_size, w.fmt);
+    }
 #endif
     const int64_t passes = (rows + QROWS - 1) / QROWS;
-    maybe_parallel(steps, chunk, N * w.row_bytes(K) * passes, [&](int64_t s0, int64_t s1) {
-      product(x, ldx, w, y, ldy, rows, K, s0 * step, std::min(N, s1 * step), split);
+    maybe_parallel(B * steps, chunk, B * N * w.row_bytes(K) * passes, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1;) {  // [i0, i1) may span several products: one step range each
+        const int64_t b = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + (i1 - i));
+        product(x + b * x_batch, ldx, w.offset(b * w_batch, b * s_batch), y + b * y_batch, ldy, rows, K, s0 * step,
+                std::min(N, s1 * step), split ? split + b * split_size : nullptr);
+        i += s1 - s0;
+      }
     });
   }
 }
 
-// linear_w from Python: w as (data, ld, scale, lds, block_k, fmt).
-void linear_q(int64_t x_ptr, int64_t ldx, int64_t w_ptr, int64_t ldw, int64_t scale_ptr, int64_t lds, int64_t block_k,
-              int64_t fmt, int64_t y_ptr, int64_t ldy, int64_t M, int64_t N, int64_t K) {
-  const QW w{reinterpret_cast<const void*>(w_ptr), ldw, reinterpret_cast<const void*>(scale_ptr), lds, block_k, fmt};
-  linear_w(x_ptr, ldx, w, y_ptr, ldy, M, N, K);
+// One product: y [M, N] = x [M, K] @ w^T.
+void linear_w(int64_t x_ptr, int64_t ldx, const QW& w, int64_t y_ptr, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  linear_w(x_ptr, 0, ldx, w, 0, 0, y_ptr, 0, ldy, 1, M, N, K);
+}
+
+// A weight from Python as (data, ld, scale, lds, block_k, fmt): kernels/native weight_args.
+using WeightArgs = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+inline QW weight_of(const WeightArgs& a) {
+  const auto [data, ld, scale, lds, block_k, fmt] = a;
+  return QW{reinterpret_cast<const void*>(data), ld, reinterpret_cast<const void*>(scale), lds, block_k, fmt};
+}
+
+// linear_w from Python: w as weight_args gives it (data, ld, scale, lds, block_k, fmt), with its
+// batch strides.
+void linear_q(int64_t x_ptr, int64_t x_batch, int64_t ldx, const WeightArgs& w, int64_t w_batch, int64_t s_batch,
+              int64_t y_ptr, int64_t y_batch, int64_t ldy, int64_t B, int64_t M, int64_t N, int64_t K) {
+  linear_w(x_ptr, x_batch, ldx, weight_of(w), w_batch, s_batch, y_ptr, y_batch, ldy, B, M, N, K);
 }
 
 }  // namespace
