@@ -315,7 +315,10 @@ inline void qdot_rows_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t
   }
 }
 
-constexpr int64_t QREG_ROWS = 8;  // rows up to which the weight is widened in registers (four a pass), not a tile
+// Rows up to which the weight is widened in registers (four rows a pass, each pass widening it
+// again), not into a tile. Against the tile, 2-core Zen 3, 1 to 3 passes (benchmarks/quant_linear.py,
+// bench and V3 expert shapes): 1.06-1.25x at 9-12 rows, about even at 16, 0.83-0.89x at 24-32.
+constexpr int64_t QREG_ROWS = 12;
 
 // ROWS rows of x (K32 floats apart, from the chunk's start) over one column's widened chunk wc
 // (blocks of bk values from k0 to k1, zeros past K): per block, its sums times its scale (scales,
