@@ -86,26 +86,24 @@ class MLAttention(nn.Module):
         self, place: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[QuantWeight, QuantWeight] | None:
         """kv_b_proj's FP8 weight as the absorbed form's (W_UK^T [H, L, nope], W_UV [H, v, L]), where
-        the native kernels take them: W_UK^T's scales run along nope, so each head's nope rows must
-        fall in row blocks of the checkpoint's grid (a block of 32, 64, ... of nope, one scale per
-        block) -- true of DeepSeek's 128 x 128 grid with 128-row heads and of 32 x 32; else None."""
+        the native kernels take them: W_UK^T's scales run along nope, one per block of K (a
+        multiple of 32), so each head's nope rows must fall in whole row blocks of the checkpoint's
+        grid -- as DeepSeek's 128 x 128 grid with V3's 256-row heads, and the 32 x 32 grid; else None."""
         kv_b = self.kv_b_proj.w
         if not (native.loaded() and kv_b.fmt == "fp8"):
             return None
         H, nope, v, L = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
         data, scale = kv_b.data.view(H, nope + v, L), kv_b.scale.view(H, nope + v, -1)
         uk_scale = scale[:, :nope]  # [H, nope, L / block_k]: row d's scale of each block of L
-        for block in (-(-nope // 32) * 32, 128, 64, 32):
-            firsts = uk_scale[:, ::block]  # [H, ceil(nope / block), L / block_k]
-            if block <= -(-nope // 32) * 32 and bool(
-                (uk_scale == firsts.repeat_interleave(block, dim=1)[:, :nope]).all()
-            ):
+        for block in range(-(-nope // 32) * 32, 0, -32):  # W_UK^T's block of K, widest first
+            per_block = uk_scale[:, ::block]  # [H, ceil(nope / block), L / block_k]
+            if bool((uk_scale == per_block.repeat_interleave(block, dim=1)[:, :nope]).all()):
                 break
         else:
             return None
         columns = torch.arange(L) // kv_b.block_k  # W_UK^T row c takes its column block's scales
-        uk_scale = torch.empty(H, L, firsts.shape[1])  # unit stride along K even with one block
-        uk_scale.copy_(firsts[:, :, columns].transpose(1, 2))
+        uk_scale = torch.empty(H, L, per_block.shape[1])  # unit stride along K even with one block
+        uk_scale.copy_(per_block[:, :, columns].transpose(1, 2))
         uk_t = place(data[:, :nope].view(torch.uint8).transpose(1, 2)).view(data.dtype)
         uk_t = QuantWeight("fp8", uk_t, place(uk_scale), block)
         return uk_t, QuantWeight("fp8", data[:, nope:], scale[:, nope:], kv_b.block_k)
