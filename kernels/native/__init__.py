@@ -392,11 +392,19 @@ def few_rows_quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | Non
         or not takes_weight(w)
     ):
         return None
-    y = torch.empty((rows, n), dtype=_BF16)
-    if n and rows:
+    return _quant_products(x.unsqueeze(0), w, 0, 0, n)[0]
+
+
+def _quant_products(x: torch.Tensor, w: QuantWeight, w_batch: int, s_batch: int, n: int) -> torch.Tensor:
+    """y[b] = x[b] @ w[b]^T through the kernels' linear_q: x [B, M, K] bf16 (unit stride along K),
+    w[b] w_batch data units and s_batch scales on from w's start -> [B, M, n] bf16."""
+    b, rows, k = x.shape
+    y = torch.empty(b, rows, n, dtype=_BF16)
+    if b and rows and n:
         _library.linear_q(
-            x.data_ptr(), 0, x.stride(0), weight_args(w), 0, 0, y.data_ptr(), 0, n, 1, rows, n, k
-        )
+            x.data_ptr(), x.stride(0), x.stride(1), weight_args(w), w_batch, s_batch,
+            y.data_ptr(), y.stride(0), y.stride(1), b, rows, n, k,
+        )  # fmt: skip
     return y
 
 
@@ -416,7 +424,7 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor
     assert _library is not None, "kernels.native.load() first"
     if not isinstance(w, QuantWeight):
         return linear_bf16(x, w)
-    (b, rows, k), (b_w, n, k_w) = x.shape, w.shape
+    (b, _, k), (b_w, n, k_w) = x.shape, w.shape
     if b != b_w or k != k_w:
         raise ValueError(
             f"x [B, M, K] and w [B, N, K] must share B and K, got {tuple(x.shape)} and {tuple(w.shape)}"
@@ -426,13 +434,7 @@ def linear_heads(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor
             f"x must be CPU bfloat16 with unit stride along K and w a CPU QuantWeight the kernels take, "
             f"got {x.dtype} {tuple(x.stride())} on {x.device}"
         )
-    y = torch.empty(b, rows, n, dtype=_BF16)
-    if b and rows and n:
-        _library.linear_q(
-            x.data_ptr(), x.stride(0), x.stride(1), weight_args(w), *batch_strides(w),
-            y.data_ptr(), y.stride(0), y.stride(1), b, rows, n, k,
-        )  # fmt: skip
-    return y
+    return _quant_products(x, w, *batch_strides(w), n)
 
 
 def use_quant_generic(on: bool) -> bool:
