@@ -1,6 +1,7 @@
 """One linear through the native kernels, the weight in bf16 and in FP8 (128 x 128 block scales),
 side by side in one process, alternating rounds, weights out of cache (a set of layers cycled, as
-a decode step reads them); 1 to 32 rows of x. Optionally against another checkout's kernels
+a decode step reads them); 1 to 32 rows of x. The work is shared over the kernels' own pool, as
+in the engine's decode steps (--omp: over torch's OpenMP threads, from 4 MB of weight). Optionally against another checkout's kernels
 (--baseline-tree: a worktree of an earlier revision with its kernels built), in alternating
 processes.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one(shape: tuple[int, int], rows: list[int], layers: int, rounds: int, threads: int) -> dict:
+def one(shape: tuple[int, int], rows: list[int], layers: int, rounds: int, threads: int, omp: bool) -> dict:
     """ms per product for bf16 and FP8 at each row count, in this process's kernels."""
     import torch
 
@@ -32,6 +33,7 @@ def one(shape: tuple[int, int], rows: list[int], layers: int, rounds: int, threa
     from modelkit.quantize import quantize_fp8
 
     load_native()
+    native.use_pool(0 if omp else threads)
     n, k = shape
     g = torch.Generator().manual_seed(0)
     weights = {"bf16": [], "fp8": []}
@@ -65,29 +67,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--baseline-tree", default=None, help="a checkout of the baseline revision, kernels built")
     p.add_argument("--alternations", type=int, default=3)
+    p.add_argument("--omp", action="store_true", help="share the work over OpenMP's threads, not the pool")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
     rows = [int(r) for r in args.rows.split(",")]
     if args.one:
-        print(json.dumps(one(shape, rows, args.layers, args.rounds, args.threads)))
+        print(json.dumps(one(shape, rows, args.layers, args.rounds, args.threads, args.omp)))
         return
     trees = {"candidate": ROOT} | ({"baseline": Path(args.baseline_tree)} if args.baseline_tree else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.alternations):
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-            cmd = [
-                sys.executable,
-                str(tree / "benchmarks" / "quant_linear.py"),
-                "--one",
-                "--shape",
-                args.shape,
-            ]
+            # This file's --one, on the tree's kernels (PYTHONPATH).
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--shape", args.shape]
             cmd += ["--rows", args.rows, "--layers", str(args.layers), "--rounds", str(args.rounds)]
-            cmd += ["--threads", str(args.threads)]
-            if not (tree / "benchmarks" / "quant_linear.py").exists():  # an older tree: this file's --one
-                cmd[1] = str(Path(__file__).resolve())
+            cmd += ["--threads", str(args.threads)] + (["--omp"] if args.omp else [])
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -115,7 +111,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import save
 
-    payload = {"shape": list(shape), "threads": args.threads, "layers": args.layers, "runs": runs}
+    payload = {
+        "shape": list(shape),
+        "threads": args.threads,
+        "layers": args.layers,
+        "omp": args.omp,
+        "runs": runs,
+    }
     payload |= {"summary": summary, "baseline_tree": args.baseline_tree}
     print("saved", save("quant_linear", payload))
 
