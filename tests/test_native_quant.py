@@ -58,9 +58,11 @@ SHAPES = [
     (2, 33, 300, 128),
     (5, 64, 256, 32),
     (7, 100, 96, 32),
+    (13, 33, 160, 32),
     (256, 48, 160, 128),
 ]
-"""(rows, N, K, block_k): one row, 256, K past the last whole block, N past the last tile of 16."""
+"""(rows, N, K, block_k): one row, 256, K past the last whole block, N past the last tile of 16,
+odd rows and columns past the few-row limit (the AVX2 form's tile, two rows over two columns)."""
 
 
 @pytest.mark.parametrize(

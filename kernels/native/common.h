@@ -173,7 +173,7 @@ inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
   const auto even = [](__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); };
   return _mm512_fmadd_ps(even(a), even(b), _mm512_fmadd_ps(odd(a), odd(b), acc));
 }
-inline __m256i narrow16(__m512 v) {
+__attribute__((always_inline)) inline __m256i narrow16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v), top = _mm512_srli_epi32(u, 16);
   const __m512i odd_top = _mm512_and_si512(top, _mm512_set1_epi32(1));
   __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd_top, _mm512_set1_epi32(0x7FFF))), 16);

@@ -16,8 +16,8 @@
 //   VDPBF16PS (or its emulation), the AVX-512 builds' path. The AVX2 build compiles it on avx2.h's
 //   emulation too, where tests force it (use_quant_generic), so its logic is checked on any CPU.
 // - qcolumns_avx2, the AVX2 build's own: x widened to float32 once per call, the weight widened
-//   to float32 as it is read (FP8 by placing its bits in a float's, 32 values from three shifts
-//   and an AND a register; MXFP4 through a byte shuffle), FMAs.
+//   to float32 as it is read (FP8 by placing its bits in a float's: a sign-extending load, a
+//   shift and an AND for 8 values; MXFP4 through a byte shuffle), FMAs.
 // Block sizes are multiples of 32 (the Python side sends others to torch); K any length.
 
 #pragma once
@@ -178,38 +178,19 @@ void qcolumns_512(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int6
 #ifndef __AVX512F__
 // ---- qcolumns_avx2: the AVX2 build's, on x widened to float32 -----------------------------------
 
-// FP8's x is scaled by FP8_X_SCALE and each 32 of its values ordered as widen_e4m3x32_avx2 orders
-// the weight's; the outputs take the scale back, with the widening's 2^120 (FP8_UNDO).
+// The weight is widened to float32 and multiplied by its block's scale (one rounding, as the
+// reference dequantizes in float32), and the scales take the widening's factor back: FP8's bits
+// placed in a float's are 2^-120 of the value, so its scales are taken 2^80 times and x 2^40
+// times (FP8_X_SCALE; powers of two, exact), keeping the products normal; MXFP4's widened values
+// are twice theirs, its scales taken half.
 constexpr float FP8_X_SCALE = 0x1p40f;
-constexpr float FP8_UNDO = 0x1p80f;  // 2^120 / FP8_X_SCALE
+constexpr float FP8_SCALE_FOLD = 0x1p80f;  // 2^120 / FP8_X_SCALE
 
-// x's M rows widened to float32, row m at xw + m * split_width(K), zeros past K: in order for
-// MXFP4; for FP8, times FP8_X_SCALE and each 32 values k = 4j + i (j < 8, i < 4) at 8i + j.
+// x's M rows widened to float32 in order, row m at xw + m * split_width(K), zeros past K; FP8's
+// times FP8_X_SCALE (exact).
 inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw, int64_t fmt) {
   const int64_t K32 = split_width(K);
-  if (fmt == W_FP8) {
-    const __m256 scale = _mm256_set1_ps(FP8_X_SCALE);
-    const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K32; k += 32) {
-        const uint16_t* p = x + m * ldx + k;
-        alignas(32) uint16_t tail[32] = {};
-        if (K - k < 32) std::memcpy(tail, p, size_t(K - k) * 2), p = tail;
-        __m256 v[4];  // x[k + 8i ..] in order, scaled
-        for (int i = 0; i < 4; ++i) {
-          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i));
-          v[i] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), scale);
-        }
-        // Per 128 bits, a 4 x 4 transpose: t[i] = v0[i], v1[i], v2[i], v3[i] (low half) and the
-        // same of lanes 4 + i (high half); then the halves interleaved: x[4j + i] at lane j.
-        const __m256 a = _mm256_unpacklo_ps(v[0], v[1]), b = _mm256_unpackhi_ps(v[0], v[1]);
-        const __m256 c = _mm256_unpacklo_ps(v[2], v[3]), d = _mm256_unpackhi_ps(v[2], v[3]);
-        const __m256 t[4] = {_mm256_shuffle_ps(a, c, 0x44), _mm256_shuffle_ps(a, c, 0xEE),
-                             _mm256_shuffle_ps(b, d, 0x44), _mm256_shuffle_ps(b, d, 0xEE)};
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(xw + m * K32 + k + 8 * i, _mm256_permutevar8x32_ps(t[i], lanes));
-      }
-    return;
-  }
+  const __m256 scale = _mm256_set1_ps(fmt == W_FP8 ? FP8_X_SCALE : 1.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K32; k += 8) {
       const int64_t left = K - k;
@@ -221,179 +202,215 @@ inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, flo
         if (left > 0) std::memcpy(t, x + m * ldx + k, size_t(left) * 2);
         v = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
       }
-      _mm256_storeu_ps(xw + m * K32 + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+      const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+      _mm256_storeu_ps(xw + m * K32 + k, _mm256_mul_ps(f, scale));
     }
 }
 
-// 32 bytes from p, the first `left` (zeros after).
-inline __m256i load_bytes32(const uint8_t* p, int64_t left) {
-  if (left >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  alignas(32) uint8_t t[32] = {};
-  if (left > 0) std::memcpy(t, p, size_t(left));
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+// 8 e4m3 values from p as float32, each 2^-120 times its value, exactly: each byte sign-extended
+// to 32 bits and shifted so its 7 low bits (4 exponent, 3 mantissa) land at the low end of the
+// float's exponent and the top of its mantissa, the sign kept in bit 31 (the biases differ by 120,
+// and an e4m3 subnormal lands on a float subnormal of the same scale; x's FP8_X_SCALE keeps the
+// products normal). Three instructions for 8 values, one of them a shift: the shift units are
+// the scarcer (two of Zen 3's four vector pipes), and placing each byte from a 32-bit load took
+// seven shifts for 32 values. A CPU flushing subnormal inputs (MXCSR DAZ,
+// torch.set_flush_denormal) would lose e4m3's.
+__attribute__((always_inline)) inline __m256 widen_e4m3x8_avx2(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(int32_t(0x87F00000u))));
 }
 
-// 32 e4m3 values from p (the first `left`; zeros after) as float32, each 2^-120 times its value,
-// exactly: a value's sign moved to a float's and its 4 exponent and 3 mantissa bits to the low
-// end of the float's exponent and the top of its mantissa (the biases differ by 120, and an e4m3
-// subnormal lands on a float subnormal of the same scale; x's FP8_X_SCALE keeps the products
-// normal). Ordered by byte within each 4: out[i] lane j is byte 4j + i (widen_rows orders x so).
-// A CPU flushing subnormal inputs (MXCSR DAZ, torch.set_flush_denormal) would lose e4m3's.
-inline void widen_e4m3x32_avx2(const uint8_t* p, int64_t left, __m256 out[4]) {
-  const __m256i d = load_bytes32(p, left), fields = _mm256_set1_epi32(int32_t(0x87F00000u));
-  out[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 4), fields));
-  out[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 4), fields));
-  out[2] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 8), 4), fields));
-  out[3] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(d, 4), fields));
-}
-
-// 32 e2m1 values from 16 bytes at p (the even value in each byte's low nibble) as float32 twice
+// 8 e2m1 values from 4 bytes at p (the even value in each byte's low nibble) as float32 twice
 // their value (integers, exact), in order. (The block's scale takes the half.)
-inline void widen_e2m1_avx2(const uint8_t* p, __m256 out[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
+__attribute__((always_inline)) inline __m256 widen_e2m1x8_avx2(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(four), nibble = _mm_set1_epi8(0x0F);
   const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-  const __m128i even = _mm_shuffle_epi8(twice, _mm_and_si128(b, nibble));
-  const __m128i odd = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
-  const __m128i first = _mm_unpacklo_epi8(even, odd), last = _mm_unpackhi_epi8(even, odd);
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
-  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(last));
-  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(last, 8)));
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(twice, codes)));
+}
+
+// Bytes of a row holding 8 of its values.
+constexpr int64_t bytes8(int64_t fmt) { return fmt == W_FP8 ? 8 : 4; }
+
+// 8 values of a weight row from its bytes at p, as float32 (FP8: 2^-120 times, MXFP4: twice).
+template <int64_t FMT>
+__attribute__((always_inline)) inline __m256 widen8_avx2(const uint8_t* p) {
+  return FMT == W_FP8 ? widen_e4m3x8_avx2(p) : widen_e2m1x8_avx2(p);
+}
+
+// Row n's scale for value k, times the widening's factor back (FP8_SCALE_FOLD, or a half).
+template <int64_t FMT>
+inline float scale_avx2(const QW& w, int64_t n, int64_t k) {
+  const int64_t b = k / w.block_k;
+  if (FMT == W_FP8) return static_cast<const float*>(w.scale)[n * w.lds + b] * FP8_SCALE_FOLD;
+  return e8m0(static_cast<const uint8_t*>(w.scale)[n * w.lds + b]) * 0.5f;
 }
 
 constexpr int64_t QPREFETCH = 4096;  // bytes of a weight row read ahead
 
-// 32 of a row's weights from k (zeros from k1 on) as float32, 8 a register, in the order
-// widen_rows gives x.
-template <int64_t FMT>
-__attribute__((always_inline)) inline void widen32_avx2(const uint8_t* row, int64_t k, int64_t k1, __m256 wv[4]) {
-  if (FMT == W_FP8) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + k + QPREFETCH), _MM_HINT_T0);
-    widen_e4m3x32_avx2(row + k, k1 - k, wv);
-    return;
+// Every output x[m] . w[n] sums the same way, whatever the rows and columns beside it: two chains
+// of FMAs in 8 lanes over the whole of K (each 16 values of k: the first 8 into one, the last 8
+// into the other), of x times the weight scaled, zeros past K; then the chains added. (No sum per
+// block: its multiply-add and the calls' split at block edges cost the tile path a fifth of its
+// time at the bench model's K of 256-512.) A chain's FMAs wait on each other (4 cycles each on
+// Zen 3): one row over one weight row, two chains, ran at about half the rate its widening allows,
+// so a pass runs one to three rows of x (MXFP4: one or two, its widening needing two more
+// registers) over two weight rows at a time, four over one.
+// - Up to QREG_ROWS rows, each weight row is widened in registers as it is read, once a pass of
+//   up to four rows.
+// - More rows widen a tile of 16 columns' chunk of K (QTILE_K) into float32 once, then run three
+//   rows of x over two of its columns at a time: 10 loads for 12 FMAs, 12 chains (15 registers).
+// The chains' sums go to sums[(m * 16 + c) * 2 + h] (chain h), carried over the tile's chunks.
+
+// acc[r][c][h] = chain h of x[r] . w[n + c], r < ROWS, c < COLS, for ROWS rows of widened x (K32
+// floats apart), each weight row widened in registers.
+template <int64_t FMT, int ROWS, int COLS>
+inline void qdot_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, __m256 acc[][COLS][2]) {
+  const uint8_t* rows[COLS];
+  for (int c = 0; c < COLS; ++c) rows[c] = w.row(n + c);
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const auto step = [&](const uint8_t* const* p, int64_t k) {  // 32 values of k from the bytes at p[c]
+    __m256 s[COLS];  // one block's scale: blocks are whole 32s
+    for (int c = 0; c < COLS; ++c) s[c] = _mm256_set1_ps(scale_avx2<FMT>(w, n + c, k));
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < COLS; ++c) {
+        const __m256 wv = _mm256_mul_ps(widen8_avx2<FMT>(p[c] + i * bytes8(FMT)), s[c]);
+        for (int r = 0; r < ROWS; ++r)
+          acc[r][c][i & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K32 + k + 8 * i), acc[r][c][i & 1]);
+      }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const uint8_t* p[COLS];
+    for (int c = 0; c < COLS; ++c) {
+      p[c] = rows[c] + k * bytes8(FMT) / 8;
+      _mm_prefetch(reinterpret_cast<const char*>(p[c] + QPREFETCH), _MM_HINT_T0);
+    }
+    step(p, k);
   }
-  _mm_prefetch(reinterpret_cast<const char*>(row + k / 2 + QPREFETCH), _MM_HINT_T0);
-  widen_e2m1_avx2(row + k / 2, wv);
+  if (k < K) {  // FP8's last values of K, zeros after (MXFP4's K is whole 32s)
+    alignas(32) uint8_t tail[COLS][32] = {};
+    const uint8_t* p[COLS];
+    for (int c = 0; c < COLS; ++c) std::memcpy(tail[c], rows[c] + k, size_t(K - k)), p[c] = tail[c];
+    step(p, k);
+  }
 }
 
-// What the outputs are multiplied by (a power of two, exact): the widenings' scales undone.
-constexpr float undo_avx2(int64_t fmt) { return fmt == W_FP8 ? FP8_UNDO : 0.5f; }
-
-// Every output x[m] . w[n] sums the same way, whatever the rows beside it: per block of K, two
-// chains of FMAs in 8 lanes (each 16 values of k: the first 8 into one, the last 8 into the
-// other), added, times the block's scale into the output's total; 32 values of k a step, zeros
-// past K. Up to QREG_ROWS rows read each weight row once, widened in registers, one column at a
-// time (one stream of weight bytes a thread, as the bf16 products read theirs); more rows widen
-// a tile of 16 columns' chunk of K (QTILE_K) into float32 once and run four rows of x over it at
-// a time, a column's blocks in one call.
-
-// totals[r * 16 + c], r < ROWS, c < 16: x[r] . w[n + c] for ROWS rows of widened x (K32 floats
-// apart) over columns [n, n + width) (zeros for the others).
+// sums[(r * 16 + c) * 2 + h], r < ROWS, c < 16: chain h of x[r] . w[n + c] for ROWS rows (up to
+// four) of widened x (K32 floats apart) over columns [n, n + width) (zeros for the others).
 template <int64_t FMT, int ROWS>
 inline void qdot_rows_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, int64_t width,
-                               __m256* totals) {
-  for (int64_t c = 0; c < 16; ++c) {
-    __m256 total[ROWS];
-    for (int r = 0; r < ROWS; ++r) total[r] = _mm256_setzero_ps();
-    for (int64_t k0 = 0, b = 0; c < width && k0 < K; k0 += w.block_k, ++b) {
-      const uint8_t* row = w.row(n + c);
-      const int64_t k1 = std::min(K, k0 + w.block_k);
-      __m256 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t k = k0; k < k1; k += 32) {
-        __m256 wv[4];
-        widen32_avx2<FMT>(row, k, k1, wv);
-        for (int i = 0; i < 4; ++i)
-          for (int r = 0; r < ROWS; ++r)
-            acc[r][i & 1] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(x + r * K32 + k + 8 * i), acc[r][i & 1]);
+                               __m256* sums) {
+  constexpr int COLS = ROWS < (FMT == W_FP8 ? 4 : 3) ? 2 : 1;  // at most 12 chains in registers
+  for (int64_t c = 0; c < 16; c += COLS) {
+    __m256 acc[ROWS][COLS][2];
+    if (c + COLS <= width) {
+      qdot_reg_avx2<FMT, ROWS, COLS>(x, K32, w, n + c, K, acc);
+    } else {
+      for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < COLS; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+      if (c < width) {  // the last column alone
+        __m256 one[ROWS][1][2];
+        qdot_reg_avx2<FMT, ROWS, 1>(x, K32, w, n + c, K, one);
+        for (int r = 0; r < ROWS; ++r) acc[r][0][0] = one[r][0][0], acc[r][0][1] = one[r][0][1];
       }
-      const __m256 s = _mm256_set1_ps(w.scale_of(n + c, b));
-      for (int r = 0; r < ROWS; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, total[r]);
     }
-    for (int r = 0; r < ROWS; ++r) totals[r * 16 + c] = total[r];
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < COLS; ++j)
+        sums[(r * 16 + c + j) * 2] = acc[r][j][0], sums[(r * 16 + c + j) * 2 + 1] = acc[r][j][1];
   }
 }
 
-// Rows up to which the weight is widened in registers (four rows a pass, each pass widening it
-// again), not into a tile. Against the tile, 2-core Zen 3, 1 to 3 passes (benchmarks/quant_linear.py,
-// bench and V3 expert shapes): 1.06-1.25x at 9-12 rows, about even at 16, 0.83-0.89x at 24-32.
+// Rows up to which the weight is widened in registers, not into a tile.
 constexpr int64_t QREG_ROWS = 12;
 
-// ROWS rows of x (K32 floats apart, from the chunk's start) over one column's widened chunk wc
-// (blocks of bk values from k0 to k1, zeros past K): per block, its sums times its scale (scales,
-// one a block) into the rows' totals.
-template <int ROWS>
-inline void qdot_tile_rows(const float* x, int64_t K32, const float* wc, int64_t k0, int64_t k1, int64_t bk,
-                           const float* scales, __m256* totals) {
-  __m256 total[ROWS];
-  for (int r = 0; r < ROWS; ++r) total[r] = totals[r * 16];
-  for (int64_t b0 = k0, i = 0; b0 < k1; b0 += bk, ++i) {
-    const int64_t first = b0 - k0, last = first + split_width(std::min(k1, b0 + bk) - b0);
-    __m256 acc[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = first; k < last; k += 16) {
-      const __m256 w0 = _mm256_loadu_ps(wc + k), w1 = _mm256_loadu_ps(wc + k + 8);
+// ROWS rows of x (K32 floats apart, from the chunk's start) over COLS columns' widened, scaled
+// chunks (wc, ld floats apart; span values, zeros past K, in whole 16s): their chains carried on
+// in sums[(r * 16 + c) * 2 + h] (started from zero in K's first chunk).
+template <int ROWS, int COLS>
+inline void qdot_tile_avx2(const float* x, int64_t K32, const float* wc, int64_t ld, int64_t span, bool first,
+                           __m256* sums) {
+  __m256 acc[ROWS][COLS][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c)
+      for (int h = 0; h < 2; ++h) acc[r][c][h] = first ? _mm256_setzero_ps() : sums[(r * 16 + c) * 2 + h];
+  for (int64_t k = 0; k < span; k += 16)
+    for (int h = 0; h < 2; ++h) {  // each chain's 8 values: two columns' weights, each row's x
+      // Every load once, kept in a register for the FMAs that use it (GCC would fold the loads
+      // into the FMAs, loading each again for each use).
+      __m256 a = _mm256_loadu_ps(wc + k + 8 * h), b;  // columns 0 and 1
+      if (COLS == 2) {
+        b = _mm256_loadu_ps(wc + ld + k + 8 * h);
+        asm("" : "+x"(a), "+x"(b));
+      }
       for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K32 + k), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K32 + k + 8), acc[r][1]);
+        __m256 xr = _mm256_loadu_ps(x + r * K32 + k + 8 * h);
+        asm("" : "+x"(xr));
+        acc[r][0][h] = _mm256_fmadd_ps(a, xr, acc[r][0][h]);
+        if (COLS == 2) acc[r][COLS - 1][h] = _mm256_fmadd_ps(b, xr, acc[r][COLS - 1][h]);
       }
     }
-    const __m256 s = _mm256_set1_ps(scales[i]);
-    for (int r = 0; r < ROWS; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), s, total[r]);
-  }
-  for (int r = 0; r < ROWS; ++r) totals[r * 16] = total[r];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) sums[(r * 16 + c) * 2] = acc[r][c][0], sums[(r * 16 + c) * 2 + 1] = acc[r][c][1];
 }
 
 constexpr int64_t QTILE_K = 1024;  // values of K per tile: 16 columns' widened chunk, 64 KB
+constexpr int64_t QTILE_ROWS = 3;  // rows of x over a tile's two columns at a time
 
-// totals[m * 16 + c]: x[m] . w[n + c] for M rows of widened x (K32 floats apart) over columns [n,
-// n + width): K in chunks of whole blocks (QTILE_K values, or one block if larger), each chunk's
-// 16 columns widened once into tile (16 x split_width(chunk)), then every row over it, four at a
-// time, column by column.
+// sums (as above) for M rows of widened x (K32 floats apart) over columns [n, n + width): K in
+// chunks of QTILE_K values, each chunk's 16 columns widened and scaled once into tile (16 x
+// split_width(chunk)), then every row over it, three rows over two columns at a time.
 template <int64_t FMT>
 inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K, int64_t width,
-                           __m256* totals, std::vector<float>& tile_kept) {
-  const int64_t bk = w.block_k, chunk = std::max<int64_t>(1, QTILE_K / bk) * bk, ld = split_width(chunk);
+                           __m256* sums, std::vector<float>& tile_kept) {
+  const int64_t ld = split_width(std::min(K, QTILE_K));
   float* tile = scratch(tile_kept, 16 * ld);
-  thread_local std::vector<float> scales_kept;  // per column, its blocks' scales in this chunk
-  float* scales = scratch(scales_kept, 16 * (chunk / bk));
-  for (int64_t i = 0; i < M * 16; ++i) totals[i] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    const int64_t k1 = std::min(K, k0 + chunk), blocks = (k1 - k0 + bk - 1) / bk;
+  for (int64_t m = 0; m < M; ++m)  // columns past width: zeros
+    for (int64_t i = width * 2; i < 32; ++i) sums[m * 32 + i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += QTILE_K) {
+    const int64_t k1 = std::min(K, k0 + QTILE_K), span = split_width(k1 - k0);
     for (int64_t c = 0; c < width; ++c) {
-      for (int64_t k = k0; k < k0 + split_width(k1 - k0); k += 32) {
-        __m256 wv[4];
-        widen32_avx2<FMT>(w.row(n + c), k, std::min(k1, (k / bk + 1) * bk), wv);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(tile + c * ld + (k - k0) + 8 * i, wv[i]);
+      const uint8_t* row = w.row(n + c);
+      for (int64_t k = k0; k < k0 + span; k += 32) {
+        const uint8_t* p = row + k * bytes8(FMT) / 8;
+        alignas(32) uint8_t tail[32] = {};
+        if (k + 32 > k1) std::memcpy(tail, p, size_t(k1 - k)), p = tail;  // FP8's last values of K
+        _mm_prefetch(reinterpret_cast<const char*>(p + QPREFETCH), _MM_HINT_T0);
+        const __m256 s = _mm256_set1_ps(scale_avx2<FMT>(w, n + c, k));
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(tile + c * ld + (k - k0) + 8 * i, _mm256_mul_ps(widen8_avx2<FMT>(p + i * bytes8(FMT)), s));
       }
-      for (int64_t i = 0; i < blocks; ++i) scales[c * blocks + i] = w.scale_of(n + c, k0 / bk + i);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* x = xs + m0 * K32 + k0;
-      for (int64_t c = 0; c < width; ++c) {
-        const float *wc = tile + c * ld, *sc = &scales[c * blocks];
-        __m256* t = totals + m0 * 16 + c;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: qdot_tile_rows<1>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
-          case 2: qdot_tile_rows<2>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
-          case 3: qdot_tile_rows<3>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
-          default: qdot_tile_rows<4>(x, K32, wc, 0, k1 - k0, bk, sc, t); break;
+    for (int64_t m0 = 0; m0 < M; m0 += QTILE_ROWS)
+      for (int64_t c = 0; c < width; c += 2) {
+        const float* x = xs + m0 * K32 + k0;
+        __m256* t = sums + (m0 * 16 + c) * 2;
+        const auto run = [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          if (c + 1 < width) return qdot_tile_avx2<R, 2>(x, K32, tile + c * ld, ld, span, k0 == 0, t);
+          qdot_tile_avx2<R, 1>(x, K32, tile + c * ld, ld, span, k0 == 0, t);
+        };
+        switch (std::min(QTILE_ROWS, M - m0)) {
+          case 1: run(std::integral_constant<int, 1>()); break;
+          case 2: run(std::integral_constant<int, 2>()); break;
+          default: run(std::integral_constant<int, 3>()); break;
         }
       }
-    }
   }
 }
 
-// totals[m * 16 + c]: x[m] . w[n + c] for all M rows over columns [n, n + width): up to QREG_ROWS
-// rows in register passes of four, more over the tile.
+// sums (as above) for all M rows over columns [n, n + width): up to QREG_ROWS rows in register
+// passes of four (the last pass the rest), more over the tile.
 template <int64_t FMT>
 inline void qdot_columns16_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K,
-                                int64_t width, __m256* totals, std::vector<float>& tile_kept) {
-  if (M > QREG_ROWS) return qdot_rows_avx2<FMT>(xs, K32, w, n, M, K, width, totals, tile_kept);
+                                int64_t width, __m256* sums, std::vector<float>& tile_kept) {
+  if (M > QREG_ROWS) return qdot_rows_avx2<FMT>(xs, K32, w, n, M, K, width, sums, tile_kept);
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const float* x = xs + m0 * K32;
-    __m256* t = totals + m0 * 16;
+    __m256* t = sums + m0 * 32;
     switch (std::min<int64_t>(4, M - m0)) {
       case 1: qdot_rows_reg_avx2<FMT, 1>(x, K32, w, n, K, width, t); break;
       case 2: qdot_rows_reg_avx2<FMT, 2>(x, K32, w, n, K, width, t); break;
@@ -407,22 +424,23 @@ void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int
                    int64_t n0, int64_t n1, const float* xs) {
   const int64_t K32 = split_width(K);
   thread_local std::vector<float> kept_x, kept_tile;
-  thread_local std::vector<__m256> kept_totals;
+  thread_local std::vector<__m256> kept_sums;
   if (xs == nullptr) {
     float* widened = scratch(kept_x, M * K32);
     widen_rows(x, ldx, M, K, widened, w.fmt);
     xs = widened;
   }
-  __m256* totals = scratch(kept_totals, M * 16);
+  __m256* sums = scratch(kept_sums, M * 32);
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n1 - t0);
-    w.fmt == W_FP8 ? qdot_columns16_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile)
-                   : qdot_columns16_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
-    const __m256 undo = _mm256_set1_ps(undo_avx2(w.fmt));
-    for (int64_t m = 0; m < M; ++m)
+    w.fmt == W_FP8 ? qdot_columns16_avx2<W_FP8>(xs, K32, w, t0, M, K, width, sums, kept_tile)
+                   : qdot_columns16_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, sums, kept_tile);
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 added[16];  // each column's two chains
+      for (int c = 0; c < 16; ++c) added[c] = _mm256_add_ps(sums[(m * 16 + c) * 2], sums[(m * 16 + c) * 2 + 1]);
       _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
-                               narrow16(__m512{_mm256_mul_ps(sum_lanes8(totals + m * 16), undo),
-                                               _mm256_mul_ps(sum_lanes8(totals + m * 16 + 8), undo)}));
+                               narrow16(__m512{sum_lanes8(added), sum_lanes8(added + 8)}));
+    }
   }
 }
 #endif  // !__AVX512F__
