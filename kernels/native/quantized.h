@@ -178,13 +178,10 @@ void qcolumns_512(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int6
 #ifndef __AVX512F__
 // ---- qcolumns_avx2: the AVX2 build's, on x widened to float32 -----------------------------------
 
-// The weight is widened to float32 and multiplied by its block's scale (one rounding, as the
-// reference dequantizes in float32), and the scales take the widening's factor back: FP8's bits
-// placed in a float's are 2^-120 of the value, so its scales are taken 2^80 times and x 2^40
-// times (FP8_X_SCALE; powers of two, exact), keeping the products normal; MXFP4's widened values
-// are twice theirs, its scales taken half.
+// FP8's x is scaled by FP8_X_SCALE; the outputs take the scale back, with the widening's 2^120
+// (FP8_UNDO).
 constexpr float FP8_X_SCALE = 0x1p40f;
-constexpr float FP8_SCALE_FOLD = 0x1p80f;  // 2^120 / FP8_X_SCALE
+constexpr float FP8_UNDO = 0x1p80f;  // 2^120 / FP8_X_SCALE
 
 // x's M rows widened to float32 in order, row m at xw + m * split_width(K), zeros past K; FP8's
 // times FP8_X_SCALE (exact).
@@ -240,158 +237,183 @@ __attribute__((always_inline)) inline __m256 widen8_avx2(const uint8_t* p) {
   return FMT == W_FP8 ? widen_e4m3x8_avx2(p) : widen_e2m1x8_avx2(p);
 }
 
-// Row n's scale for value k, times the widening's factor back (FP8_SCALE_FOLD, or a half).
+// Row n's scale of block b, as a float32, the format known.
 template <int64_t FMT>
-inline float scale_avx2(const QW& w, int64_t n, int64_t k) {
-  const int64_t b = k / w.block_k;
-  if (FMT == W_FP8) return static_cast<const float*>(w.scale)[n * w.lds + b] * FP8_SCALE_FOLD;
-  return e8m0(static_cast<const uint8_t*>(w.scale)[n * w.lds + b]) * 0.5f;
+inline float scale_avx2(const QW& w, int64_t n, int64_t b) {
+  if (FMT == W_FP8) return static_cast<const float*>(w.scale)[n * w.lds + b];
+  return e8m0(static_cast<const uint8_t*>(w.scale)[n * w.lds + b]);
 }
 
 constexpr int64_t QPREFETCH = 4096;  // bytes of a weight row read ahead
 
-// Every output x[m] . w[n] sums the same way, whatever the rows and columns beside it: two chains
-// of FMAs in 8 lanes over the whole of K (each 16 values of k: the first 8 into one, the last 8
-// into the other), of x times the weight scaled, zeros past K; then the chains added. (No sum per
-// block: its multiply-add and the calls' split at block edges cost the tile path a fifth of its
-// time at the bench model's K of 256-512.) A chain's FMAs wait on each other (4 cycles each on
-// Zen 3): one row over one weight row, two chains, ran at about half the rate its widening allows,
-// so a pass runs one to three rows of x (MXFP4: one or two, its widening needing two more
-// registers) over two weight rows at a time, four over one.
+// What the outputs are multiplied by (a power of two, exact): the widenings' scales undone.
+constexpr float undo_avx2(int64_t fmt) { return fmt == W_FP8 ? FP8_UNDO : 0.5f; }
+
+// Every output x[m] . w[n] sums the same way, whatever the rows and columns beside it: per block
+// of K, two chains of FMAs in 8 lanes (each 16 values of k: the first 8 into one, the last 8 into
+// the other), added, times the block's scale into the output's total; zeros past K. A chain's
+// FMAs wait on each other (4 cycles each on Zen 3): one row over one weight row, two chains, ran
+// at about half the rate its widening allows, so a pass runs one to three rows of x (MXFP4: one
+// or two, its widening needing two more registers) over two weight rows at a time, four over one.
 // - Up to QREG_ROWS rows, each weight row is widened in registers as it is read, once a pass of
 //   up to four rows.
 // - More rows widen a tile of 16 columns' chunk of K (QTILE_K) into float32 once, then run three
-//   rows of x over two of its columns at a time: 10 loads for 12 FMAs, 12 chains (15 registers).
-// The chains' sums go to sums[(m * 16 + c) * 2 + h] (chain h), carried over the tile's chunks.
+//   rows of x over two of its columns at a time: 10 loads for 12 FMAs, 12 chains (15 registers;
+//   two rows over two columns, 8 chains, waited on their FMAs).
 
-// acc[r][c][h] = chain h of x[r] . w[n + c], r < ROWS, c < COLS, for ROWS rows of widened x (K32
-// floats apart), each weight row widened in registers.
+// total[r][c] = x[r] . w[n + c], r < ROWS, c < COLS, for ROWS rows of widened x (K32 floats apart),
+// each weight row widened in registers.
 template <int64_t FMT, int ROWS, int COLS>
-inline void qdot_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, __m256 acc[][COLS][2]) {
+inline void qdot_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, __m256 total[][COLS]) {
   const uint8_t* rows[COLS];
   for (int c = 0; c < COLS; ++c) rows[c] = w.row(n + c);
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  const auto step = [&](const uint8_t* const* p, int64_t k) {  // 32 values of k from the bytes at p[c]
-    __m256 s[COLS];  // one block's scale: blocks are whole 32s
-    for (int c = 0; c < COLS; ++c) s[c] = _mm256_set1_ps(scale_avx2<FMT>(w, n + c, k));
-    for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < COLS; ++c) total[r][c] = _mm256_setzero_ps();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+    const int64_t k1 = std::min(K, k0 + w.block_k);
+    __m256 acc[ROWS][COLS][2];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    const auto step = [&](const uint8_t* const* p, int64_t k) {  // 32 values of k from the bytes at p[c]
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < COLS; ++c) {
+          const __m256 wv = widen8_avx2<FMT>(p[c] + i * bytes8(FMT));
+          for (int r = 0; r < ROWS; ++r)
+            acc[r][c][i & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K32 + k + 8 * i), acc[r][c][i & 1]);
+        }
+    };
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      const uint8_t* p[COLS];
       for (int c = 0; c < COLS; ++c) {
-        const __m256 wv = _mm256_mul_ps(widen8_avx2<FMT>(p[c] + i * bytes8(FMT)), s[c]);
-        for (int r = 0; r < ROWS; ++r)
-          acc[r][c][i & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K32 + k + 8 * i), acc[r][c][i & 1]);
+        p[c] = rows[c] + k * bytes8(FMT) / 8;
+        _mm_prefetch(reinterpret_cast<const char*>(p[c] + QPREFETCH), _MM_HINT_T0);
       }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const uint8_t* p[COLS];
-    for (int c = 0; c < COLS; ++c) {
-      p[c] = rows[c] + k * bytes8(FMT) / 8;
-      _mm_prefetch(reinterpret_cast<const char*>(p[c] + QPREFETCH), _MM_HINT_T0);
+      step(p, k);
     }
-    step(p, k);
-  }
-  if (k < K) {  // FP8's last values of K, zeros after (MXFP4's K is whole 32s)
-    alignas(32) uint8_t tail[COLS][32] = {};
-    const uint8_t* p[COLS];
-    for (int c = 0; c < COLS; ++c) std::memcpy(tail[c], rows[c] + k, size_t(K - k)), p[c] = tail[c];
-    step(p, k);
+    if (k < k1) {  // FP8's last values of K, zeros after (MXFP4's K is whole 32s)
+      alignas(32) uint8_t tail[COLS][32] = {};
+      const uint8_t* p[COLS];
+      for (int c = 0; c < COLS; ++c) std::memcpy(tail[c], rows[c] + k, size_t(k1 - k)), p[c] = tail[c];
+      step(p, k);
+    }
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 s = _mm256_set1_ps(scale_avx2<FMT>(w, n + c, b));
+      for (int r = 0; r < ROWS; ++r)
+        total[r][c] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][c][0], acc[r][c][1]), s, total[r][c]);
+    }
   }
 }
 
-// sums[(r * 16 + c) * 2 + h], r < ROWS, c < 16: chain h of x[r] . w[n + c] for ROWS rows (up to
-// four) of widened x (K32 floats apart) over columns [n, n + width) (zeros for the others).
+// totals[r * 16 + c], r < ROWS, c < 16: x[r] . w[n + c] for ROWS rows (up to four) of widened x
+// (K32 floats apart) over columns [n, n + width) (zeros for the others).
 template <int64_t FMT, int ROWS>
 inline void qdot_rows_reg_avx2(const float* x, int64_t K32, const QW& w, int64_t n, int64_t K, int64_t width,
-                               __m256* sums) {
+                               __m256* totals) {
   constexpr int COLS = ROWS < (FMT == W_FP8 ? 4 : 3) ? 2 : 1;  // at most 12 chains in registers
   for (int64_t c = 0; c < 16; c += COLS) {
-    __m256 acc[ROWS][COLS][2];
+    __m256 total[ROWS][COLS];
     if (c + COLS <= width) {
-      qdot_reg_avx2<FMT, ROWS, COLS>(x, K32, w, n + c, K, acc);
+      qdot_reg_avx2<FMT, ROWS, COLS>(x, K32, w, n + c, K, total);
+    } else if (c < width) {  // the last column alone
+      __m256 one[ROWS][1];
+      qdot_reg_avx2<FMT, ROWS, 1>(x, K32, w, n + c, K, one);
+      for (int r = 0; r < ROWS; ++r) total[r][0] = one[r][0], total[r][COLS - 1] = _mm256_setzero_ps();
     } else {
       for (int r = 0; r < ROWS; ++r)
-        for (int j = 0; j < COLS; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-      if (c < width) {  // the last column alone
-        __m256 one[ROWS][1][2];
-        qdot_reg_avx2<FMT, ROWS, 1>(x, K32, w, n + c, K, one);
-        for (int r = 0; r < ROWS; ++r) acc[r][0][0] = one[r][0][0], acc[r][0][1] = one[r][0][1];
-      }
+        for (int j = 0; j < COLS; ++j) total[r][j] = _mm256_setzero_ps();
     }
     for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < COLS; ++j)
-        sums[(r * 16 + c + j) * 2] = acc[r][j][0], sums[(r * 16 + c + j) * 2 + 1] = acc[r][j][1];
+      for (int j = 0; j < COLS; ++j) totals[r * 16 + c + j] = total[r][j];
   }
 }
 
-// Rows up to which the weight is widened in registers, not into a tile.
-constexpr int64_t QREG_ROWS = 12;
+// Rows up to which the weight is widened in registers, not into a tile (the register passes
+// against the tile, 2-core Zen 3, V3's expert shape, benchmarks/quant_linear.py: 1.1x at 8 rows,
+// 0.9x at 12).
+constexpr int64_t QREG_ROWS = 8;
 
-// ROWS rows of x (K32 floats apart, from the chunk's start) over COLS columns' widened, scaled
-// chunks (wc, ld floats apart; span values, zeros past K, in whole 16s): their chains carried on
-// in sums[(r * 16 + c) * 2 + h] (started from zero in K's first chunk).
+// ROWS rows of x (K32 floats apart, from the chunk's start) over COLS columns' widened chunks (wc,
+// ld floats apart; blocks of bk values over span values, zeros past K): per block, the sums times
+// the block's scale (scales[c * blocks + j]) into totals[r * 16 + c] (from zero in K's first chunk).
 template <int ROWS, int COLS>
-inline void qdot_tile_avx2(const float* x, int64_t K32, const float* wc, int64_t ld, int64_t span, bool first,
-                           __m256* sums) {
-  __m256 acc[ROWS][COLS][2];
+inline void qdot_tile_avx2(const float* x, int64_t K32, const float* wc, int64_t ld, int64_t span, int64_t bk,
+                           const float* scales, int64_t blocks, bool first, __m256* totals) {
+  __m256 total[ROWS][COLS];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c)
-      for (int h = 0; h < 2; ++h) acc[r][c][h] = first ? _mm256_setzero_ps() : sums[(r * 16 + c) * 2 + h];
-  for (int64_t k = 0; k < span; k += 16)
-    for (int h = 0; h < 2; ++h) {  // each chain's 8 values: two columns' weights, each row's x
-      // Every load once, kept in a register for the FMAs that use it (GCC would fold the loads
-      // into the FMAs, loading each again for each use).
-      __m256 a = _mm256_loadu_ps(wc + k + 8 * h), b;  // columns 0 and 1
-      if (COLS == 2) {
-        b = _mm256_loadu_ps(wc + ld + k + 8 * h);
+    for (int c = 0; c < COLS; ++c) total[r][c] = first ? _mm256_setzero_ps() : totals[r * 16 + c];
+  for (int64_t b0 = 0, j = 0; b0 < span; b0 += bk, ++j) {
+    const int64_t last = b0 + split_width(std::min(span, b0 + bk) - b0);
+    __m256 acc[ROWS][COLS][2];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    for (int64_t k = b0; k < last; k += 16)
+      for (int h = 0; h < 2; ++h) {  // each chain's 8 values: two columns' weights, each row's x
+        // Every load once, kept in a register for the FMAs that use it (GCC would fold the loads
+        // into the FMAs, loading each again for each use).
+        __m256 a = _mm256_loadu_ps(wc + k + 8 * h), b = a;  // columns 0 and 1
+        if (COLS == 2) b = _mm256_loadu_ps(wc + ld + k + 8 * h);
         asm("" : "+x"(a), "+x"(b));
+        for (int r = 0; r < ROWS; ++r) {
+          __m256 xr = _mm256_loadu_ps(x + r * K32 + k + 8 * h);
+          asm("" : "+x"(xr));
+          acc[r][0][h] = _mm256_fmadd_ps(a, xr, acc[r][0][h]);
+          if (COLS == 2) acc[r][COLS - 1][h] = _mm256_fmadd_ps(b, xr, acc[r][COLS - 1][h]);
+        }
       }
-      for (int r = 0; r < ROWS; ++r) {
-        __m256 xr = _mm256_loadu_ps(x + r * K32 + k + 8 * h);
-        asm("" : "+x"(xr));
-        acc[r][0][h] = _mm256_fmadd_ps(a, xr, acc[r][0][h]);
-        if (COLS == 2) acc[r][COLS - 1][h] = _mm256_fmadd_ps(b, xr, acc[r][COLS - 1][h]);
-      }
+    for (int c = 0; c < COLS; ++c) {
+      const __m256 s = _mm256_set1_ps(scales[c * blocks + j]);
+      for (int r = 0; r < ROWS; ++r)
+        total[r][c] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][c][0], acc[r][c][1]), s, total[r][c]);
     }
+  }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) sums[(r * 16 + c) * 2] = acc[r][c][0], sums[(r * 16 + c) * 2 + 1] = acc[r][c][1];
+    for (int c = 0; c < COLS; ++c) totals[r * 16 + c] = total[r][c];
 }
 
 constexpr int64_t QTILE_K = 1024;  // values of K per tile: 16 columns' widened chunk, 64 KB
 constexpr int64_t QTILE_ROWS = 3;  // rows of x over a tile's two columns at a time
 
-// sums (as above) for M rows of widened x (K32 floats apart) over columns [n, n + width): K in
-// chunks of QTILE_K values, each chunk's 16 columns widened and scaled once into tile (16 x
-// split_width(chunk)), then every row over it, three rows over two columns at a time.
+// totals[m * 16 + c]: x[m] . w[n + c] for M rows of widened x (K32 floats apart) over columns [n,
+// n + width): K in chunks of whole blocks (QTILE_K values, or one block if larger), each chunk's
+// 16 columns widened once into tile (16 x split_width(chunk)), then every row over it, three rows
+// over two columns at a time.
 template <int64_t FMT>
 inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K, int64_t width,
-                           __m256* sums, std::vector<float>& tile_kept) {
-  const int64_t ld = split_width(std::min(K, QTILE_K));
+                           __m256* totals, std::vector<float>& tile_kept) {
+  const int64_t bk = w.block_k, chunk = std::max<int64_t>(1, QTILE_K / bk) * bk, ld = split_width(chunk);
   float* tile = scratch(tile_kept, 16 * ld);
-  for (int64_t m = 0; m < M; ++m)  // columns past width: zeros
-    for (int64_t i = width * 2; i < 32; ++i) sums[m * 32 + i] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += QTILE_K) {
-    const int64_t k1 = std::min(K, k0 + QTILE_K), span = split_width(k1 - k0);
+  thread_local std::vector<float> scales_kept;  // per column, its blocks' scales in this chunk
+  float* scales = scratch(scales_kept, 16 * (chunk / bk));
+  for (int64_t m = 0; m < M; ++m)  // columns past width: zeros (the others start in K's first chunk)
+    for (int64_t c = width; c < 16; ++c) totals[m * 16 + c] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk), span = k1 - k0, blocks = (span + bk - 1) / bk;
     for (int64_t c = 0; c < width; ++c) {
       const uint8_t* row = w.row(n + c);
-      for (int64_t k = k0; k < k0 + span; k += 32) {
+      float* out = tile + c * ld;
+      int64_t k = k0;
+      for (; k + 32 <= k1; k += 32) {
         const uint8_t* p = row + k * bytes8(FMT) / 8;
-        alignas(32) uint8_t tail[32] = {};
-        if (k + 32 > k1) std::memcpy(tail, p, size_t(k1 - k)), p = tail;  // FP8's last values of K
         _mm_prefetch(reinterpret_cast<const char*>(p + QPREFETCH), _MM_HINT_T0);
-        const __m256 s = _mm256_set1_ps(scale_avx2<FMT>(w, n + c, k));
-        for (int i = 0; i < 4; ++i)
-          _mm256_storeu_ps(tile + c * ld + (k - k0) + 8 * i, _mm256_mul_ps(widen8_avx2<FMT>(p + i * bytes8(FMT)), s));
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (k - k0) + 8 * i, widen8_avx2<FMT>(p + i * bytes8(FMT)));
       }
+      if (k < k1) {  // FP8's last values of K, zeros after
+        alignas(32) uint8_t tail[32] = {};
+        std::memcpy(tail, row + k, size_t(k1 - k));
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + (k - k0) + 8 * i, widen_e4m3x8_avx2(tail + 8 * i));
+      }
+      for (int64_t j = 0; j < blocks; ++j) scales[c * blocks + j] = scale_avx2<FMT>(w, n + c, k0 / bk + j);
     }
     for (int64_t m0 = 0; m0 < M; m0 += QTILE_ROWS)
       for (int64_t c = 0; c < width; c += 2) {
         const float* x = xs + m0 * K32 + k0;
-        __m256* t = sums + (m0 * 16 + c) * 2;
+        const float *wc = tile + c * ld, *sc = scales + c * blocks;
+        __m256* t = totals + m0 * 16 + c;
         const auto run = [&](auto rows) {
           constexpr int R = decltype(rows)::value;
-          if (c + 1 < width) return qdot_tile_avx2<R, 2>(x, K32, tile + c * ld, ld, span, k0 == 0, t);
-          qdot_tile_avx2<R, 1>(x, K32, tile + c * ld, ld, span, k0 == 0, t);
+          if (c + 1 < width) return qdot_tile_avx2<R, 2>(x, K32, wc, ld, span, bk, sc, blocks, k0 == 0, t);
+          qdot_tile_avx2<R, 1>(x, K32, wc, ld, span, bk, sc, blocks, k0 == 0, t);
         };
         switch (std::min(QTILE_ROWS, M - m0)) {
           case 1: run(std::integral_constant<int, 1>()); break;
@@ -402,15 +424,15 @@ inline void qdot_rows_avx2(const float* xs, int64_t K32, const QW& w, int64_t n,
   }
 }
 
-// sums (as above) for all M rows over columns [n, n + width): up to QREG_ROWS rows in register
-// passes of four (the last pass the rest), more over the tile.
+// totals[m * 16 + c]: x[m] . w[n + c] for all M rows over columns [n, n + width): up to QREG_ROWS
+// rows in register passes of four (the last pass the rest), more over the tile.
 template <int64_t FMT>
 inline void qdot_columns16_avx2(const float* xs, int64_t K32, const QW& w, int64_t n, int64_t M, int64_t K,
-                                int64_t width, __m256* sums, std::vector<float>& tile_kept) {
-  if (M > QREG_ROWS) return qdot_rows_avx2<FMT>(xs, K32, w, n, M, K, width, sums, tile_kept);
+                                int64_t width, __m256* totals, std::vector<float>& tile_kept) {
+  if (M > QREG_ROWS) return qdot_rows_avx2<FMT>(xs, K32, w, n, M, K, width, totals, tile_kept);
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const float* x = xs + m0 * K32;
-    __m256* t = sums + m0 * 32;
+    __m256* t = totals + m0 * 16;
     switch (std::min<int64_t>(4, M - m0)) {
       case 1: qdot_rows_reg_avx2<FMT, 1>(x, K32, w, n, K, width, t); break;
       case 2: qdot_rows_reg_avx2<FMT, 2>(x, K32, w, n, K, width, t); break;
@@ -424,23 +446,22 @@ void qcolumns_avx2(const uint16_t* x, int64_t ldx, const QW& w, uint16_t* y, int
                    int64_t n0, int64_t n1, const float* xs) {
   const int64_t K32 = split_width(K);
   thread_local std::vector<float> kept_x, kept_tile;
-  thread_local std::vector<__m256> kept_sums;
+  thread_local std::vector<__m256> kept_totals;
   if (xs == nullptr) {
     float* widened = scratch(kept_x, M * K32);
     widen_rows(x, ldx, M, K, widened, w.fmt);
     xs = widened;
   }
-  __m256* sums = scratch(kept_sums, M * 32);
+  __m256* totals = scratch(kept_totals, M * 16);
   for (int64_t t0 = n0; t0 < n1; t0 += 16) {
     const int64_t width = std::min<int64_t>(16, n1 - t0);
-    w.fmt == W_FP8 ? qdot_columns16_avx2<W_FP8>(xs, K32, w, t0, M, K, width, sums, kept_tile)
-                   : qdot_columns16_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, sums, kept_tile);
-    for (int64_t m = 0; m < M; ++m) {
-      __m256 added[16];  // each column's two chains
-      for (int c = 0; c < 16; ++c) added[c] = _mm256_add_ps(sums[(m * 16 + c) * 2], sums[(m * 16 + c) * 2 + 1]);
+    w.fmt == W_FP8 ? qdot_columns16_avx2<W_FP8>(xs, K32, w, t0, M, K, width, totals, kept_tile)
+                   : qdot_columns16_avx2<W_MXFP4>(xs, K32, w, t0, M, K, width, totals, kept_tile);
+    const __m256 undo = _mm256_set1_ps(undo_avx2(w.fmt));
+    for (int64_t m = 0; m < M; ++m)
       _mm256_mask_storeu_epi16(y + m * ldy + t0, lanes16(width),
-                               narrow16(__m512{sum_lanes8(added), sum_lanes8(added + 8)}));
-    }
+                               narrow16(__m512{_mm256_mul_ps(sum_lanes8(totals + m * 16), undo),
+                                               _mm256_mul_ps(sum_lanes8(totals + m * 16 + 8), undo)}));
   }
 }
 #endif  // !__AVX512F__
