@@ -1,9 +1,9 @@
 """One linear through the native kernels, the weight in bf16 and in FP8 (128 x 128 block scales),
 side by side in one process, alternating rounds, weights out of cache (a set of layers cycled, as
 a decode step reads them); 1 to 32 rows of x. The work is shared over the kernels' own pool, as
-in the engine's decode steps (--omp: over torch's OpenMP threads, from 4 MB of weight). Optionally against another checkout's kernels
-(--baseline-tree: a worktree of an earlier revision with its kernels built), in alternating
-processes.
+in the engine's decode steps (--omp: over torch's OpenMP threads, from 4 MB of weight).
+Optionally against another checkout's kernels (--baseline-tree: a worktree of an earlier revision
+with its kernels built), in alternating processes.
 
     python benchmarks/quant_linear.py [--shape 2048x7168] [--baseline-tree /tmp/old]
 """

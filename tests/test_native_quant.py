@@ -62,7 +62,7 @@ SHAPES = [
     (256, 48, 160, 128),
 ]
 """(rows, N, K, block_k): one row, 256, K past the last whole block, N past the last tile of 16,
-odd rows and columns past the few-row limit (the AVX2 form's tile, two rows over two columns)."""
+odd rows and columns past the few-row limit (the AVX2 form's tile, three rows over two columns)."""
 
 
 @pytest.mark.parametrize(
