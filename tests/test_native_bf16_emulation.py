@@ -293,6 +293,76 @@ def test_a_bf16_model_computes_in_bf16_where_the_cpu_or_the_kernels_do(monkeypat
         compute_dtype.cache_clear()
 
 
+def _attentions(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The decode attentions that run through attention.h's loops (mla_decode, sparse_mla_decode,
+    v4_attention), on seeded inputs: every head-group size (1 to 8 and a group of 8 and 1), W past
+    whole 32-value chunks, L past whole 16 columns, odd and even lengths, a row no token reads
+    holding NaN, -1 slots, and sinks."""
+    from kernels.mla import per_token_tables
+
+    out = {}
+    for heads, lat, rope, lens in (
+        (1, 64, 32, [1, 2, 3]),
+        (2, 40, 8, [5, 2, 11]),
+        (3, 512, 64, [17]),
+        (4, 48, 24, [40, 7]),
+        (5, 100, 20, [33, 1]),
+        (6, 64, 32, [64]),
+        (7, 16, 0, [9, 4]),
+        (8, 512, 64, [1, 300, 1030]),
+        (9, 72, 24, [130, 31]),
+    ):
+        block_size, per_seq = 16, -(-max(lens) // 16)
+        cache = torch.randn(len(lens) * per_seq + 2, block_size, lat + rope, generator=gen).bfloat16()
+        table = torch.randperm(cache.shape[0], generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+        q = torch.randn(len(lens), heads, lat + rope, generator=gen).bfloat16()
+        tables = per_token_tables(table.int(), torch.tensor(lens, dtype=torch.int32), 1)
+        out[f"mla-{heads}x{lat}+{rope}"] = native.mla_decode(q, cache, *tables, 0.2, lat)
+    cache = torch.randn(30, 16, 96, generator=gen).bfloat16()
+    cache.view(-1, 96)[5] = float("nan")  # never chosen
+    slots = torch.randint(6, 480, (6, 45), generator=gen)
+    slots[1, ::3], slots[2], slots[3, :40] = -1, -1, -1
+    q = torch.randn(6, 11, 96, generator=gen).bfloat16()
+    out["sparse"] = native.sparse_mla_decode(q, cache, slots, 0.125, 72)
+    window, entries = (
+        torch.randn(6, 16, 48, generator=gen).bfloat16(),
+        torch.randn(4, 8, 48, generator=gen).bfloat16(),
+    )
+    wslots, eslots = (
+        torch.randint(-1, 96, (7, 20), generator=gen),
+        torch.randint(-1, 32, (7, 9), generator=gen),
+    )
+    wslots[:, 0] = 3
+    q, sinks = torch.randn(7, 3, 48, generator=gen).bfloat16(), 2 * torch.randn(3, generator=gen)
+    out["v4"] = native.v4_attention(q, window, wslots, entries, eslots, sinks, 48**-0.5)
+    return out
+
+
+def test_the_avx2_builds_own_attention_computes_its_emulations_bits():
+    """The AVX2 build's decode attention has loops of its own (attention.h attend_scores_avx2,
+    attend_output_avx2) beside the AVX-512 builds' on avx2.h's emulation, whose bits
+    test_the_avx2_build_computes_the_instructions_bits_... holds to the instructions' on a CPU with
+    AVX-512: the two give the same bits here. An AVX-512 build has the one form, either setting."""
+    if not load_native():
+        return
+    amx, amx_emulated = native.uses_amx(), native.amx_emulated()
+    native.use_amx(False)  # the tiles (in software here) have an attention of their own
+    try:
+        runs = {}
+        for generic in (True, False):
+            before = native.use_attend_generic(generic)
+            try:
+                runs[generic] = _attentions(torch.Generator().manual_seed(0))
+            finally:
+                native.use_attend_generic(before)
+    finally:
+        native.use_amx(amx, amx_emulated)
+    assert len(runs[False]) == 11
+    different = _different(runs[True], runs[False], runs[False])
+    assert not different, f"the AVX2 build's own attention differs from its emulation in {different}"
+    assert all(not t.isnan().any() for t in runs[False].values())
+
+
 if __name__ == "__main__":  # the other build's side: PDSERVE_NATIVE_BF16=0 or PDSERVE_NATIVE_AVX512=0
     torch.set_num_threads(1)
     assert load_native() and not native.bf16_instructions()

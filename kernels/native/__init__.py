@@ -444,6 +444,14 @@ def use_quant_generic(on: bool) -> bool:
     return bool(_library.use_quant_generic(on))
 
 
+def use_attend_generic(on: bool) -> bool:
+    """The AVX2 build's decode attention through the AVX-512 builds' loops on its emulation
+    (attention.h attend_scores / attend_output), for tests; -> the setting it replaces. The AVX-512
+    builds have the one form. Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    return bool(_library.use_attend_generic(on))
+
+
 def exp_f32(x: torch.Tensor) -> torch.Tensor:
     """e^x of a CPU float32 tensor through the kernels' 16-lane exp (the one their softmaxes and
     SiLUs use; within 2 ulp of std::exp, exactly 0 below -104). Requires `loaded()`."""

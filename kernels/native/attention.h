@@ -57,6 +57,7 @@ struct AttendScratch {
   std::vector<uint16_t> zeros;         // that zero row, W long
   std::vector<uint32_t> pairs;         // q in pairs (amx_attend); probabilities in pairs (attend)
   std::vector<uint16_t> probs;         // bf16 probabilities, 16 rows of whole 32-row steps (amx_attend)
+  std::vector<float> work;             // q split, then the output's sums (the AVX2 build's loops)
 };
 
 // Scores s[g * len + j] of G heads (q + g * q_h) against rows[0, len), through VDPBF16PS: two
@@ -133,21 +134,232 @@ void attend_output(const uint32_t* pp, int64_t pairs, const uint16_t* const* row
   }
 }
 
+bool g_attend_generic = false;  // the AVX2 build runs the loops above (tests: use_attend_generic)
+
+// The AVX2 build's decode attention through the loops above on avx2.h's emulation (on) or through
+// its own below (off), for tests; -> the setting it replaces. The AVX-512 builds have one form.
+bool use_attend_generic(bool on) {
+  const bool before = g_attend_generic;
+  g_attend_generic = on;
+  return before;
+}
+
+#ifndef __AVX512F__
+// ---- the AVX2 build's own loops: the same arithmetic, so the same bits ----------------------------
+// On avx2.h's emulation the loops above keep 2G to 4G vectors of sums in 16 registers and spill,
+// and widen each head's q again for every pair of rows. These do each float32 operation of them in
+// the same order: q widened once a sequence (attend_scores_avx2), the probabilities once
+// (attend_output_avx2), at most four heads' sums in registers at a time.
+
+// `buf` holding at least n floats from a 32-byte boundary; -> that boundary.
+inline float* aligned32(std::vector<float>& buf, int64_t n) {
+  buf.resize(n + 8);
+  return buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) & 31) / 4;
+}
+
+// The 32 values p[0, 32) (zeros past `left`) as dot_bf16's emulation splits them: the two 16-value
+// halves h[0], h[1], each as its odd values (the high 16 bits of each 32-bit pair, in place) and
+// its even ones (the low 16 bits shifted up), float32 and exact.
+struct Split32 {
+  __m256 odd[2], even[2];
+};
+__attribute__((always_inline)) inline Split32 split32(const uint16_t* p, int64_t left) {
+  __m256i h[2];
+  if (left >= 32) {
+    h[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    h[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  } else {
+    alignas(32) uint16_t t[32] = {};
+    std::memcpy(t, p, size_t(std::max<int64_t>(left, 0)) * 2);
+    h[0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+    h[1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(t + 16));
+  }
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  Split32 v;
+  for (int i = 0; i < 2; ++i) {
+    v.odd[i] = _mm256_castsi256_ps(_mm256_and_si256(h[i], high));
+    v.even[i] = _mm256_castsi256_ps(_mm256_slli_epi32(h[i], 16));
+  }
+  return v;
+}
+
+// N heads' dot products with one cache row `a` (W values), as dot_bf16 sums them: for each 32
+// values, lane i += odd products then even ones, in two 8-lane halves (lo, hi). qw holds each
+// head's q split (split32) a chunk at a time: [head][chunk][odd 0, odd 1, even 0, even 1][8].
+template <int N>
+__attribute__((always_inline)) inline void row_dots(const uint16_t* a, const uint16_t* ahead, const float* qw,
+                                                    int64_t per_head, int64_t W, __m256* lo, __m256* hi) {
+  for (int n = 0; n < N; ++n) lo[n] = hi[n] = _mm256_setzero_ps();
+  for (int64_t k = 0, c = 0; k < W; k += 32, ++c) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
+    const Split32 r = split32(a + k, W - k);
+    for (int n = 0; n < N; ++n) {
+      const float* qc = qw + n * per_head + c * 32;
+      lo[n] = _mm256_fmadd_ps(r.even[0], _mm256_load_ps(qc + 16), _mm256_fmadd_ps(r.odd[0], _mm256_load_ps(qc), lo[n]));
+      hi[n] = _mm256_fmadd_ps(r.even[1], _mm256_load_ps(qc + 24), _mm256_fmadd_ps(r.odd[1], _mm256_load_ps(qc + 8), hi[n]));
+    }
+  }
+}
+
+// attend_scores' bits: each row's G dot products (four heads at a time, the row read again from
+// cache for the next four), their lanes summed 16 scores at a time (sum_lanes16: a score's sum
+// does not depend on the others beside it).
+template <int G>
+void attend_scores_avx2(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
+                        float scale, float* s, std::vector<float>& qw_buf) {
+  const int64_t per_head = (W + 31) / 32 * 32;
+  float* qw = aligned32(qw_buf, G * per_head);
+  for (int g = 0; g < G; ++g)
+    for (int64_t k = 0; k < W; k += 32) {
+      const Split32 v = split32(q + g * q_h + k, W - k);
+      float* at = qw + g * per_head + k;
+      _mm256_store_ps(at, v.odd[0]), _mm256_store_ps(at + 8, v.odd[1]);
+      _mm256_store_ps(at + 16, v.even[0]), _mm256_store_ps(at + 24, v.even[1]);
+    }
+  __m512 stage[16];
+  int64_t at[16];
+  int n = 0;
+  const auto flush = [&] {
+    for (int i = n; i < 16; ++i) stage[i] = _mm512_setzero_ps();
+    const __m512 dot = widen16(narrow16(sum_lanes16(stage)));  // bf16(bf16(q . row) * scale)
+    alignas(64) float out[16];
+    _mm512_store_ps(out, widen16(narrow16(_mm512_mul_ps(dot, _mm512_set1_ps(scale)))));
+    for (int i = 0; i < n; ++i) s[at[i]] = out[i];
+    n = 0;
+  };
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* ahead = rows[std::min(j + AHEAD, len)];  // rows[len] is the zero row
+    if (n + G > 16) flush();
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      __m256 lo[4], hi[4];
+      const auto dots = [&](auto heads) {
+        constexpr int N = decltype(heads)::value;
+        row_dots<N>(rows[j], g0 == 0 ? ahead : nullptr, qw + g0 * per_head, per_head, W, lo, hi);
+        for (int i = 0; i < N; ++i) stage[n] = avx2::F16{lo[i], hi[i]}, at[n++] = (g0 + i) * len + j;
+      };
+      switch (std::min(4, G - g0)) {
+        case 1: dots(std::integral_constant<int, 1>()); break;
+        case 2: dots(std::integral_constant<int, 2>()); break;
+        case 3: dots(std::integral_constant<int, 3>()); break;
+        default: dots(std::integral_constant<int, 4>()); break;
+      }
+    }
+  }
+  if (n > 0) flush();
+}
+
+// attend_output's bits: column l of head g sums, pair by pair, rows[2i + 1][l] p[g, 2i + 1] and
+// then rows[2i][l] p[g, 2i] (dot_bf16's odd then even). A pass takes P pairs and N heads over
+// every 16 columns: the sums come from memory (L1: sums[g * L16 + l], G x L floats), take the
+// P pairs' 2P FMAs in order and go back, so each column keeps its order, with the FMAs, not the
+// stores, setting the pace. 16 columns read as 8 32-bit words: the even columns are the words
+// shifted up, the odd ones the words ANDed (both exact bf16 -> float32), and sums hold a block's
+// 8 even columns, then its 8 odd ones. p[g * len + j] are the bf16-rounded probabilities.
+template <int P, int N>
+__attribute__((always_inline)) inline void output_pass(const uint16_t* const* rows, int64_t i, const float* pw,
+                                                       int64_t G, int64_t L, float* sums, int64_t L16,
+                                                       const uint16_t* const* ahead) {
+  const uint16_t* r[2 * P];  // in the order summed: 2i + 1, 2i, 2i + 3, 2i + 2, ...
+  __m256 p[N][2 * P];
+  for (int q = 0; q < P; ++q) {
+    r[2 * q] = rows[2 * (i + q) + 1], r[2 * q + 1] = rows[2 * (i + q)];
+    for (int n = 0; n < N; ++n)
+      for (int odd = 0; odd < 2; ++odd) p[n][2 * q + odd] = _mm256_broadcast_ss(pw + ((i + q) * G + n) * 2 + odd);
+  }
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t l = 0; l < L; l += 16) {
+    const uint16_t* v[2 * P];
+    alignas(32) uint16_t tail[2 * P][16];
+    for (int k = 0; k < 2 * P; ++k) {
+      v[k] = r[k] + l;
+      if (L - l < 16) {  // the last columns, zeros past L
+        std::fill_n(tail[k], 16, uint16_t(0));
+        std::memcpy(tail[k], v[k], size_t(L - l) * 2);
+        v[k] = tail[k];
+      }
+      if (ahead != nullptr && l % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead[k] + l), _MM_HINT_T0);
+    }
+    for (int part = 0; part < 2; ++part) {  // the even columns, then the odd
+      __m256 c[2 * P];
+      for (int k = 0; k < 2 * P; ++k) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k]));
+        c[k] = _mm256_castsi256_ps(part == 0 ? _mm256_slli_epi32(w, 16) : _mm256_and_si256(w, high));
+      }
+      for (int n = 0; n < N; ++n) {
+        float* sum = sums + n * L16 + l + 8 * part;
+        __m256 acc = _mm256_load_ps(sum);
+        for (int k = 0; k < 2 * P; ++k) acc = _mm256_fmadd_ps(c[k], p[n][k], acc);
+        _mm256_store_ps(sum, acc);
+      }
+    }
+  }
+}
+
+template <int G>
+void attend_output_avx2(const float* p, int64_t len, const uint16_t* const* rows, int64_t L, uint16_t* o,
+                        int64_t o_h, std::vector<float>& buf) {
+  const int64_t L16 = (L + 15) / 16 * 16, pairs = (len + 1) / 2;
+  float* sums = aligned32(buf, G * L16 + 2 * G * pairs);
+  float* pw = sums + G * L16;  // pw[(i * G + g) * 2 + {0, 1}]: p[g, 2i + 1], p[g, 2i] (0 past len)
+  std::fill_n(sums, G * L16, 0.0f);
+  for (int64_t i = 0; i < pairs; ++i)
+    for (int g = 0; g < G; ++g)
+      for (int odd = 0; odd < 2; ++odd) {
+        const int64_t j = 2 * i + 1 - odd;
+        pw[(i * G + g) * 2 + odd] = j < len ? from_bf16(to_bf16(p[g * len + j])) : 0.0f;
+      }
+  constexpr int64_t AHEAD_PAIRS = 4;
+  for (int64_t i = 0; i < pairs; i += 2) {
+    const bool two = i + 2 <= pairs;
+    const uint16_t* ahead[4];  // rows AHEAD_PAIRS on, prefetched while the first heads' pass runs
+    for (int k = 0; k < 4; ++k) ahead[k] = rows[std::min(2 * (i + AHEAD_PAIRS) + k, len)];  // rows[len]: zeros
+    for (int g0 = 0; g0 < G; g0 += 2) {
+      const uint16_t* const* pf = g0 == 0 ? ahead : nullptr;
+      float* sg = sums + g0 * L16;
+      const float* pg = pw + 2 * g0;
+      if (G - g0 >= 2)
+        two ? output_pass<2, 2>(rows, i, pg, G, L, sg, L16, pf) : output_pass<1, 2>(rows, i, pg, G, L, sg, L16, pf);
+      else
+        two ? output_pass<2, 1>(rows, i, pg, G, L, sg, L16, pf) : output_pass<1, 1>(rows, i, pg, G, L, sg, L16, pf);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t l = 0; l < L; l += 16) {
+      const float* sum = sums + g * L16 + l;
+      const __m256i c = narrow16(avx2::F16{_mm256_load_ps(sum), _mm256_load_ps(sum + 8)});  // even, odd
+      const __m128i even = _mm256_castsi256_si128(c), odd = _mm256_extracti128_si256(c, 1);
+      const __m256i cols = _mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
+      if (L - l >= 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * o_h + l), cols);
+      else
+        _mm256_mask_storeu_epi16(o + g * o_h + l, lanes16(L - l), cols);
+    }
+}
+#endif
+
 template <int G>
 void attend_group(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, uint16_t* o,
                   int64_t o_h, int64_t W, int64_t L, float scale, const std::vector<int64_t>& refused,
                   AttendScratch& scratch, const float* sinks = nullptr) {
   std::vector<float>& s = scratch.s;
   s.resize(G * len);
-  attend_scores<G>(q, q_h, rows, len, W, scale, s.data());
+#ifndef __AVX512F__
+  const bool own = !g_attend_generic;
+  if (own) attend_scores_avx2<G>(q, q_h, rows, len, W, scale, s.data(), scratch.work);
+  else
+#endif
+    attend_scores<G>(q, q_h, rows, len, W, scale, s.data());
   for (const int64_t j : refused)
     for (int g = 0; g < G; ++g) s[g * len + j] = -INFINITY;
+  for (int g = 0; g < G; ++g) softmax_rounded(&s[g * len], len, sinks != nullptr ? sinks[g] : -INFINITY);
+#ifndef __AVX512F__
+  if (own) return attend_output_avx2<G>(s.data(), len, rows, L, o, o_h, scratch.work);
+#endif
   const int64_t pairs = (len + 1) / 2;
   std::vector<uint32_t>& pp = scratch.pairs;
   pp.resize(G * pairs);
   for (int g = 0; g < G; ++g) {
-    float* p = &s[g * len];
-    softmax_rounded(p, len, sinks != nullptr ? sinks[g] : -INFINITY);
+    const float* p = &s[g * len];
     for (int64_t i = 0; i < pairs; ++i) {  // exact: the probabilities are bf16 already
       const uint32_t second = 2 * i + 1 < len ? to_bf16(p[2 * i + 1]) : 0;
       pp[g * pairs + i] = uint32_t(to_bf16(p[2 * i])) | second << 16;

@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); });
   m.def("use_amx", &use_amx);
   m.def("use_amx_attention", &use_amx_attention);
+  m.def("use_attend_generic", &use_attend_generic);
   m.def("use_pool", &use_pool);
   m.def("set_pool_min_bytes", &set_pool_min_bytes);
   m.def("linear_bf16", &linear_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
