@@ -250,14 +250,14 @@ void attend_scores_avx2(const uint16_t* q, int64_t q_h, const uint16_t* const* r
 
 // attend_output's bits: column l of head g sums, pair by pair, rows[2i + 1][l] p[g, 2i + 1] and
 // then rows[2i][l] p[g, 2i] (dot_bf16's odd then even). A pass takes P pairs and N heads over
-// every 16 columns: the sums come from memory (L1: sums[g * L16 + l], G x L floats), take the
+// every 16 columns: the sums come from memory (L1: sums[g * ld + l], G x L floats), take the
 // P pairs' 2P FMAs in order and go back, so each column keeps its order, with the FMAs, not the
 // stores, setting the pace. 16 columns read as 8 32-bit words: the even columns are the words
 // shifted up, the odd ones the words ANDed (both exact bf16 -> float32), and sums hold a block's
 // 8 even columns, then its 8 odd ones. p[g * len + j] are the bf16-rounded probabilities.
 template <int P, int N>
 __attribute__((always_inline)) inline void output_pass(const uint16_t* const* rows, int64_t i, const float* pw,
-                                                       int64_t G, int64_t L, float* sums, int64_t L16,
+                                                       int64_t G, int64_t L, float* sums, int64_t ld,
                                                        const uint16_t* const* ahead) {
   const uint16_t* r[2 * P];  // in the order summed: 2i + 1, 2i, 2i + 3, 2i + 2, ...
   __m256 p[N][2 * P];
@@ -267,38 +267,44 @@ __attribute__((always_inline)) inline void output_pass(const uint16_t* const* ro
       for (int odd = 0; odd < 2; ++odd) p[n][2 * q + odd] = _mm256_broadcast_ss(pw + ((i + q) * G + n) * 2 + odd);
   }
   const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
-  for (int64_t l = 0; l < L; l += 16) {
-    const uint16_t* v[2 * P];
-    alignas(32) uint16_t tail[2 * P][16];
-    for (int k = 0; k < 2 * P; ++k) {
-      v[k] = r[k] + l;
-      if (L - l < 16) {  // the last columns, zeros past L
-        std::fill_n(tail[k], 16, uint16_t(0));
-        std::memcpy(tail[k], v[k], size_t(L - l) * 2);
-        v[k] = tail[k];
-      }
-      if (ahead != nullptr && l % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead[k] + l), _MM_HINT_T0);
-    }
-    for (int part = 0; part < 2; ++part) {  // the even columns, then the odd
+  // The 16 columns at l of the rows v[k] + l: the even columns, then the odd.
+  const auto block = [&](const uint16_t* const* v, int64_t l) {
+    for (int part = 0; part < 2; ++part) {
       __m256 c[2 * P];
       for (int k = 0; k < 2 * P; ++k) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k]));
         c[k] = _mm256_castsi256_ps(part == 0 ? _mm256_slli_epi32(w, 16) : _mm256_and_si256(w, high));
       }
       for (int n = 0; n < N; ++n) {
-        float* sum = sums + n * L16 + l + 8 * part;
+        float* sum = sums + n * ld + l + 8 * part;
         __m256 acc = _mm256_load_ps(sum);
         for (int k = 0; k < 2 * P; ++k) acc = _mm256_fmadd_ps(c[k], p[n][k], acc);
         _mm256_store_ps(sum, acc);
       }
     }
+  };
+  const int64_t whole = L / 16 * 16;
+  for (int64_t l = 0; l < whole; l += 16) {
+    const uint16_t* v[2 * P];
+    for (int k = 0; k < 2 * P; ++k) {
+      v[k] = r[k] + l;
+      if (ahead != nullptr && l % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead[k] + l), _MM_HINT_T0);
+    }
+    block(v, l);
+  }
+  if (whole < L) {  // the last columns, zeros past L
+    alignas(32) uint16_t tail[2 * P][16] = {};
+    const uint16_t* v[2 * P];
+    for (int k = 0; k < 2 * P; ++k) std::memcpy(tail[k], r[k] + whole, size_t(L - whole) * 2), v[k] = tail[k];
+    block(v, whole);
   }
 }
 
 template <int G>
 void attend_output_avx2(const float* p, int64_t len, const uint16_t* const* rows, int64_t L, uint16_t* o,
                         int64_t o_h, std::vector<float>& buf) {
-  const int64_t L16 = (L + 15) / 16 * 16, pairs = (len + 1) / 2;
+  // A head's sums 16 floats past a multiple of 16 (no 4 KB strides between the heads').
+  const int64_t L16 = (L + 15) / 16 * 16 + 16, pairs = (len + 1) / 2;
   float* sums = aligned32(buf, G * L16 + 2 * G * pairs);
   float* pw = sums + G * L16;  // pw[(i * G + g) * 2 + {0, 1}]: p[g, 2i + 1], p[g, 2i] (0 past len)
   std::fill_n(sums, G * L16, 0.0f);
