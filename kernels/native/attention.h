@@ -65,20 +65,36 @@ struct AttendScratch {
 // lanes 16 at a time (sum_lanes16). The rows AHEAD on are prefetched meanwhile (Zen 4, B = 256
 // sequences of ~290 tokens, ms a layer: none 13.5, 4 rows ahead 9.6, 8 8.5, 16 10.3).
 constexpr int64_t AHEAD = 8;
-template <int G>
-void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
-                   float scale, float* s) {
+
+// Scores as their dot products come, each as 16 lanes of float32 sums: staged 16 at a time, then
+// each summed across its lanes (sum_lanes16: one score's sum does not depend on those beside it),
+// rounded to bf16, scaled and rounded again, into s[at].
+struct ScoreStage {
+  float* s;
+  float scale;
   __m512 stage[16];
   int64_t at[16];
   int n = 0;
-  const auto flush = [&] {
+
+  void add(__m512 dot, int64_t where) { stage[n] = dot, at[n++] = where; }
+  void flush_for(int more) {  // room for `more` scores
+    if (n + more > 16) flush();
+  }
+  void flush() {
+    if (n == 0) return;
     for (int i = n; i < 16; ++i) stage[i] = _mm512_setzero_ps();
     const __m512 dot = widen16(narrow16(sum_lanes16(stage)));  // bf16(bf16(q . row) * scale)
     alignas(64) float out[16];
     _mm512_store_ps(out, widen16(narrow16(_mm512_mul_ps(dot, _mm512_set1_ps(scale)))));
     for (int i = 0; i < n; ++i) s[at[i]] = out[i];
     n = 0;
-  };
+  }
+};
+
+template <int G>
+void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
+                   float scale, float* s) {
+  ScoreStage scores{s, scale};
   for (int64_t j = 0; j < len; j += 2) {
     const uint16_t *a = rows[j], *b = rows[j + 1];  // rows[len] is the zero row
     const uint16_t *pa = rows[std::min(j + AHEAD, len)], *pb = rows[std::min(j + AHEAD + 1, len)];
@@ -94,12 +110,12 @@ void attend_scores(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, 
         db[g] = dot_bf16(db[g], kb, qg);
       }
     }
-    if (n + 2 * G > 16) flush();
-    for (int g = 0; g < G; ++g) stage[n] = da[g], at[n++] = g * len + j;
+    scores.flush_for(2 * G);
+    for (int g = 0; g < G; ++g) scores.add(da[g], g * len + j);
     if (j + 1 < len)
-      for (int g = 0; g < G; ++g) stage[n] = db[g], at[n++] = g * len + j + 1;
+      for (int g = 0; g < G; ++g) scores.add(db[g], g * len + j + 1);
   }
-  if (n > 0) flush();
+  scores.flush();
 }
 
 // o[g * o_h + l] = bf16(sum_j p[g, j] rows[j][l]) for l < L, through VDPBF16PS over pairs of rows:
@@ -148,8 +164,8 @@ bool use_attend_generic(bool on) {
 // ---- the AVX2 build's own loops: the same arithmetic, so the same bits ----------------------------
 // On avx2.h's emulation the loops above keep 2G to 4G vectors of sums in 16 registers and spill,
 // and widen each head's q again for every pair of rows. These do each float32 operation of them in
-// the same order: q widened once a sequence (attend_scores_avx2), the probabilities once
-// (attend_output_avx2), at most four heads' sums in registers at a time.
+// the same order: q split once a sequence and four heads' sums in registers (attend_scores_avx2),
+// the probabilities widened once and the output's sums in L1 (attend_output_avx2).
 
 // `buf` holding at least n floats from a 32-byte boundary; -> that boundary.
 inline float* aligned32(std::vector<float>& buf, int64_t n) {
@@ -202,8 +218,7 @@ __attribute__((always_inline)) inline void row_dots(const uint16_t* a, const uin
 }
 
 // attend_scores' bits: each row's G dot products (four heads at a time, the row read again from
-// cache for the next four), their lanes summed 16 scores at a time (sum_lanes16: a score's sum
-// does not depend on the others beside it).
+// cache for the next four), staged as attend_scores stages them.
 template <int G>
 void attend_scores_avx2(const uint16_t* q, int64_t q_h, const uint16_t* const* rows, int64_t len, int64_t W,
                         float scale, float* s, std::vector<float>& qw_buf) {
@@ -216,26 +231,16 @@ void attend_scores_avx2(const uint16_t* q, int64_t q_h, const uint16_t* const* r
       _mm256_store_ps(at, v.odd[0]), _mm256_store_ps(at + 8, v.odd[1]);
       _mm256_store_ps(at + 16, v.even[0]), _mm256_store_ps(at + 24, v.even[1]);
     }
-  __m512 stage[16];
-  int64_t at[16];
-  int n = 0;
-  const auto flush = [&] {
-    for (int i = n; i < 16; ++i) stage[i] = _mm512_setzero_ps();
-    const __m512 dot = widen16(narrow16(sum_lanes16(stage)));  // bf16(bf16(q . row) * scale)
-    alignas(64) float out[16];
-    _mm512_store_ps(out, widen16(narrow16(_mm512_mul_ps(dot, _mm512_set1_ps(scale)))));
-    for (int i = 0; i < n; ++i) s[at[i]] = out[i];
-    n = 0;
-  };
+  ScoreStage scores{s, scale};
   for (int64_t j = 0; j < len; ++j) {
     const uint16_t* ahead = rows[std::min(j + AHEAD, len)];  // rows[len] is the zero row
-    if (n + G > 16) flush();
+    scores.flush_for(G);
     for (int g0 = 0; g0 < G; g0 += 4) {
       __m256 lo[4], hi[4];
       const auto dots = [&](auto heads) {
         constexpr int N = decltype(heads)::value;
         row_dots<N>(rows[j], g0 == 0 ? ahead : nullptr, qw + g0 * per_head, per_head, W, lo, hi);
-        for (int i = 0; i < N; ++i) stage[n] = avx2::F16{lo[i], hi[i]}, at[n++] = (g0 + i) * len + j;
+        for (int i = 0; i < N; ++i) scores.add(avx2::F16{lo[i], hi[i]}, (g0 + i) * len + j);
       };
       switch (std::min(4, G - g0)) {
         case 1: dots(std::integral_constant<int, 1>()); break;
@@ -245,7 +250,7 @@ void attend_scores_avx2(const uint16_t* q, int64_t q_h, const uint16_t* const* r
       }
     }
   }
-  if (n > 0) flush();
+  scores.flush();
 }
 
 // attend_output's bits: column l of head g sums, pair by pair, rows[2i + 1][l] p[g, 2i + 1] and
