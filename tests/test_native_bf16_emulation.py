@@ -29,12 +29,23 @@ from tests.engine_testing import mla_caches
 from tests.test_native_kernels import _decode_batch, _small_model
 
 
+def _mla_decode_case(gen: torch.Generator, heads: int, lat: int, rope: int, lens: list[int]) -> torch.Tensor:
+    """native.mla_decode on seeded inputs: one query token per sequence of `lens`, over a paged
+    cache of 16-row blocks in shuffled order (two spare blocks)."""
+    from kernels.mla import per_token_tables
+
+    block_size, per_seq = 16, -(-max(lens) // 16)
+    cache = torch.randn(len(lens) * per_seq + 2, block_size, lat + rope, generator=gen).bfloat16()
+    table = torch.randperm(cache.shape[0], generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, lat + rope, generator=gen).bfloat16()
+    tables = per_token_tables(table.int(), torch.tensor(lens, dtype=torch.int32), 1)
+    return native.mla_decode(q, cache, *tables, 0.2, lat)
+
+
 @torch.inference_mode()
 def _outputs() -> dict[str, torch.Tensor]:
     """The kernels' outputs on seeded inputs, the same in any process (VDPBF16PS products: the
     emulated build has no AMX)."""
-    from kernels.mla import per_token_tables
-
     native.use_amx(False)
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -75,13 +86,7 @@ def _outputs() -> dict[str, torch.Tensor]:
             out[f"linear-{name}"] = native.linear_bf16(x, w)
             out[f"input-x-{name}"], out[f"input-w-{name}"] = x, w
     for heads, lat, rope, lens in ((9, 64, 32, [1, 17, 40, 130]), (3, 40, 8, [5, 2, 11])):
-        block_size, per_seq = 16, -(-max(lens) // 16)
-        cache = torch.randn(len(lens) * per_seq + 2, block_size, lat + rope, generator=gen).bfloat16()
-        table = torch.randperm(cache.shape[0], generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        q = torch.randn(len(lens), heads, lat + rope, generator=gen).bfloat16()
-        tables = per_token_tables(table.int(), seq_lens, 1)
-        out[f"mla_decode-{heads}x{lat}"] = native.mla_decode(q, cache, *tables, 0.2, lat)
+        out[f"mla_decode-{heads}x{lat}"] = _mla_decode_case(gen, heads, lat, rope, lens)
     for v2 in (False, True):
         for seqs in (1, 3, 32):
             cfg, model = _small_model(v2, seqs)
@@ -298,8 +303,6 @@ def _attentions(gen: torch.Generator) -> dict[str, torch.Tensor]:
     v4_attention), on seeded inputs: every head-group size (1 to 8 and a group of 8 and 1), W past
     whole 32-value chunks, L past whole 16 columns, odd and even lengths, a row no token reads
     holding NaN, -1 slots, and sinks."""
-    from kernels.mla import per_token_tables
-
     out = {}
     for heads, lat, rope, lens in (
         (1, 64, 32, [1, 2, 3]),
@@ -312,12 +315,7 @@ def _attentions(gen: torch.Generator) -> dict[str, torch.Tensor]:
         (8, 512, 64, [1, 300, 1030]),
         (9, 72, 24, [130, 31]),
     ):
-        block_size, per_seq = 16, -(-max(lens) // 16)
-        cache = torch.randn(len(lens) * per_seq + 2, block_size, lat + rope, generator=gen).bfloat16()
-        table = torch.randperm(cache.shape[0], generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq)
-        q = torch.randn(len(lens), heads, lat + rope, generator=gen).bfloat16()
-        tables = per_token_tables(table.int(), torch.tensor(lens, dtype=torch.int32), 1)
-        out[f"mla-{heads}x{lat}+{rope}"] = native.mla_decode(q, cache, *tables, 0.2, lat)
+        out[f"mla-{heads}x{lat}+{rope}"] = _mla_decode_case(gen, heads, lat, rope, lens)
     cache = torch.randn(30, 16, 96, generator=gen).bfloat16()
     cache.view(-1, 96)[5] = float("nan")  # never chosen
     slots = torch.randint(6, 480, (6, 45), generator=gen)

@@ -167,10 +167,10 @@ bool use_attend_generic(bool on) {
 // the same order: q split once a sequence and four heads' sums in registers (attend_scores_avx2),
 // the probabilities widened once and the output's sums in L1 (attend_output_avx2).
 
-// `buf` holding at least n floats from a 32-byte boundary; -> that boundary.
-inline float* aligned32(std::vector<float>& buf, int64_t n) {
-  buf.resize(n + 8);
-  return buf.data() + (-reinterpret_cast<uintptr_t>(buf.data()) & 31) / 4;
+// n floats of scratch (common.h) from a 32-byte boundary in `kept`; -> that boundary.
+inline float* aligned32(std::vector<float>& kept, int64_t n) {
+  float* p = scratch(kept, n + 8);
+  return p + (-reinterpret_cast<uintptr_t>(p) & 31) / 4;
 }
 
 // The 32 values p[0, 32) (zeros past `left`) as dot_bf16's emulation splits them: the two 16-value
