@@ -233,6 +233,21 @@ class Stack:
         ranks = sum(n * _ranks(cfg.engine_args + cfg.worker_args.get(role, [])) for role, n in counts.items())
         return ranks * threads > env_vars.available_cores()
 
+    def kv_stays_local(self, role: str) -> bool:
+        """Whether no worker can ever read this worker's KV: one colocated rank alone, no registry
+        for others to join through. Its workers then start no NIXL agent (`--kv-transport grpc`,
+        unless the flags name a transport): an agent nobody reads holds ~27 MiB of UCX and NIXL
+        libraries and wakes a progress thread every 100 us on the engine's cores."""
+        cfg = self.cfg
+        flags = cfg.engine_args + cfg.worker_args.get(role, [])
+        return (
+            role == "colocated"
+            and (cfg.num_prefill, cfg.num_decode, cfg.num_colocated) == (0, 0, 1)
+            and cfg.registry is None
+            and _ranks(flags) == 1
+            and not any(f == "--kv-transport" or f.startswith("--kv-transport=") for f in flags)
+        )
+
     def workers(self, role: str | None = None) -> list[Proc]:
         return [p for p in self.procs if p.name != "router" and (role is None or p.name.startswith(role))]
 
@@ -288,6 +303,8 @@ class Stack:
             metrics_port = self._free_port()
             args += ["--metrics-port", str(metrics_port)]
             metrics_url = f"http://{cfg.host}:{metrics_port}/metrics"
+        if self.kv_stays_local(role):
+            args += ["--kv-transport", "grpc"]
         args += cfg.engine_args + cfg.worker_args.get(role, [])
         proc = self._spawn(f"{role}-{index}", args, f"{cfg.host}:{port}", env)
         proc.metrics_url = metrics_url

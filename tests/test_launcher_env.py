@@ -104,3 +104,58 @@ def test_a_worker_counts_its_ranks(monkeypatch, engine_args, worker_args, shared
     monkeypatch.setattr(launcher.env_vars, "available_cores", lambda: 4)
     cfg = StackConfig("m", threads_per_worker=1, engine_args=engine_args, worker_args=worker_args)
     assert Stack(cfg).workers_share_cpus() is shared
+
+
+def _worker_cmdline(cfg: StackConfig, role: str) -> list[str]:
+    """The command line of a worker this config's stack starts (stopped right after)."""
+    stack = Stack(cfg)
+    try:
+        proc = stack.start_worker(role, 0)
+        deadline = time.monotonic() + 10
+        while b"services.cli" not in (raw := Path(f"/proc/{proc.popen.pid}/cmdline").read_bytes()):
+            assert proc.popen.poll() is None, (
+                f"the worker exited ({proc.popen.returncode}) before it was read"
+            )
+            assert time.monotonic() < deadline, "the worker's command line never showed"
+            time.sleep(0.001)
+    finally:
+        stack.stop()
+    return raw.decode().split("\0")
+
+
+@pytest.mark.parametrize(
+    "fields, role, local",
+    [
+        ({"num_prefill": 0, "num_decode": 0, "num_colocated": 1}, "colocated", True),
+        ({"num_prefill": 0, "num_decode": 0, "num_colocated": 2}, "colocated", False),  # they may swap KV
+        (
+            {"num_prefill": 0, "num_decode": 1, "num_colocated": 1},
+            "colocated",
+            False,
+        ),  # a decode worker reads it
+        ({}, "prefill", False),
+        (
+            {"num_prefill": 0, "num_decode": 0, "num_colocated": 1, "registry": "redis://127.0.0.1:1/0"},
+            "colocated",
+            False,
+        ),
+        (
+            {"num_prefill": 0, "num_decode": 0, "num_colocated": 1, "engine_args": ["--dp", "2"]},
+            "colocated",
+            False,
+        ),
+    ],
+)
+def test_a_worker_whose_kv_nobody_can_read_starts_no_nixl_agent(fields, role, local):
+    assert Stack(StackConfig("m", **fields)).kv_stays_local(role) is local
+
+
+def test_a_lone_colocated_worker_is_started_without_nixl_unless_the_flags_name_a_transport(tiny_model):
+    lone = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
+    args = _worker_cmdline(StackConfig(tiny_model, **lone), "colocated")
+    assert args[args.index("--kv-transport") + 1] == "grpc"
+    named = StackConfig(tiny_model, **lone, worker_args={"colocated": ["--kv-transport", "nixl"]})
+    args = _worker_cmdline(named, "colocated")
+    assert args.count("--kv-transport") == 1 and args[args.index("--kv-transport") + 1] == "nixl"
+    args = _worker_cmdline(StackConfig(tiny_model), "decode")  # the disaggregated stack's
+    assert "--kv-transport" not in args
