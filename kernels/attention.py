@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels.dispatch import cdiv, next_power_of_2, resolve_impl
 
 # --- extend attention ----------------------------------------------------------------------------
@@ -113,12 +114,15 @@ def extend_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [n, H, Dqk], k [ctx, H, Dqk], v [ctx, H, Dv] with ctx >= n
     -> (o [n, H, Dv] in q's dtype, lse [n, H] float32). With return_lse=False the lse is None and
-    the PyTorch path uses torch's fused SDPA."""
+    the CPU path is the native kernel where it takes the operands (kernels/native/extend.h), else
+    torch's fused SDPA."""
     if resolve_impl(impl, q, has_triton=True) == "triton":
         o, lse = extend_attention_triton(q, k, v, scale)
         return o, (lse if return_lse else None)
     if return_lse:
         return extend_attention_ref(q, k, v, scale)
+    if native.takes_extend(q, k, v):  # torch's SDPA takes its math path here (Dv != Dqk)
+        return native.extend_attention(q, k, v, scale), None
     n, ctx = q.shape[0], k.shape[0]
     mask = None
     if ctx != n:  # queries sit at the end of the context: a shifted causal mask

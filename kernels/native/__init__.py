@@ -597,6 +597,47 @@ def mla_decode(
     return o
 
 
+def takes_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether extend_attention takes these operands: loaded, CPU bf16 with unit stride along the
+    head size, v's a multiple of 16."""
+    return _library is not None and takes(q, k, v) and v.shape[-1] % 16 == 0
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk's causal attention, kernels/attention.py extend_attention without the LSE:
+    q [n, H, Dqk] (positions ctx - n .. ctx - 1), k [ctx, H, Dqk], v [ctx, H, Dv] (CPU bf16, unit
+    stride along the last dimension, Dv a multiple of 16) -> o [n, H, Dv] bf16. Float32 inside;
+    a query's bits are the same in any chunking of its prompt (extend.h). Requires `loaded()`."""
+    assert _library is not None, "kernels.native.load() first"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [n, H, Dqk], [ctx, H, Dqk], [ctx, H, Dv]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    n, heads, d_qk = q.shape
+    ctx, d_v = k.shape[0], v.shape[-1]
+    if k.shape != (ctx, heads, d_qk) or v.shape[:2] != (ctx, heads):
+        raise ValueError(
+            f"k must be [ctx, H={heads}, Dqk={d_qk}] and v [ctx, H={heads}, Dv], got {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if ctx < n:
+        raise ValueError(f"the context (ctx={ctx}) must hold the n={n} queries")
+    if not takes_extend(q, k, v):
+        raise ValueError(
+            f"q, k, v must be CPU bf16 with unit stride along the last dimension and Dv a multiple of 16, "
+            f"got {q.dtype}/{k.dtype}/{v.dtype}, Dv={d_v}"
+        )
+    o = torch.empty(n, heads, d_v, dtype=torch.bfloat16)
+    if n and heads:
+        _library.extend_attention(
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), o.data_ptr(), o.stride(0), o.stride(1),
+            n, ctx, heads, d_qk, d_v, scale,
+        )  # fmt: skip
+    return o
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,

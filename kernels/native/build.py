@@ -54,6 +54,7 @@ HEADERS = tuple(
         "spec.h",
         "sparse.h",
         "v4.h",
+        "extend.h",
         "avx2.h",
     )
 )

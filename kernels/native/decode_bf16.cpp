@@ -8,7 +8,7 @@
 // a greedy speculative step with MTP drafts in one (greedy_spec_step), and DeepSeek-V3.2's
 // indexer top-k and sparse MLA decode (indexer_topk, sparse_mla_decode), and DeepSeek-V4's
 // attention (v4_attention), compressors' pooling (compress_pool) and hyper-connections (hc_pre,
-// hc_merge). Pointers arrive as integers
+// hc_merge), and a prefill chunk's causal attention (extend_attention). Pointers arrive as integers
 // (torch.Tensor.data_ptr()); the Python wrappers in __init__.py and blocks.py check shapes, dtypes
 // and strides.
 //
@@ -16,13 +16,15 @@
 // product), experts.h (moe_pairs, moe_topk), attention.h (mla_decode), layer.h (norms, rotary,
 // mtp_input, mla_attention, route, moe_block, decode_stack), argmax.h (argmax_bf16), spec.h
 // (greedy_spec_step), sparse.h (DeepSeek-V3.2's indexer_topk, sparse_mla_decode), v4.h
-// (DeepSeek-V4's v4_attention, compress_pool, hc_pre, hc_merge). This file binds them.
+// (DeepSeek-V4's v4_attention, compress_pool, hc_pre, hc_merge), extend.h (extend_attention). This
+// file binds them.
 
 #include "layer.h"
 #include "argmax.h"
 #include "spec.h"
 #include "sparse.h"
 #include "v4.h"
+#include "extend.h"
 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -38,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_pairs", &moe_pairs, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("moe_topk", &moe_topk, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mla_decode", &mla_decode, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("extend_attention", &extend_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &rotary, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("mtp_input", &mtp_input, pybind11::call_guard<pybind11::gil_scoped_release>());
