@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from kernels import native
-from kernels.dispatch import cdiv, next_power_of_2, resolve_impl
+from kernels.dispatch import cdiv, check_extend, next_power_of_2, resolve_impl
 
 # --- extend attention ----------------------------------------------------------------------------
 
@@ -47,19 +47,7 @@ def extend_attention_triton(
     from kernels.jit import attention as jit
 
     # (1) check
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q, k, v must be [n, H, D], [ctx, H, D], [ctx, H, Dv]; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    n, heads, d_qk = q.shape
-    ctx, d_v = k.shape[0], v.shape[-1]
-    if k.shape != (ctx, heads, d_qk):
-        raise ValueError(f"k must be [ctx, H={heads}, Dqk={d_qk}], got {tuple(k.shape)}")
-    if v.shape[:2] != (ctx, heads):
-        raise ValueError(f"v must be [ctx={ctx}, H={heads}, Dv], got {tuple(v.shape)}")
-    if ctx < n:
-        raise ValueError(f"ctx (k.shape[0] = {ctx}) must be >= n (q.shape[0] = {n})")
+    n, heads, d_qk, ctx, d_v = check_extend(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

@@ -30,3 +30,22 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (>= 1), for the kernels' block sizes (triton.next_power_of_2)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def check_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """An extend attention's operands: q [n, H, Dqk], k [ctx, H, Dqk], v [ctx, H, Dv] with ctx >= n
+    (ValueError naming the one that is not) -> (n, H, Dqk, ctx, Dv)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [n, H, D], [ctx, H, D], [ctx, H, Dv]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    n, heads, d_qk = q.shape
+    ctx, d_v = k.shape[0], v.shape[-1]
+    if k.shape != (ctx, heads, d_qk):
+        raise ValueError(f"k must be [ctx, H={heads}, Dqk={d_qk}], got {tuple(k.shape)}")
+    if v.shape[:2] != (ctx, heads):
+        raise ValueError(f"v must be [ctx={ctx}, H={heads}, Dv], got {tuple(v.shape)}")
+    if ctx < n:
+        raise ValueError(f"ctx (k.shape[0] = {ctx}) must be >= n (q.shape[0] = {n})")
+    return n, heads, d_qk, ctx, d_v

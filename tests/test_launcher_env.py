@@ -13,22 +13,30 @@ from services import launcher
 from services.launcher import Stack, StackConfig
 
 
-def _worker_environ(cfg: StackConfig) -> dict[str, str]:
-    """The environment of a decode worker this config's stack starts (stopped right after)."""
+def _started_worker(cfg: StackConfig, role: str, what: str) -> tuple[Stack, bytes]:
+    """/proc/<pid>/<what> (environ, cmdline) of a worker this config's stack starts (stopped
+    right after). Popen may return while the kernel is still building the new image: the file
+    reads empty until exec has set it up, so read until it is there."""
     stack = Stack(cfg)
     try:
-        proc = stack.start_worker("decode", 0)
-        # Popen may return while the kernel is still building the new image: its environment reads
-        # empty until exec has set it up, so read until it is there.
+        proc = stack.start_worker(role, 0)
         deadline = time.monotonic() + 10
-        while not (raw := Path(f"/proc/{proc.popen.pid}/environ").read_bytes()):
+        # (a command line reads as the parent's until exec: wait for the worker's own)
+        there = (lambda raw: b"services.cli" in raw) if what == "cmdline" else bool
+        while not there(raw := Path(f"/proc/{proc.popen.pid}/{what}").read_bytes()):
             assert proc.popen.poll() is None, (
                 f"the worker exited ({proc.popen.returncode}) before it was read"
             )
-            assert time.monotonic() < deadline, "the worker's environment stayed empty"
+            assert time.monotonic() < deadline, f"the worker's {what} stayed empty"
             time.sleep(0.001)
     finally:
         stack.stop()
+    return stack, raw
+
+
+def _worker_environ(cfg: StackConfig) -> dict[str, str]:
+    """The environment of a decode worker this config's stack starts."""
+    stack, raw = _started_worker(cfg, "decode", "environ")
     environ = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
     assert environ.get(launcher.env_vars.INTERNAL_TOKEN_VAR) == stack.token  # the worker's own
     return environ
@@ -107,20 +115,8 @@ def test_a_worker_counts_its_ranks(monkeypatch, engine_args, worker_args, shared
 
 
 def _worker_cmdline(cfg: StackConfig, role: str) -> list[str]:
-    """The command line of a worker this config's stack starts (stopped right after)."""
-    stack = Stack(cfg)
-    try:
-        proc = stack.start_worker(role, 0)
-        deadline = time.monotonic() + 10
-        while b"services.cli" not in (raw := Path(f"/proc/{proc.popen.pid}/cmdline").read_bytes()):
-            assert proc.popen.poll() is None, (
-                f"the worker exited ({proc.popen.returncode}) before it was read"
-            )
-            assert time.monotonic() < deadline, "the worker's command line never showed"
-            time.sleep(0.001)
-    finally:
-        stack.stop()
-    return raw.decode().split("\0")
+    """The command line of a worker this config's stack starts."""
+    return _started_worker(cfg, role, "cmdline")[1].decode().split("\0")
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.dispatch import check_extend
 from kernels.native import build
 from kernels.quant import QuantWeight
 
@@ -609,20 +610,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     stride along the last dimension, Dv a multiple of 16) -> o [n, H, Dv] bf16. Float32 inside;
     a query's bits are the same in any chunking of its prompt (extend.h). Requires `loaded()`."""
     assert _library is not None, "kernels.native.load() first"
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q, k, v must be [n, H, Dqk], [ctx, H, Dqk], [ctx, H, Dv]; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    n, heads, d_qk = q.shape
-    ctx, d_v = k.shape[0], v.shape[-1]
-    if k.shape != (ctx, heads, d_qk) or v.shape[:2] != (ctx, heads):
-        raise ValueError(
-            f"k must be [ctx, H={heads}, Dqk={d_qk}] and v [ctx, H={heads}, Dv], got {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if ctx < n:
-        raise ValueError(f"the context (ctx={ctx}) must hold the n={n} queries")
+    n, heads, d_qk, ctx, d_v = check_extend(q, k, v)
     if not takes_extend(q, k, v):
         raise ValueError(
             f"q, k, v must be CPU bf16 with unit stride along the last dimension and Dv a multiple of 16, "
