@@ -366,9 +366,9 @@ class Stack:
             for ch in channels.values():
                 ch.close()
 
-    def start_router(self, workers: list[str] | None = None) -> Proc:
-        """Start the router over the registry, else over `workers` (default: the workers started
-        so far); it may start before they do (its readiness waits for them)."""
+    def router_command(self, workers: list[str] | None = None) -> list[str]:
+        """The `pdserve router` command line (after `pdserve`) over the registry, else over
+        `workers` (default: the workers started so far)."""
         cfg = self.cfg
         args = ["router", "--model", cfg.model, "--host", cfg.host, "--grpc-port", str(self.grpc_port)]
         args += ["--http-port", str(self.http_port)] if self.http_port is not None else ["--no-http"]
@@ -377,16 +377,33 @@ class Stack:
         else:
             endpoints = [p.endpoint for p in self.workers()] if workers is None else workers
             args += ["--workers", ",".join(endpoints)]
-        return self._spawn("router", args + cfg.router_args, self.grpc_endpoint, api_key=self.api_key)
+        return args + cfg.router_args
+
+    def start_router(self, workers: list[str] | None = None) -> Proc:
+        """Start the router (router_command) as a process of its own; it may start before the
+        workers do (its readiness waits for them)."""
+        return self._spawn("router", self.router_command(workers), self.grpc_endpoint, api_key=self.api_key)
+
+    def router_environ(self) -> dict[str, str]:
+        """What a router of this stack finds in its environment: the stack's token and API key."""
+        env = {**self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
+        if self.api_key is not None:
+            env[env_vars.API_KEY_VAR] = self.api_key
+        return env
 
     def wait_routable(self, deadline: float) -> None:
-        """Until the router has probed every worker (so routing sees all of them)."""
+        """Until the router reports readiness and has probed every worker (so routing sees all of
+        them)."""
         from pdserve.v1 import inference_pb2 as pb
         from pdserve.v1 import inference_pb2_grpc as pb_grpc
 
         want = {p.endpoint for p in self.workers() if p.popen.poll() is None}
         key = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
         with probe_channel(self.grpc_endpoint) as ch:
+            while not _serving(health_pb2_grpc.HealthStub(ch), "readiness"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router ({self.grpc_endpoint}) not ready by the deadline")
+                time.sleep(0.1)
             stub = pb_grpc.InferenceStub(ch)
             while True:
                 info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5.0, metadata=key)
