@@ -529,6 +529,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         code = 0
     finally:
         done.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the workers get their grace, then SIGKILL
+            signal.signal(sig, signal.SIG_IGN)
         codes = stack.stop()
     return 0 if code == 0 and not failed.is_set() and not any(codes.values()) else 1
 
