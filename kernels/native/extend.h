@@ -28,16 +28,12 @@
 namespace {
 
 constexpr int64_t EXT_KEYS = 256;  // keys a chunk: K^T and V of 128 + 64 KB at Dqk 128, Dv 64
-constexpr int EXT_ROWS_512 = 4;    // queries a tile in the AVX-512 form: 4 x 2 x 16 lanes, 8 chains
-constexpr int EXT_GROUPS = 2;      // 16-key groups a score pass of that form
-#ifdef __AVX512F__
-constexpr int EXT_ROWS = EXT_ROWS_512;
-#else
-// Queries a tile in the AVX2 form: 4 rows x 16 keys (or columns of V) are 8 chains of FMAs, two
-// a cycle at Zen 3's 4-cycle latency. (6 rows, 12 chains, took 6.0 ms against 4.2 for the bench
+// Queries a tile, in both forms below. The AVX-512 form's 4 rows x 2 groups of 16 keys are 8 chains
+// of FMAs; the AVX2 form's 4 rows x 16 keys (or columns of V) are 8 chains of 8 lanes, two a cycle
+// at Zen 3's 4-cycle latency. (6 rows there, 12 chains, took 6.0 ms against 4.2 for the bench
 // model's 8 heads over a 512-token prompt, 2-core Zen 3.)
 constexpr int EXT_ROWS = 4;
-#endif
+constexpr int EXT_GROUPS = 2;  // 16-key groups a score pass of the AVX-512 form
 
 struct ExtendScratch {
   std::vector<float> q, kt, v, s, o, m, l;
@@ -177,16 +173,15 @@ inline void widen_keys(const uint16_t* k, int64_t ldk, int64_t keys, int64_t pad
     for (int64_t d = 0; d < Dqk; ++d) kt[d * EXT_KEYS + j] = j < keys ? from_bf16(k[j * ldk + d]) : 0.0f;
 }
 
-// f(std::integral_constant<int, R>()) for R in [1, 6].
+// f(std::integral_constant<int, R>()) for R in [1, EXT_ROWS].
 template <typename F>
 inline void with_rows(int R, const F& f) {
+  static_assert(EXT_ROWS == 4);
   switch (R) {
     case 1: return f(std::integral_constant<int, 1>());
     case 2: return f(std::integral_constant<int, 2>());
     case 3: return f(std::integral_constant<int, 3>());
-    case 4: return f(std::integral_constant<int, 4>());
-    case 5: return f(std::integral_constant<int, 5>());
-    default: return f(std::integral_constant<int, 6>());
+    default: return f(std::integral_constant<int, 4>());
   }
 }
 
@@ -201,7 +196,6 @@ void extend_head(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t ldk,
   float* kt = scratch(sc.kt, Dqk * EXT_KEYS);
   float* vf = scratch(sc.v, EXT_KEYS * Dv);
   [[maybe_unused]] const bool own = !g_attend_generic;  // the AVX2 build's own loops (tests: use_attend_generic)
-  const int64_t tile = own ? EXT_ROWS : EXT_ROWS_512;
   float* s = scratch(sc.s, EXT_ROWS * EXT_KEYS);
   float* out = scratch(sc.o, rows * Dv);
   float* m = scratch(sc.m, rows);
@@ -222,8 +216,8 @@ void extend_head(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t ldk,
       for (int64_t c = 0; c < Dv; c += 16)
         _mm512_storeu_ps(vf + j * Dv + c, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c))));
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-      const int R = int(std::min<int64_t>(tile, rows - r0));
+    for (int64_t r0 = 0; r0 < rows; r0 += EXT_ROWS) {
+      const int R = int(std::min<int64_t>(EXT_ROWS, rows - r0));
       const int64_t tile_keys = std::min(keys, first + r0 + R - k0);  // up to the tile's last row's
       if (tile_keys <= 0) continue;  // every row's keys end before this chunk
       const int64_t span = (tile_keys + 15) / 16 * 16;
@@ -233,9 +227,9 @@ void extend_head(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t ldk,
 #ifndef __AVX512F__
         if (own) return extend_scores_avx2<W>(qt, Dqk, kt, tile_keys, s);
 #endif
-        if constexpr (W <= EXT_ROWS_512) extend_scores_512<W>(qt, Dqk, kt, tile_keys, s);
+        extend_scores_512<W>(qt, Dqk, kt, tile_keys, s);
       });
-      float alpha[EXT_ROWS > EXT_ROWS_512 ? EXT_ROWS : EXT_ROWS_512];
+      float alpha[EXT_ROWS];
       for (int r = 0; r < R; ++r) {
         float* sr = s + r * EXT_KEYS;
         const int64_t visible = std::min(span, first + r0 + r + 1 - k0);  // this row's keys here
@@ -264,7 +258,7 @@ void extend_head(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t ldk,
 #ifndef __AVX512F__
         if (own) return extend_values_avx2<W>(s, vf, tile_keys, Dv, alpha, ot);
 #endif
-        if constexpr (W <= EXT_ROWS_512) extend_values_512<W>(s, vf, tile_keys, Dv, alpha, ot);
+        extend_values_512<W>(s, vf, tile_keys, Dv, alpha, ot);
       });
     }
   }
