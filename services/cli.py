@@ -521,7 +521,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for role, n in roles.items():
             for i in range(n):
                 stack.start_worker(role, i)
-        os.environ.update(stack.router_environ())
+        os.environ.update(stack.stack_environ(stack.api_key))
         router = build_parser().parse_args(stack.router_command())
         threading.Thread(target=supervise, name="supervise", daemon=True).start()
         code = router.func(router)

@@ -261,9 +261,7 @@ class Stack:
             log_path = Path(self.cfg.log_dir) / f"{name}.log"
             out = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         cmd = [sys.executable, "-m", "services.cli", "--log-level", env_vars.log_level(), *args]
-        env = {**(env or os.environ), **self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
-        if api_key is not None:
-            env[env_vars.API_KEY_VAR] = api_key
+        env = {**(env or os.environ), **self.stack_environ(api_key)}
         popen = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, cwd=self.cfg.cwd
         )
@@ -384,11 +382,12 @@ class Stack:
         workers do (its readiness waits for them)."""
         return self._spawn("router", self.router_command(workers), self.grpc_endpoint, api_key=self.api_key)
 
-    def router_environ(self) -> dict[str, str]:
-        """What a router of this stack finds in its environment: the stack's token and API key."""
+    def stack_environ(self, api_key: str | None = None) -> dict[str, str]:
+        """What a process of this stack finds in its environment over the inherited one: the
+        config's extra variables, the stack's internal token and (a router's) API key."""
         env = {**self.cfg.env, env_vars.INTERNAL_TOKEN_VAR: self.token}
-        if self.api_key is not None:
-            env[env_vars.API_KEY_VAR] = self.api_key
+        if api_key is not None:
+            env[env_vars.API_KEY_VAR] = api_key
         return env
 
     def wait_routable(self, deadline: float) -> None:

@@ -236,12 +236,8 @@ void extend_head(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t ldk,
         for (int64_t j = std::max<int64_t>(visible, 0); j < span; ++j) sr[j] = -INFINITY;
         __m512 tops = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < span; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(sr + j));
+        // finite: key 0 is in every row's first chunk, and a later chunk's maximum is over it
         const float before = m[r0 + r], top = std::max(before, _mm512_reduce_max_ps(tops));
-        if (top == -INFINITY) {  // nothing seen yet (never: key 0 is in every row's first chunk)
-          alpha[r] = 1.0f;
-          std::fill_n(sr, span, 0.0f);
-          continue;
-        }
         __m512 sums = _mm512_setzero_ps();
         for (int64_t j = 0; j < span; j += 16) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(top)));
